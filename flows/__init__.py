@@ -1,0 +1,1 @@
+"""Prefect flows and deployments: the only place that imports prefect."""

@@ -1,0 +1,128 @@
+"""The ``peagle`` command: one sub-command per stage, and ``run`` for the whole Prefect flow."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from peagle.config import ConfigError, load_config
+from peagle.paths import configure_environment
+
+app = typer.Typer(help="Train P-EAGLE drafter heads and publish them ready for vLLM.", no_args_is_help=True)
+target_app = typer.Typer(help="The target model.", no_args_is_help=True)
+config_app = typer.Typer(help="Pipeline configs.", no_args_is_help=True)
+app.add_typer(target_app, name="target")
+app.add_typer(config_app, name="config")
+console = Console()
+
+ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.yaml")
+SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")
+
+
+def _parse_overrides(pairs: list[str] | None) -> dict:
+    overrides = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise typer.BadParameter(f"--set {pair!r}: expected KEY=VALUE, e.g. train.epochs=3")
+        key, value = pair.split("=", 1)
+        overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
+
+
+def _load(config: Path, overrides: list[str] | None = None):
+    try:
+        return load_config(config, _parse_overrides(overrides))
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+
+
+@config_app.command("check")
+def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
+    """Validate a config (types, unknown keys, impossible combinations) without running anything."""
+    cfg = _load(config, set_)
+    console.print(f"[green]{config}: valid[/green] (run directory {cfg.run_dir})")
+
+
+@target_app.command("build")
+def target_build(
+    config: Path = typer.Option(Path("configs/demo.yaml"), help="Config whose target.embedded recipe to build"),
+    force: bool = typer.Option(False, help="Rebuild even if a cached build exists"),
+):
+    """Build (or reuse) the embedded default target: a small code LM trained offline."""
+    cfg = _load(config)
+    configure_environment()
+    from peagle.target import build_embedded_target
+
+    path = build_embedded_target(cfg.target.embedded, force=force)
+    report = json.loads((path / "build_report.json").read_text())
+    console.print(f"target: {path}")
+    console.print_json(json.dumps(report))
+
+
+@app.command("data")
+def data_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt, force: bool = typer.Option(False)):
+    """Generate the hidden-state dataset (regeneration and extraction through vLLM)."""
+    from peagle import pipeline as stages
+
+    cfg = _load(config, set_)
+    info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force)
+    console.print(stages.summary_json(info))
+
+
+@app.command("train")
+def train_cmd(
+    config: Path = ConfigArg,
+    set_: list[str] = SetOpt,
+    method: str = typer.Option(None, help="peagle (default) or eagle3"),
+):
+    """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
+    from peagle import pipeline as stages
+
+    cfg = _load(config, set_)
+    result = stages.train_head(cfg, stages.prepare_target(cfg), cfg.run_dir / "data", method=method)
+    console.print(stages.summary_json(result))
+
+
+@app.command("run")
+def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
+    """Run the whole pipeline as a Prefect flow and print acceptance per K."""
+    cfg = _load(config, set_)  # fail on a bad config before Prefect starts
+    configure_environment()
+    from flows.pipeline import pipeline_flow
+
+    result = pipeline_flow(config_path=str(config), overrides=_parse_overrides(set_))
+    print_summary(result)
+    del cfg
+
+
+def print_summary(result) -> None:
+    console.print(result.online.to_table())
+    table = Table(title="Stage timings (s)")
+    for name in result.stage_seconds:
+        table.add_column(name)
+    table.add_row(*[f"{s:.0f}" for s in result.stage_seconds.values()])
+    console.print(table)
+    console.print(f"head:        {result.head_dir}")
+    console.print(f"checkpoint:  {result.checkpoint_dir}")
+    console.print(f"MLflow run:  {result.mlflow_run_url}")
+    if result.model_version:
+        console.print(f"registered:  version {result.model_version} ({result.promotion})")
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""Typed configuration: one YAML file in ``configs/`` describes a whole pipeline run.
+
+Every model forbids unknown keys, so a typo fails at load time with the key's path
+instead of being silently ignored. Checks that need the target's own config (layer ids
+beyond its depth, a mask token it does not have) live in ``peagle.facts``, which runs
+them before any heavy work starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from peagle.paths import REPO_ROOT, peagle_home
+
+EMBEDDED_TARGET = "embedded"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmbeddedTargetRecipe(Strict):
+    """How the offline default target (a small code LM) is built; its hash keys the cache."""
+
+    vocab_size: int = Field(4096, ge=512)
+    hidden_size: int = Field(256, ge=32)
+    num_layers: int = Field(8, ge=4)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(688, ge=32)
+    max_position_embeddings: int = Field(2048, ge=128)
+    rope_theta: float = 10000.0
+    seq_len: int = Field(256, ge=32)
+    batch_size: int = Field(16, ge=1)
+    train_steps: int = Field(1200, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    corpus_max_bytes: int = Field(8_000_000, ge=10_000)
+    heldout_fraction: float = Field(0.05, gt=0, lt=0.5)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError("target.embedded.hidden_size must be divisible by num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("target.embedded.num_heads must be divisible by num_kv_heads")
+        return self
+
+
+class TargetConfig(Strict):
+    """The model the head drafts for: ``embedded`` (built offline), a hub id or a local path."""
+
+    model: str = EMBEDDED_TARGET
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    # The P-EAGLE mask token: a token string the tokenizer knows, or an explicit id of an
+    # otherwise unused token. Exactly one is used; the embedded target reserves "<|mask|>".
+    mask_token: str | None = "<|mask|>"
+    mask_token_id: int | None = None
+    embedded: EmbeddedTargetRecipe = EmbeddedTargetRecipe()
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.model == EMBEDDED_TARGET
+
+    @model_validator(mode="after")
+    def _one_mask_source(self):
+        if self.mask_token is None and self.mask_token_id is None:
+            raise ValueError("target: set mask_token (a token string) or mask_token_id (an unused id)")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError("target.mask_token_id must be >= 0")
+        return self
+
+
+class VllmConfig(Strict):
+    """Engine settings shared by every stage that starts vLLM (same code on CPU and GPU)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    max_model_len: int = Field(1024, ge=64)
+    max_num_seqs: int = Field(32, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    cpu_kvcache_space_gib: int = Field(2, ge=1)
+    enforce_eager: bool = True
+    seed: int = 0
+
+
+class PromptSource(Strict):
+    """One prompt source. ``kind`` picks the loader; ``fields`` maps its schema."""
+
+    kind: Literal["jsonl", "parquet", "hf"]
+    path: str  # file path (jsonl/parquet) or dataset name (hf)
+    split: str = "train"
+    subset: str | None = None
+    schema_: Literal["messages", "sharegpt", "instruction"] = Field("messages", alias="schema")
+    fields: dict[str, str] = Field(default_factory=dict)
+    weight: float = Field(1.0, gt=0)
+    max_samples: int | None = Field(None, ge=1)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class RegenerateConfig(Strict):
+    enabled: bool = True
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(256, ge=1)
+    batch_size: int = Field(64, ge=1)
+
+
+class DataConfig(Strict):
+    sources: list[PromptSource]
+    max_samples: int | None = Field(None, ge=1)
+    heldout_samples: int = Field(16, ge=0)
+    min_tokens: int = Field(8, ge=1)
+    max_seq_len: int = Field(768, ge=16)
+    dedup: bool = True
+    seed: int = 0
+    regenerate: RegenerateConfig = RegenerateConfig()
+    # None: vLLM's default (2, L//2, L-3) for an L-layer target.
+    aux_layer_ids: list[int] | None = None
+    storage_dtype: Literal["float32", "bfloat16", "float16", "float8"] = "bfloat16"
+    shard_max_tokens: int = Field(262_144, ge=256)
+    draft_vocab_size: int | None = Field(None, ge=2)  # None: the full target vocabulary
+    extract_batch_size: int = Field(32, ge=1)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_ascending(cls, v):
+        if v is None:
+            return v
+        if len(v) != 3:
+            raise ValueError("data.aux_layer_ids must list exactly 3 target layer ids")
+        if any(i < 1 for i in v) or sorted(set(v)) != list(v):
+            raise ValueError("data.aux_layer_ids must be strictly ascending ids >= 1")
+        return v
+
+    @field_validator("sources")
+    @classmethod
+    def _some_sources(cls, v):
+        if not v:
+            raise ValueError("data.sources must name at least one prompt source")
+        return v
+
+
+class DrafterConfig(Strict):
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int | None = Field(None, ge=16)  # None: the target's hidden size
+    num_heads: int | None = Field(None, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=16)
+
+
+class TrainConfig(Strict):
+    method: Literal["peagle", "eagle3"] = "peagle"
+    k_train: int = Field(8, ge=1)
+    cod_ratio: float = Field(0.8, gt=0, le=1)
+    cod_floor: float = Field(0.2, ge=0, le=1)
+    loss_depth_weighting: Literal["uniform", "per_depth_mean"] = "uniform"
+    max_len: int = Field(768, ge=16)
+    segments: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    warmup_ratio: float = Field(0.0025, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    precision: Literal["fp32", "bf16"] = "fp32"
+    offload_optimizer: bool = False
+    world_size: int = Field(1, ge=1)
+    eval_every: int | None = Field(None, ge=1)
+    save_every: int | None = Field(None, ge=1)
+    keep_last: int = Field(2, ge=1)
+    seed: int = 0
+    # EAGLE-3 baseline trained on the same data (training-time-test steps).
+    eagle3_baseline: bool = False
+    eagle3_ttt_steps: int = Field(7, ge=1)
+
+    @model_validator(mode="after")
+    def _segments_fit(self):
+        if self.segments > self.max_len:
+            raise ValueError("train.segments cannot exceed train.max_len")
+        return self
+
+
+class EvalConfig(Strict):
+    ks: list[int] = Field(default_factory=lambda: [1, 3, 5])
+    concurrency: list[int] = Field(default_factory=lambda: [1])
+    prompts: str = "data/prompts/code_eval.jsonl"
+    num_prompts: int = Field(16, ge=1)
+    max_tokens: int = Field(128, ge=1)
+    offline_max_samples: int = Field(64, ge=1)
+
+    @field_validator("ks")
+    @classmethod
+    def _positive_sorted(cls, v):
+        if not v or any(k < 1 for k in v):
+            raise ValueError("eval.ks must list speculative token counts K >= 1")
+        return sorted(set(v))
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v):
+        if not v or any(c < 1 for c in v):
+            raise ValueError("eval.concurrency must list levels >= 1")
+        return sorted(set(v))
+
+
+class WandbConfig(Strict):
+    enabled: bool = False
+    project: str = "peagle"
+    mode: Literal["online", "offline"] = "offline"
+
+
+class TrackingConfig(Strict):
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else SQLite under the home
+    experiment: str | None = None  # None: "peagle/<target>"
+    registered_model: str | None = None  # None: "peagle-<target>"
+    promotion_margin: float = Field(0.0, ge=0)
+    benchmark_weights: dict[str, float] = Field(default_factory=lambda: {"code": 1.0})
+    wandb: WandbConfig = WandbConfig()
+
+
+class PipelineConfig(Strict):
+    name: str
+    workdir: str | None = None  # None: <PEAGLE_HOME>/runs/<name>
+    target: TargetConfig = TargetConfig()
+    vllm: VllmConfig = VllmConfig()
+    data: DataConfig
+    drafter: DrafterConfig = DrafterConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.train.max_len > self.data.max_seq_len:
+            raise ValueError(
+                f"train.max_len ({self.train.max_len}) exceeds data.max_seq_len "
+                f"({self.data.max_seq_len}): the dataset has no sequences that long"
+            )
+        if self.data.max_seq_len > self.vllm.max_model_len:
+            raise ValueError(
+                f"data.max_seq_len ({self.data.max_seq_len}) exceeds vllm.max_model_len "
+                f"({self.vllm.max_model_len}): vLLM cannot extract states for it"
+            )
+        if max(self.eval.ks) + self.eval.max_tokens > self.vllm.max_model_len:
+            raise ValueError("eval.max_tokens + max(eval.ks) must fit in vllm.max_model_len")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        base = Path(self.workdir) if self.workdir else peagle_home() / "runs" / self.name
+        return base.resolve()
+
+    def section_hash(self, *sections: str) -> str:
+        """A stable hash of the named sections: the cache key of a stage's inputs."""
+        payload = {s: getattr(self, s).model_dump(mode="json", by_alias=True) for s in sections}
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file, the key and the fix."""
+
+
+def _format_errors(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: invalid configuration"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check its spelling against configs/demo.yaml)"
+        lines.append(f"  - {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict, source: Path | str = "<dict>") -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(Path(source), err)) from None
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
+    """Load a pipeline config from YAML; relative data paths resolve against the repo."""
+    path = Path(path)
+    if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
+        path = REPO_ROOT / path
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found (see configs/ for examples)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return parse_config(data, path)
+
+
+def resolve_repo_path(p: str) -> Path:
+    """Paths in configs are relative to the repository root unless absolute."""
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
