@@ -103,17 +103,21 @@ def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
 
 
 def print_summary(result) -> None:
-    console.print(result.online.to_table())
+    console.print(result.online.to_table(title="Acceptance length and output tokens/s in vLLM"))
+    offline = result.offline.acceptance_length
+    console.print("offline acceptance (held-out): " + ", ".join(f"K={k}: {v:.2f}" for k, v in offline.items()))
     table = Table(title="Stage timings (s)")
     for name in result.stage_seconds:
-        table.add_column(name)
+        table.add_column(name, justify="right")
     table.add_row(*[f"{s:.0f}" for s in result.stage_seconds.values()])
     console.print(table)
     console.print(f"head:        {result.head_dir}")
+    console.print(f"plot:        {result.plot}")
     console.print(f"checkpoint:  {result.checkpoint_dir}")
     console.print(f"MLflow run:  {result.mlflow_run_url}")
     if result.model_version:
-        console.print(f"registered:  version {result.model_version} ({result.promotion})")
+        verdict = "champion" if result.promotion.promoted else "challenger"
+        console.print(f"registered:  version {result.model_version} -> {verdict} ({result.promotion.reason})")
 
 
 def main() -> None:

@@ -29,16 +29,16 @@ class EmbeddedTargetRecipe(Strict):
     """How the offline default target (a small code LM) is built; its hash keys the cache."""
 
     vocab_size: int = Field(4096, ge=512)
-    hidden_size: int = Field(256, ge=32)
+    hidden_size: int = Field(192, ge=32)
     num_layers: int = Field(8, ge=4)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(688, ge=32)
+    num_heads: int = Field(3, ge=1)
+    num_kv_heads: int = Field(1, ge=1)
+    intermediate_size: int = Field(512, ge=32)
     max_position_embeddings: int = Field(2048, ge=128)
     rope_theta: float = 10000.0
-    seq_len: int = Field(256, ge=32)
-    batch_size: int = Field(16, ge=1)
-    train_steps: int = Field(1200, ge=1)
+    seq_len: int = Field(384, ge=32)
+    batch_size: int = Field(12, ge=1)
+    train_steps: int = Field(360, ge=1)
     learning_rate: float = Field(3e-3, gt=0)
     corpus_max_bytes: int = Field(8_000_000, ge=10_000)
     heldout_fraction: float = Field(0.05, gt=0, lt=0.5)

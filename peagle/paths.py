@@ -39,6 +39,10 @@ def configure_environment() -> None:
         "TRITON_CACHE_DIR": home / "cache" / "triton",
         "MPLCONFIGDIR": home / "cache" / "matplotlib",
         "WANDB_DIR": home / "wandb",
+        "WANDB_CONFIG_DIR": home / "wandb" / "config",
+        "WANDB_CACHE_DIR": home / "wandb" / "cache",
+        "WANDB_DATA_DIR": home / "wandb" / "data",
+        "WANDB_ARTIFACT_DIR": home / "wandb" / "artifacts",
     }
     for key, value in defaults.items():
         if key not in os.environ:
@@ -49,4 +53,6 @@ def configure_environment() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")

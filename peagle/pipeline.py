@@ -1,8 +1,9 @@
 """The pipeline's stages as plain functions with typed inputs and outputs.
 
-Each stage calls exactly one subpackage; the Prefect flows in ``flows/`` and the CLI
-both call these, so every stage also runs from a test or a notebook without an
-orchestrator. Stages pass small dataclasses (paths and numbers), never live engines.
+Each stage calls one subpackage; the Prefect flows in ``flows/`` and the CLI both call
+these, so every stage also runs from a test or a notebook without an orchestrator.
+Stages pass small dataclasses (paths and numbers), never live engines. The ``record_*``
+functions turn stage results into the values the tracker logs.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from peagle.config import PipelineConfig, resolve_repo_path
+from peagle.config import PipelineConfig
 from peagle.facts import HeadSpec, head_spec_from_target
 from peagle.paths import configure_environment
+
+PEAGLE_LABEL = "p-eagle"
+EAGLE3_LABEL = "eagle-3"
 
 
 @dataclass
@@ -39,6 +43,9 @@ class StageTimer:
             self.seconds[name] = round(time.perf_counter() - start, 1)
 
 
+# ----------------------------------------------------------------------------- stages
+
+
 def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     """Resolve (or build) the target and check the config against it before heavy work."""
     configure_environment()
@@ -46,8 +53,7 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
 
     path = resolve_target(cfg.target)
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
-    spec = head_spec_from_target(cfg, target_config, tokenizer)
-    return TargetInfo(path=path, spec=spec)
+    return TargetInfo(path=path, spec=head_spec_from_target(cfg, target_config, tokenizer))
 
 
 def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False):
@@ -58,42 +64,69 @@ def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = Fals
     return build_dataset(cfg, target.path, target.spec, progress=True, force=force)
 
 
+def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
+    if method == cfg.train.method:
+        return cfg
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"method": method})})
+
+
+def checkpoint_dir(cfg: PipelineConfig, method: str) -> Path:
+    return cfg.run_dir / "checkpoints" / method
+
+
 def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: str | None = None):
-    """Train a drafter with DeepSpeed (in its own launcher process) on the dataset."""
+    """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
+
+    Checkpoints are chosen by offline acceptance on the held-out split, not by loss.
+    """
     configure_environment()
     from peagle.train.launch import launch_training
 
     method = method or cfg.train.method
-    run_cfg = cfg if method == cfg.train.method else cfg.model_copy(
-        update={"train": cfg.train.model_copy(update={"method": method})}
+    return launch_training(
+        with_method(cfg, method),
+        Path(data_dir),
+        target.path,
+        checkpoint_dir(cfg, method),
+        eval_factory="peagle.eval.offline:offline_eval_fn",
     )
-    out_dir = cfg.run_dir / "checkpoints" / method
-    return launch_training(run_cfg, Path(data_dir), target.path, out_dir)
 
 
-def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint_dir: Path,
+def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *, method: str = "peagle"):
+    """Simulated acceptance per K of a checkpoint on the held-out hidden states."""
+    from peagle.data.store import ShardReader
+    from peagle.data.vocab import DraftVocab
+    from peagle.eval.offline import evaluate_offline as run_offline
+    from peagle.model import PEagleDrafter
+
+    data_dir = Path(data_dir)
+    spec = HeadSpec.load(data_dir / "head_spec.json")
+    vocab = DraftVocab.load(data_dir / "vocab.safetensors")
+    drafter = PEagleDrafter.load(Path(checkpoint) / "drafter.safetensors", spec).eval()
+    ks = [k for k in cfg.eval.ks if method != "peagle" or k <= cfg.train.k_train]
+    reader = ShardReader(data_dir / "splits" / "eval")
+    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method,
+                       k_train=cfg.train.k_train if method == "peagle" else None)
+
+
+def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
                 *, method: str = "peagle", card=None) -> Path:
-    """Write the vLLM head directory from a checkpoint and validate it statically."""
+    """Write the vLLM head directory from a checkpoint; refuses a head that fails validation."""
     configure_environment()
     from peagle.export.head import export_from_checkpoint
-    from peagle.export.validate import validate_head
 
     out_dir = cfg.run_dir / "heads" / method
-    head_dir = export_from_checkpoint(Path(checkpoint_dir), Path(data_dir), out_dir, card)
-    validate_head(head_dir, target.path, vllm_cfg=cfg.vllm, load_in_vllm=False)
-    return head_dir
+    return export_from_checkpoint(Path(checkpoint), Path(data_dir), out_dir, card,
+                                  target_path=target.path, overwrite=True)
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
-    """The user turns of the configured evaluation prompt set (chat messages)."""
-    path = resolve_repo_path(cfg.eval.prompts)
-    conversations = []
-    with path.open() as fh:
-        for line in fh:
-            if line.strip():
-                messages = json.loads(line)["messages"]
-                conversations.append([m for m in messages if m["role"] != "assistant"][:1])
-    return conversations[: cfg.eval.num_prompts]
+    from peagle.config import resolve_repo_path
+    from peagle.eval.online import load_prompt_set
+
+    prompts = cfg.eval.prompts
+    path = resolve_repo_path(prompts)
+    return load_prompt_set(str(path) if path.exists() else prompts, cfg.eval.num_prompts)
 
 
 def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Path]):
@@ -105,11 +138,126 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Pa
         target.path,
         heads,
         cfg.vllm,
-        prompts=load_eval_prompts(cfg),
+        load_eval_prompts(cfg),
         ks=cfg.eval.ks,
         concurrency=cfg.eval.concurrency,
         max_tokens=cfg.eval.max_tokens,
+        prompt_set=Path(cfg.eval.prompts).stem,
+        target_revision=cfg.target.revision,
+        trust_remote_code=cfg.target.trust_remote_code,
+        dtype=cfg.target.dtype,
     )
+
+
+def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline) -> object:
+    from peagle.export.card import ModelCardInfo
+
+    return ModelCardInfo(
+        name=f"peagle-{cfg.name}",
+        target_ref=cfg.target.model if not cfg.target.is_embedded else target.path,
+        data_lineage={
+            "prompts": ", ".join(s.path for s in cfg.data.sources),
+            "samples (train/eval)": f"{data.num_train}/{data.num_eval}",
+            "tokens": str(data.num_tokens),
+            "config hash": data.config_hash,
+            "regenerated by target": str(cfg.data.regenerate.enabled),
+        },
+        training={
+            "method": "P-EAGLE",
+            "K_train": str(cfg.train.k_train),
+            "COD ratio": str(cfg.train.cod_ratio),
+            "epochs": str(cfg.train.epochs),
+            "drafter layers": str(target.spec.num_layers),
+            "offline acceptance (held-out)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
+        },
+        acceptance=online.acceptance_by_k(PEAGLE_LABEL),
+        baseline_acceptance=online.acceptance_by_k(EAGLE3_LABEL),
+        acceptance_source=f"vLLM, prompt set {online.prompt_set}, max_tokens {online.max_tokens}, greedy",
+    )
+
+
+def write_card(head_dir: Path, card, spec: HeadSpec) -> None:
+    """Rewrite the head's README.md once online acceptance is known (atomic)."""
+    from peagle.export.card import render_model_card
+
+    path = Path(head_dir) / "README.md"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(render_model_card(card, spec, str(head_dir)))
+    tmp.replace(path)
+
+
+def drafted(online, label: str) -> bool:
+    """The head loaded in vLLM and proposed draft tokens at every K (the serving check)."""
+    rows = [r for r in online.rows if r.method == label]
+    return bool(rows) and all(r.num_draft_tokens > 0 for r in rows)
+
+
+def promotion_score(cfg: PipelineConfig, online, label: str = PEAGLE_LABEL) -> float:
+    """Weighted acceptance length at the largest evaluated K over the configured benchmarks."""
+    from peagle.tracking.registry import weighted_score
+
+    acceptance = online.acceptance_by_k(label)
+    value = acceptance[max(acceptance)] if acceptance else 0.0
+    benchmarks = {name: value for name in cfg.tracking.benchmark_weights}
+    return weighted_score(benchmarks, cfg.tracking.benchmark_weights)
+
+
+def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
+    """Register the head as a model version (alias challenger); promote it only if it wins."""
+    from peagle.tracking.mlflow_run import registered_model_name
+    from peagle.tracking.registry import promote_if_better, register_head
+
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    score = promotion_score(cfg, online)
+    acceptance = online.acceptance_by_k(PEAGLE_LABEL)
+    version = register_head(
+        tracker, tracker.run_id, head_dir, name,
+        tags={"target": cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
+              "method": "p-eagle", "config": cfg.name},
+        metrics={"score": score, **{f"acceptance_length_k{k}": v for k, v in acceptance.items()}},
+    )
+    decision = promote_if_better(tracker, name, version.version, score, cfg.tracking.promotion_margin, validated)
+    return version, decision
+
+
+# ----------------------------------------------------------------------------- what the tracker logs
+
+
+def record_dataset(tracker, run, data) -> None:
+    """Dataset sizes on the stage run; manifest hashes (lineage) on the pipeline run."""
+    run.log_metrics({"num_train": data.num_train, "num_eval": data.num_eval, "num_tokens": data.num_tokens,
+                     "num_failed": data.num_failed, "bytes_on_disk": data.bytes_on_disk})
+    for split in ("train", "eval"):
+        manifest = Path(data.data_dir) / "splits" / split / "manifest.json"
+        if manifest.exists():
+            tracker.set_data_manifest(manifest, split=split)
+
+
+def record_training(run, trained) -> None:
+    for i, entry in enumerate(trained.metrics_history):
+        step = int(entry.get("step", i))
+        run.log_metrics({k: float(v) for k, v in entry.items() if isinstance(v, int | float) and k != "step"}, step=step)
+
+
+def record_offline(run, offline) -> None:
+    run.log_metrics_per_k(offline.acceptance_length, "offline_acceptance_length")
+    run.log_metrics({f"offline_accept_pos{i + 1}": p for i, p in enumerate(offline.per_position)})
+
+
+def record_online(run, online, out_dir: Path) -> Path:
+    from peagle.eval.plots import plot_online
+
+    for label in online.methods():
+        run.log_metrics_per_k(online.acceptance_by_k(label), f"{label}_acceptance_length")
+    for r in online.rows:
+        tag = "baseline" if r.k == 0 else f"{r.method}_k{r.k}"
+        run.log_metrics({f"{tag}_c{r.concurrency}_output_tok_s": r.output_tokens_per_s})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = plot_online(online, out_dir / "online_acceptance.png")
+    table = online.save(out_dir / "online_results.json")
+    run.log_artifact(png)
+    run.log_artifact(table)
+    return png
 
 
 def summary_json(obj) -> str:

@@ -1,0 +1,283 @@
+"""Target hidden states for whole token sequences, computed by vLLM.
+
+Each sequence (prompt + regenerated response, already tokenized) is sent whole as a
+prompt with ``max_tokens=1`` to an engine started with vLLM's ``extract_hidden_states``
+method; our connector (``peagle.serving.connector``) writes the residual stream after
+each requested layer to one file per request, which is read, checked and deleted here.
+
+Layer id k is the residual stream after k decoder layers (HF ``hidden_states[k]``);
+k = L, the last layer, is captured PRE-norm (HF's last ``hidden_states`` entry is
+post-norm). vLLM 0.32 captures every id in [0, L].
+
+The same engine also generates correctly (the extraction "drafter" only proposes the
+token just sampled, so verification keeps the target's own outputs), so
+``open_data_engine`` gives the data stage one engine for regeneration and extraction.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from peagle.config import VllmConfig
+
+
+def target_num_layers(model: str, *, revision: str | None = None, trust_remote_code: bool = False) -> int:
+    """The target's decoder depth L, read from its config (text part for multimodal models)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.num_hidden_layers)
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Layer ids must be strictly ascending in [0, L]: vLLM returns captures in sorted order."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError("layer_ids is empty: name the target layers to extract (e.g. HeadSpec.stored_layer_ids)")
+    if ids != sorted(set(ids)):
+        raise ValueError(f"layer_ids {ids} must be strictly ascending (vLLM stores captures in sorted order)")
+    if ids[0] < 0 or ids[-1] > num_layers:
+        raise ValueError(
+            f"layer_ids {ids} must lie in [0, {num_layers}] for a {num_layers}-layer target "
+            f"(id k = residual stream after k layers; {num_layers} = the last layer, pre-norm)"
+        )
+    return ids
+
+
+@contextmanager
+def open_data_engine(
+    model: str,
+    vllm_cfg: VllmConfig,
+    layer_ids: list[int],
+    work_dir: Path,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+):
+    """One vLLM engine for the whole data stage: regeneration and extraction.
+
+    Use it with ``peagle.data.regenerate.regenerate_responses`` and ``extract_with_engine``.
+    Hidden-state files are written under ``work_dir/hidden_states`` and deleted once read.
+    """
+    from peagle.serving import open_llm
+    from peagle.serving.extraction import extraction_engine_kwargs
+
+    layer_ids = check_layer_ids(
+        layer_ids, target_num_layers(model, revision=revision, trust_remote_code=trust_remote_code)
+    )
+    files_dir = _fresh_dir(Path(work_dir) / "hidden_states")
+    try:
+        with open_llm(
+            model,
+            vllm_cfg,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            **extraction_engine_kwargs(layer_ids, files_dir),
+        ) as llm:
+            llm.peagle_layer_ids = layer_ids
+            yield llm
+    finally:
+        shutil.rmtree(files_dir, ignore_errors=True)
+
+
+def extract_with_engine(
+    llm,
+    sequences: Iterable[tuple[str, list[int]]],
+    *,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(sample_id, hidden [T, len(layer_ids), Ht])`` per sequence, in input order.
+
+    ``llm`` comes from ``open_data_engine``; the dtype is the engine's (model) dtype.
+    """
+    from tqdm.auto import tqdm
+
+    from peagle.serving.connector import read_hidden_states_file
+    from peagle.serving.extraction import request_hidden_states
+    from peagle.serving.generation import engine_max_model_len, engine_vocab_size
+
+    max_len, vocab = engine_max_model_len(llm), engine_vocab_size(llm)
+    total = len(sequences) if hasattr(sequences, "__len__") else None
+    bar = tqdm(total=total, desc="extract hidden states", unit="seq", disable=not progress)
+    iterator = iter(sequences)
+    try:
+        while batch := list(islice(iterator, batch_size)):
+            problems = [_sequence_problem(sid, ids, max_len, vocab) for sid, ids in batch]
+            first_bad = next((i for i, p in enumerate(problems) if p), len(batch))
+            good = batch[:first_bad]  # everything before a bad sequence is still extracted
+            paths = request_hidden_states(llm, [list(ids) for _, ids in good]) if good else []
+            for (sample_id, ids), path in zip(good, paths, strict=True):
+                data = read_hidden_states_file(path, delete=True)
+                if data["token_ids"].tolist() != list(ids):
+                    raise RuntimeError(f"sample {sample_id!r}: the hidden-states file {path} holds another sequence")
+                bar.update(1)
+                yield sample_id, data["hidden_states"]
+            if first_bad < len(batch):
+                raise ValueError(problems[first_bad])
+    finally:
+        bar.close()
+
+
+def extract_hidden_states(
+    model: str,
+    vllm_cfg: VllmConfig,
+    sequences: Iterable[tuple[str, list[int]]],
+    layer_ids: list[int],
+    work_dir: Path,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+    batch_size: int = 32,
+    progress: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Start an extraction engine, yield ``(sample_id, hidden [T, len(layer_ids), Ht])``.
+
+    With ``vllm_cfg.data_parallel_size`` = N > 1, N engine replicas run in their own
+    processes (each on ``tensor_parallel_size`` devices) and results come back in order
+    of completion. Engines stop when the iterator is exhausted or closed.
+    """
+    if vllm_cfg.data_parallel_size > 1:
+        yield from _extract_with_replicas(
+            model, vllm_cfg, sequences, layer_ids, Path(work_dir),
+            revision=revision, trust_remote_code=trust_remote_code, dtype=dtype,
+            batch_size=batch_size, progress=progress,
+        )
+        return
+    with open_data_engine(
+        model, vllm_cfg, layer_ids, work_dir, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype
+    ) as llm:
+        yield from extract_with_engine(llm, sequences, batch_size=batch_size, progress=progress)
+
+
+def _extract_with_replicas(model, vllm_cfg, sequences, layer_ids, work_dir: Path, *, revision, trust_remote_code,
+                           dtype, batch_size, progress):
+    """Data parallelism: one engine per replica process, two batches in flight per replica."""
+    import multiprocessing as mp
+    import queue
+
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig
+
+    from peagle.serving.connector import read_hidden_states_file
+    from peagle.serving.engine import EngineStartError, replica_environments
+
+    config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    text = config.get_text_config()
+    layer_ids = check_layer_ids(layer_ids, int(text.num_hidden_layers))
+    max_len, vocab = vllm_cfg.max_model_len, int(text.vocab_size)
+    envs = replica_environments(vllm_cfg)
+    replica_cfg = vllm_cfg.model_copy(update={"data_parallel_size": 1})
+    ctx = mp.get_context("spawn")
+    results, inboxes = ctx.Queue(), [ctx.Queue() for _ in envs]
+    procs = [
+        ctx.Process(
+            target=_replica_main,
+            args=(rank, env, model, replica_cfg, layer_ids, str(work_dir / f"replica-{rank}"),
+                  revision, trust_remote_code, dtype, inboxes[rank], results),
+            name=f"peagle-extract-replica-{rank}",
+        )
+        for rank, env in enumerate(envs)
+    ]
+    for p in procs:
+        p.start()
+    iterator, batches, next_batch_no = iter(sequences), {}, 0
+    bad: str | None = None
+    bar = tqdm(total=len(sequences) if hasattr(sequences, "__len__") else None,
+               desc="extract hidden states", unit="seq", disable=not progress)
+
+    def dispatch(rank: int) -> None:
+        nonlocal next_batch_no, bad
+        if bad is not None:
+            return
+        batch = list(islice(iterator, batch_size))
+        problems = [_sequence_problem(sid, ids, max_len, vocab) for sid, ids in batch]
+        first_bad = next((i for i, p in enumerate(problems) if p), len(batch))
+        if first_bad < len(batch):
+            bad, batch = problems[first_bad], batch[:first_bad]
+        if batch:
+            batches[next_batch_no] = batch
+            inboxes[rank].put((next_batch_no, [list(ids) for _, ids in batch]))
+            next_batch_no += 1
+
+    try:
+        for rank in list(range(len(procs))) * 2:
+            dispatch(rank)
+        while batches:
+            try:
+                kind, rank, payload = results.get(timeout=5.0)
+            except queue.Empty:
+                dead = [p.name for p in procs if not p.is_alive()]
+                if dead:
+                    raise EngineStartError(f"extraction replica(s) {dead} exited without reporting") from None
+                continue
+            if kind == "error":
+                raise EngineStartError(f"extraction replica {rank} failed: {payload}")
+            batch_no, paths = payload
+            dispatch(rank)  # keep the replica busy while its results are read
+            for (sample_id, ids), path in zip(batches.pop(batch_no), paths, strict=True):
+                data = read_hidden_states_file(path, delete=True)
+                if data["token_ids"].tolist() != list(ids):
+                    raise RuntimeError(f"sample {sample_id!r}: the hidden-states file {path} holds another sequence")
+                bar.update(1)
+                yield sample_id, data["hidden_states"]
+        if bad is not None:
+            raise ValueError(bad)
+    finally:
+        bar.close()
+        for inbox in inboxes:
+            inbox.put(None)
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        for rank in range(len(procs)):
+            shutil.rmtree(work_dir / f"replica-{rank}", ignore_errors=True)
+
+
+def _replica_main(rank, env, model, vllm_cfg, layer_ids, work_dir, revision, trust_remote_code, dtype, inbox, results):
+    """One replica process: its own devices, its own engine, batches in, file paths out."""
+    import os
+
+    os.environ.update(env)  # before vLLM touches any device
+    try:
+        from peagle.serving.extraction import request_hidden_states
+
+        with open_data_engine(model, vllm_cfg, layer_ids, Path(work_dir), revision=revision,
+                              trust_remote_code=trust_remote_code, dtype=dtype) as llm:
+            while (job := inbox.get()) is not None:
+                batch_no, prompts = job
+                results.put(("done", rank, (batch_no, request_hidden_states(llm, prompts))))
+    except BaseException as err:  # reported to the parent, which raises it
+        results.put(("error", rank, f"{type(err).__name__}: {err}"))
+
+
+def _sequence_problem(sample_id: str, ids: list[int], max_len: int, vocab: int) -> str | None:
+    if len(ids) == 0:
+        return f"sample {sample_id!r}: empty token sequence"
+    if len(ids) >= max_len:
+        return (
+            f"sample {sample_id!r}: {len(ids)} tokens do not fit vllm.max_model_len={max_len} "
+            "(extraction needs one spare position); drop longer samples (data.max_seq_len) or raise max_model_len"
+        )
+    if min(ids) < 0 or max(ids) >= vocab:
+        return f"sample {sample_id!r}: token ids outside the target vocabulary [0, {vocab})"
+    return None
+
+
+def _fresh_dir(path: Path) -> Path:
+    """An empty directory: files left by a crashed run would never be read."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path

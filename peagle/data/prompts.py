@@ -1,0 +1,263 @@
+"""Prompt sources -> a deterministic, deduplicated mix of chat conversations.
+
+Each ``data.sources`` entry is a local JSON-lines / Parquet file or a Hugging Face
+dataset in one of three schemas, normalised to OpenAI-style messages:
+
+- ``messages``:    a column of ``[{role, content}, ...]`` (OpenAI, UltraChat);
+- ``sharegpt``:    a column of ``[{from, value}, ...]`` with ``human`` / ``gpt`` roles;
+- ``instruction``: ``instruction`` (+ optional ``input``) and optional ``response`` /
+  ``output`` (GSM-8K, OpenCodeInstruct, Alpaca).
+
+``fields`` maps the schema's names to the source's column (and key) names, e.g.
+``{instruction: question, response: answer}``. Sources are mixed by ``weight`` under
+``data.max_samples`` and each source's own ``max_samples``; rows are drawn in an order
+fixed by ``data.seed``, so the same config always yields the same prompts.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from peagle.config import ConfigError, DataConfig, PromptSource, resolve_repo_path
+
+SCHEMA_FIELDS = {
+    "messages": {"messages": "messages", "role": "role", "content": "content"},
+    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value"},
+    "instruction": {"instruction": "instruction", "input": "input", "response": "response", "system": "system"},
+}
+REQUIRED_COLUMN = {"messages": "messages", "sharegpt": "conversations", "instruction": "instruction"}
+ROLES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+}
+_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str  # stable hash of the messages
+    messages: list[dict]  # [{"role": ..., "content": ...}, ...]
+    source: str
+
+
+def conversation_id(messages: list[dict]) -> str:
+    blob = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def make_conversation(messages: list[dict], source: str) -> Conversation:
+    return Conversation(id=conversation_id(messages), messages=messages, source=source)
+
+
+def source_label(src: PromptSource) -> str:
+    if src.kind == "hf":
+        return f"hf:{src.path}" + (f"/{src.subset}" if src.subset else "") + f":{src.split}"
+    return f"{src.kind}:{src.path}"
+
+
+# ----------------------------------------------------------------------------- opening sources
+
+
+def open_source(src: PromptSource, index: int = 0):
+    """The source as a ``datasets.Dataset``; a ConfigError naming it if it cannot be had."""
+    import datasets
+
+    where = f"data.sources[{index}] ({source_label(src)})"
+    if src.kind in ("jsonl", "parquet"):
+        path = resolve_repo_path(src.path)
+        if not glob.glob(str(path)):
+            raise ConfigError(f"{where}: file not found: {path}; fix data.sources[{index}].path")
+        builder = "json" if src.kind == "jsonl" else "parquet"
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as err:
+            raise ConfigError(f"{where}: {path} cannot be read as {src.kind}: {_first_line(err)}") from None
+    try:
+        return datasets.load_dataset(src.path, src.subset, split=src.split)
+    except Exception as err:
+        offline = getattr(datasets.config, "HF_HUB_OFFLINE", False) or isinstance(err, ConnectionError)
+        why = (
+            "the Hugging Face Hub is unreachable (offline, HF_HUB_OFFLINE=1) and the dataset is not "
+            f"in the local cache ({datasets.config.HF_DATASETS_CACHE}); download it where the hub is "
+            "reachable, or export it to a jsonl/parquet file and use kind: jsonl/parquet"
+            if offline
+            else "check the dataset name, subset and split"
+        )
+        raise ConfigError(f"{where}: cannot load dataset {src.path!r}: {why} ({_first_line(err)})") from None
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def resolve_fields(src: PromptSource, columns: list[str], index: int = 0) -> dict[str, str]:
+    """The schema's field names mapped to this source's columns; errors name the fix."""
+    defaults = SCHEMA_FIELDS[src.schema_]
+    unknown = set(src.fields) - defaults.keys()
+    if unknown:
+        raise ConfigError(
+            f"data.sources[{index}].fields: {sorted(unknown)} are not fields of schema "
+            f"{src.schema_!r} (valid: {sorted(defaults)})"
+        )
+    fields = {**defaults, **src.fields}
+    if src.schema_ == "instruction" and "response" not in src.fields and "response" not in columns:
+        fields["response"] = "output"  # Alpaca / OpenCodeInstruct spell it "output"
+    required = fields[REQUIRED_COLUMN[src.schema_]]
+    if required not in columns:
+        raise ConfigError(
+            f"data.sources[{index}] ({source_label(src)}): schema {src.schema_!r} needs a column "
+            f"{required!r} but the source has {columns}; set data.sources[{index}].fields."
+            f"{REQUIRED_COLUMN[src.schema_]} to the right column"
+        )
+    return fields
+
+
+# ----------------------------------------------------------------------------- schemas -> messages
+
+
+def _clean(messages: list[dict]) -> list[dict] | None:
+    """Keep well-formed conversations: known roles, text content, at least one user turn."""
+    out = []
+    for m in messages:
+        role = ROLES.get(str(m.get("role", "")).lower())
+        content = m.get("content")
+        if role is None or not isinstance(content, str):
+            return None
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "user" and m["content"].strip() for m in out):
+        return None
+    return out
+
+
+def row_to_messages(row: dict, schema: str, fields: dict[str, str]) -> list[dict] | None:
+    """One source row as chat messages, or None when the row is unusable."""
+    if schema == "messages":
+        turns = row.get(fields["messages"]) or []
+        return _clean([{"role": t.get(fields["role"]), "content": t.get(fields["content"])} for t in turns])
+    if schema == "sharegpt":
+        turns = row.get(fields["conversations"]) or []
+        return _clean([{"role": t.get(fields["from"]), "content": t.get(fields["value"])} for t in turns])
+    instruction = row.get(fields["instruction"])
+    if not isinstance(instruction, str) or not instruction.strip():
+        return None
+    extra = row.get(fields["input"])
+    user = f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra.strip() else instruction
+    messages = [{"role": "user", "content": user}]
+    system = row.get(fields["system"])
+    if isinstance(system, str) and system.strip():
+        messages.insert(0, {"role": "system", "content": system})
+    response = row.get(fields["response"])
+    if isinstance(response, str) and response.strip():
+        messages.append({"role": "assistant", "content": response})
+    return messages
+
+
+def iter_conversations(ds, src: PromptSource, fields: dict[str, str], seed: int, index: int) -> Iterator:
+    """The source's usable conversations, in an order fixed by (seed, source index)."""
+    order = np.random.default_rng([seed, index]).permutation(len(ds))
+    label = source_label(src)
+    for a in range(0, len(order), _CHUNK):
+        chunk = ds[order[a : a + _CHUNK].tolist()]
+        names = list(chunk)
+        for values in zip(*(chunk[n] for n in names)):
+            messages = row_to_messages(dict(zip(names, values)), src.schema_, fields)
+            if messages is not None:
+                yield make_conversation(messages, label)
+
+
+# ----------------------------------------------------------------------------- mixing
+
+
+def mix_quotas(available: list[int], weights: list[float], total: int | None) -> list[int]:
+    """Rows to take from each source: proportional to weight, capped by availability.
+
+    Sources that run out give their share to the others; rounding by largest remainder
+    (ties to the earlier source), so the result is deterministic and sums to
+    ``min(total, sum(available))``.
+    """
+    if total is None:
+        return list(available)
+    quotas = [0] * len(available)
+    active = [i for i, a in enumerate(available) if a > 0]
+    remaining = min(total, sum(available))
+    while active:
+        wsum = sum(weights[i] for i in active)
+        capped = [i for i in active if remaining * weights[i] / wsum >= available[i]]
+        if not capped:
+            break
+        for i in capped:
+            quotas[i] = available[i]
+            remaining -= available[i]
+            active.remove(i)
+    if active:
+        wsum = sum(weights[i] for i in active)
+        exact = {i: remaining * weights[i] / wsum for i in active}
+        for i in active:
+            quotas[i] = int(exact[i])
+        left = remaining - sum(quotas[i] for i in active)
+        for i in sorted(active, key=lambda i: (-(exact[i] - int(exact[i])), i))[:left]:
+            quotas[i] += 1
+    return quotas
+
+
+def load_prompts(data_cfg: DataConfig, *, verbose: bool = False) -> list[Conversation]:
+    """All configured sources, mixed by weight, deduplicated, shuffled by ``data.seed``."""
+    opened = []
+    for k, src in enumerate(data_cfg.sources):  # open every source first: config errors before work
+        ds = open_source(src, k)
+        opened.append((src, ds, resolve_fields(src, ds.column_names, k)))
+    available = [min(len(ds), src.max_samples or len(ds)) for src, ds, _ in opened]
+    quotas = mix_quotas(available, [src.weight for src, _, _ in opened], data_cfg.max_samples)
+    seen: set[str] = set()
+    out: list[Conversation] = []
+    for k, ((src, ds, fields), quota) in enumerate(zip(opened, quotas)):
+        taken = duplicates = 0
+        for conv in iter_conversations(ds, src, fields, data_cfg.seed, k):
+            if taken == quota:
+                break
+            if conv.id in seen:
+                duplicates += 1
+                if data_cfg.dedup:
+                    continue
+                conv = replace(conv, id=f"{conv.id}-{duplicates}")  # ids stay unique: they key the shards
+            seen.add(conv.id)
+            out.append(conv)
+            taken += 1
+        if verbose:
+            print(f"prompts: {source_label(src)}: {taken} of {len(ds)} rows (quota {quota}, {duplicates} duplicates)")
+    if not out:
+        raise ConfigError("data.sources yielded no usable conversation (every row was empty or malformed)")
+    random.Random(data_cfg.seed).shuffle(out)
+    return out
+
+
+def split_heldout(convs: list[Conversation], n: int, seed: int) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, heldout): ``n`` conversations chosen by ``seed`` are held out for evaluation."""
+    if n == 0:
+        return list(convs), []
+    if n >= len(convs):
+        raise ConfigError(
+            f"data.heldout_samples={n} leaves no training samples out of {len(convs)} prompts; "
+            "lower it or add prompts"
+        )
+    order = list(range(len(convs)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n])
+    train = [c for i, c in enumerate(convs) if i not in held]
+    heldout = [c for i, c in enumerate(convs) if i in held]
+    return train, heldout

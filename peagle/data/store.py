@@ -1,0 +1,501 @@
+"""The hidden-state shard store: large safetensors shards plus one manifest per split.
+
+Layout of ``<split_dir>``::
+
+    shard-00000.safetensors   hidden [T, nl, Ht] (storage dtype), token_ids int32 [T],
+                              loss_mask uint8 [T], seq_offsets int64 [N+1],
+                              scales float32 [T, nl] (float8 only); sample ids in metadata
+    manifest.json             format version, layer ids, dtype, caller's meta (config hash,
+                              target), per-shard {file, sha256, samples, tokens, bytes}, totals
+
+Crash safety: a shard is written to a temp file, fsynced, then renamed; the manifest is
+rewritten the same way after every shard. Readers only trust shards the manifest lists,
+so a ``kill -9`` at any moment loses at most the unflushed buffer, and a rerun of the
+writer (``done_ids()``) continues with no duplicate and no missing sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
+
+STORAGE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8": torch.float8_e4m3fn,
+}
+_SAFETENSORS_DTYPE = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+}
+
+
+class DiskSpaceError(RuntimeError):
+    """The output disk cannot hold what a stage is about to write."""
+
+
+class CorruptShardError(RuntimeError):
+    """A shard whose bytes do not match the manifest (truncated, edited or bit-rotted)."""
+
+
+@dataclass
+class Sample:
+    token_ids: torch.Tensor  # int64 [n]
+    loss_mask: torch.Tensor  # bool [n]; True on assistant tokens
+    hidden: torch.Tensor  # float32 [n, nl, Ht]; layers = manifest["layer_ids"]
+    id: str = ""
+
+
+# ----------------------------------------------------------------------------- sizes
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, storage_dtype: str) -> int:
+    """Bytes one token costs on disk: hidden states + token id + mask (+ fp8 scales)."""
+    itemsize = torch.empty((), dtype=STORAGE_DTYPES[storage_dtype]).element_size()
+    scales = 4 * num_layers if storage_dtype == "float8" else 0
+    return num_layers * hidden_size * itemsize + 4 + 1 + scales
+
+
+def estimate_bytes(num_tokens: int, num_layers: int, hidden_size: int, storage_dtype: str) -> int:
+    """Disk needed for ``num_tokens`` tokens, with 1% (and 1 MiB) for headers and manifests."""
+    raw = num_tokens * bytes_per_token(num_layers, hidden_size, storage_dtype)
+    return int(raw * 1.01) + (1 << 20)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_free_space(path: str | Path, needed: int, force: bool = False) -> int:
+    """Refuse (``DiskSpaceError``) when the disk holding ``path`` has less than ``needed`` free.
+
+    Returns the free bytes. With ``force`` a shortfall only warns, for callers that know
+    better (e.g. a filesystem that reports free space wrongly).
+    """
+    probe = Path(path).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        msg = (
+            f"not enough disk space at {probe}: this run needs {format_bytes(needed)} but only "
+            f"{format_bytes(free)} is free. Free some space, point PEAGLE_HOME or `workdir` at a "
+            "larger disk, lower data.max_samples / data.max_seq_len, or use a smaller "
+            "data.storage_dtype (float8 halves bfloat16); --force writes anyway."
+        )
+        if not force:
+            raise DiskSpaceError(msg)
+        print(f"warning: {msg}")
+    return free
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def _to_bytes(t: torch.Tensor):
+    """A zero-copy little-endian byte view of a tensor (numpy cannot hold bf16/fp8 itself)."""
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str]) -> str:
+    """Write chunked tensors (concatenated along dim 0) as one safetensors file; return sha256.
+
+    Writing the chunks straight to the file avoids ``torch.cat``, so peak memory stays at
+    one shard instead of two. The file goes to ``<path>.tmp`` and is renamed when complete.
+    """
+    header, offset = {}, 0
+    for name, chunks in tensors.items():
+        rows = sum(c.shape[0] for c in chunks)
+        nbytes = sum(c.numel() * c.element_size() for c in chunks)
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPE[chunks[0].dtype],
+            "shape": [rows, *chunks[0].shape[1:]],
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    digest = hashlib.sha256()
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        for piece in (struct.pack("<Q", len(blob)), blob):
+            fh.write(piece)
+            digest.update(piece)
+        for chunks in tensors.values():
+            for c in chunks:
+                data = _to_bytes(c)
+                fh.write(data)
+                digest.update(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _shard_sample_ids(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["sample_ids"])
+
+
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 with one float32 scale per token and layer (absmax over the hidden dim)."""
+    lo, hi = torch.aminmax(hidden.detach(), dim=-1)  # NaN/inf propagate into the scales
+    scales = (torch.maximum(-lo, hi).float() / FP8_MAX).clamp_min(1e-12)
+    return (hidden.detach() / scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales
+
+
+def _check_representable(sample_id: str, hidden: torch.Tensor, storage_dtype: str) -> None:
+    """NaN/inf or values the storage dtype cannot hold (one min/max pass; NaN propagates)."""
+    lo, hi = (float(v) for v in torch.aminmax(hidden.detach()))
+    limit = torch.finfo(STORAGE_DTYPES[storage_dtype]).max
+    if not (-limit <= lo and hi <= limit):
+        raise ValueError(
+            f"sample {sample_id!r}: hidden states in [{lo}, {hi}] are not finite in {storage_dtype} "
+            "(float16 tops out at 65504: use bfloat16 or float8)"
+        )
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+class ShardWriter:
+    """Buffers samples and writes them as large shards; resumable after any crash.
+
+    ``meta`` (config hash, target id/revision, ...) goes into the manifest; reopening a
+    split whose manifest disagrees on meta, layers, width or dtype is an error, so shards
+    from two different configurations never mix. One writer per split at a time (a lock
+    file enforces it; the OS drops the lock when a killed writer dies).
+    """
+
+    def __init__(
+        self,
+        split_dir: str | Path,
+        layer_ids: list[int],
+        hidden_size: int,
+        storage_dtype: str,
+        shard_max_tokens: int,
+        meta: dict | None = None,
+    ):
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage dtype {storage_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
+        self.split_dir = Path(split_dir)
+        self.split_dir.mkdir(parents=True, exist_ok=True)
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.hidden_size = int(hidden_size)
+        self.storage_dtype = storage_dtype
+        self.shard_max_tokens = int(shard_max_tokens)
+        self.meta = dict(meta or {})
+        self._lock = self._acquire_lock()
+        self._manifest = self._load_or_start_manifest()
+        self._remove_unlisted_files()
+        self._done = {sid for s in self._manifest["shards"] for sid in _shard_sample_ids(self.split_dir / s["file"])}
+        self._buffer: list[tuple[str, dict[str, torch.Tensor]]] = []
+        self._buffer_ids: set[str] = set()
+        self._buffered_tokens = 0
+
+    # -- opening
+
+    def _acquire_lock(self):
+        fh = open(self.split_dir / ".lock", "w")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise RuntimeError(f"{self.split_dir}: another process is writing this split") from None
+        return fh
+
+    def _fresh_manifest(self) -> dict:
+        reserved = {"format_version", "layer_ids", "hidden_size", "storage_dtype", "shards",
+                    "num_samples", "num_tokens", "bytes", "complete"}
+        clash = reserved & self.meta.keys()
+        if clash:
+            raise ValueError(f"ShardWriter meta uses reserved manifest keys {sorted(clash)}")
+        return {
+            "format_version": FORMAT_VERSION,
+            **self.meta,
+            "layer_ids": self.layer_ids,
+            "hidden_size": self.hidden_size,
+            "storage_dtype": self.storage_dtype,
+            "shards": [],
+            "num_samples": 0,
+            "num_tokens": 0,
+            "bytes": 0,
+            "complete": False,
+        }
+
+    def _load_or_start_manifest(self) -> dict:
+        path = self.split_dir / MANIFEST
+        fresh = self._fresh_manifest()
+        if not path.exists():
+            return fresh
+        old = json.loads(path.read_text())
+        keys = ["format_version", "layer_ids", "hidden_size", "storage_dtype", *self.meta]
+        diff = {k: (old.get(k), fresh[k]) for k in keys if old.get(k) != fresh[k]}
+        if diff:
+            detail = ", ".join(f"{k}: on disk {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"{self.split_dir}: existing shards were written with different settings ({detail}); "
+                "delete the directory (or rerun with --force) to rebuild it"
+            )
+        old["complete"] = False
+        return old
+
+    def _remove_unlisted_files(self) -> None:
+        """Temp files and shards a killed writer renamed but never listed: not trusted, not kept."""
+        listed = {s["file"] for s in self._manifest["shards"]}
+        for p in self.split_dir.iterdir():
+            if p.name.endswith(".tmp") or (p.name.startswith("shard-") and p.name not in listed):
+                p.unlink()
+
+    # -- writing
+
+    def done_ids(self) -> set[str]:
+        """Ids already in flushed shards or the buffer: a resumed run skips these."""
+        return self._done | self._buffer_ids
+
+    def add(self, sample_id: str, token_ids, loss_mask, hidden: torch.Tensor) -> None:
+        """Queue one sample; write a shard when the buffer would exceed ``shard_max_tokens``."""
+        sample_id = str(sample_id)
+        if sample_id in self._done or sample_id in self._buffer_ids:
+            raise ValueError(f"sample {sample_id!r} is already in {self.split_dir}")
+        tensors = self._encode(sample_id, token_ids, loss_mask, hidden)
+        n = tensors["token_ids"].shape[0]
+        if self._buffer and self._buffered_tokens + n > self.shard_max_tokens:
+            self.flush()
+        self._buffer.append((sample_id, tensors))
+        self._buffer_ids.add(sample_id)
+        self._buffered_tokens += n
+        if self._buffered_tokens >= self.shard_max_tokens:
+            self.flush()
+
+    def _encode(self, sample_id, token_ids, loss_mask, hidden) -> dict[str, torch.Tensor]:
+        token_ids = torch.as_tensor(token_ids).reshape(-1)
+        loss_mask = torch.as_tensor(loss_mask).reshape(-1)
+        n, nl, ht = token_ids.shape[0], len(self.layer_ids), self.hidden_size
+        if n == 0 or loss_mask.shape[0] != n or tuple(hidden.shape) != (n, nl, ht):
+            raise ValueError(
+                f"sample {sample_id!r}: expected {n} token ids, {n} mask values and hidden "
+                f"[{n}, {nl}, {ht}]; got mask [{loss_mask.shape[0]}] and hidden {list(hidden.shape)}"
+            )
+        if not hidden.dtype.is_floating_point:
+            raise ValueError(f"sample {sample_id!r}: hidden states must be floating point, got {hidden.dtype}")
+        out = {"token_ids": token_ids.to(torch.int32), "loss_mask": loss_mask.to(torch.uint8)}
+        if self.storage_dtype == "float8":
+            out["hidden"], out["scales"] = quantize_fp8(hidden)
+            _check_representable(sample_id, out["scales"], "float32")
+        else:
+            _check_representable(sample_id, hidden, self.storage_dtype)
+            out["hidden"] = hidden.detach().to(STORAGE_DTYPES[self.storage_dtype]).contiguous()
+        return out
+
+    def flush(self) -> None:
+        """Write the buffer as the next shard, then the manifest (both atomically)."""
+        if not self._buffer:
+            return
+        ids = [sid for sid, _ in self._buffer]
+        lengths = torch.tensor([t["token_ids"].shape[0] for _, t in self._buffer], dtype=torch.int64)
+        names = ["hidden", "token_ids", "loss_mask"] + (["scales"] if self.storage_dtype == "float8" else [])
+        tensors = {name: [t[name] for _, t in self._buffer] for name in names}
+        tensors["seq_offsets"] = [torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])]
+        name = f"shard-{len(self._manifest['shards']):05d}.safetensors"
+        path = self.split_dir / name
+        sha = _write_safetensors(path, tensors, {"sample_ids": json.dumps(ids), "format_version": str(FORMAT_VERSION)})
+        size = path.stat().st_size
+        m = self._manifest
+        m["shards"].append(
+            {"file": name, "sha256": sha, "samples": len(ids), "tokens": int(lengths.sum()), "bytes": size}
+        )
+        m["num_samples"] += len(ids)
+        m["num_tokens"] += int(lengths.sum())
+        m["bytes"] += size
+        _write_json_atomic(self.split_dir / MANIFEST, m)
+        self._done.update(ids)
+        self._buffer, self._buffer_ids, self._buffered_tokens = [], set(), 0
+
+    def close(self) -> dict:
+        """Flush the rest and mark the split complete; returns the manifest."""
+        self.flush()
+        self._manifest["complete"] = True
+        _write_json_atomic(self.split_dir / MANIFEST, self._manifest)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+        return self._manifest
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the buffer holds only whole, checked samples: keep them, but do not mark complete
+            self.flush()
+        finally:
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
+
+    @property
+    def manifest(self) -> dict:
+        return self._manifest
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+class ShardReader:
+    """Random access to the samples of one split, memory-mapped shard by shard.
+
+    A shard is verified against the manifest's sha256 the first time it is opened
+    (``verify=False`` skips that, e.g. in data-loader workers after a verified pass).
+    """
+
+    def __init__(self, split_dir: str | Path, verify: bool = True):
+        self.split_dir = Path(split_dir)
+        path = self.split_dir / MANIFEST
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: build the dataset first (`peagle data`)")
+        self.manifest = json.loads(path.read_text())
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: shard format version {self.manifest.get('format_version')} is not "
+                f"{FORMAT_VERSION}; rebuild the dataset with this version of peagle"
+            )
+        self.verify = verify
+        self.layer_ids = self.manifest["layer_ids"]
+        self.storage_dtype = self.manifest["storage_dtype"]
+        self._starts = [0]
+        for s in self.manifest["shards"]:
+            self._starts.append(self._starts[-1] + s["samples"])
+        self._open: dict[int, tuple] = {}
+
+    def __getstate__(self):
+        # Open shard handles cannot be pickled (DataLoader workers started by spawn); reopen lazily.
+        return {**self.__dict__, "_open": {}}
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest["num_tokens"]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest["shards"])
+
+    def _shard(self, k: int):
+        """(safe_open handle, seq_offsets, sample ids) of shard k, opened and verified once."""
+        if k not in self._open:
+            entry = self.manifest["shards"][k]
+            path = self.split_dir / entry["file"]
+            if not path.exists():
+                raise CorruptShardError(f"{path} is listed in the manifest but missing; rebuild the dataset")
+            if self.verify:
+                size = path.stat().st_size
+                if size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+                    raise CorruptShardError(
+                        f"{path} is corrupt: its size/sha256 does not match {self.split_dir / MANIFEST} "
+                        f"({size} bytes on disk, {entry['bytes']} expected); restore it or rebuild the "
+                        "dataset (`peagle data --force`)"
+                    )
+            try:
+                f = safe_open(str(path), framework="pt")
+                offsets = f.get_tensor("seq_offsets")
+                ids = json.loads(f.metadata()["sample_ids"])
+            except Exception as err:  # unreadable header: only possible with verify=False
+                raise CorruptShardError(f"{path} cannot be read as a shard: {err}") from None
+            self._open[k] = (f, offsets, ids)
+        return self._open[k]
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        k = bisect.bisect_right(self._starts, i) - 1
+        return k, i - self._starts[k]
+
+    def __getitem__(self, i: int) -> Sample:
+        k, j = self._locate(i)
+        f, offsets, ids = self._shard(k)
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        hidden = f.get_slice("hidden")[a:b].to(torch.float32)
+        if self.storage_dtype == "float8":
+            hidden = hidden * f.get_slice("scales")[a:b].unsqueeze(-1)
+        return Sample(
+            token_ids=f.get_slice("token_ids")[a:b].to(torch.int64),
+            loss_mask=f.get_slice("loss_mask")[a:b].to(torch.bool),
+            hidden=hidden,
+            id=ids[j],
+        )
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def sample_ids(self) -> list[str]:
+        return [sid for k in range(self.num_shards) for sid in self._shard(k)[2]]
+
+    def lengths(self) -> list[int]:
+        """Token count of every sample, in order (for length-aware batching)."""
+        return [int(n) for k in range(self.num_shards) for n in self._shard(k)[1].diff()]
+
+    def iter_tokens(self):
+        """(token_ids int64 [T], loss_mask bool [T]) of each whole shard, without hidden states."""
+        for k in range(self.num_shards):
+            f = self._shard(k)[0]
+            yield f.get_tensor("token_ids").to(torch.int64), f.get_tensor("loss_mask").to(torch.bool)

@@ -1,0 +1,1 @@
+"""Evaluation: offline acceptance on held-out shards, online acceptance/throughput in vLLM, plots."""

@@ -1,0 +1,289 @@
+"""Offline acceptance: simulate greedy speculative decoding on held-out hidden states.
+
+For every eval sample and every anchor p where drafting happens (the token the target
+just produced, x_{p+1}, and the next one, x_{p+2}, are both assistant tokens), the
+drafter proposes K tokens exactly as vLLM would after anchor p, and draft k is accepted
+while it equals the reference token at position p+1+k, that position is an assistant
+token, and every earlier draft was accepted. Acceptance length = 1 + accepted (the
+target's own token counts), averaged over anchors; per-position rates are vLLM's
+"accepted per position": P(draft k accepted).
+
+Reference tokens (``reference``):
+- "data" (default): the stored next tokens. The pipeline regenerates responses greedily
+  (``data.regenerate.temperature: 0``), so these ARE the target's greedy tokens, and a
+  token outside the draft vocabulary is (correctly) never matched.
+- "target": argmax of the target's distribution (``TargetHead`` on the stored final
+  hidden state, over the draft vocabulary, mapped to target ids), for sampled data.
+
+Drafting (K = max(ks); a drafter's draft k does not depend on later slots, so one pass
+gives every smaller K):
+- "peagle": one pass of the training layout with NO COD subsampling: depth 0 for every
+  anchor (the context), depths 1..K-1 for the drafted anchors, the exact attention rule.
+- "eagle3": K passes (``peagle.train.eagle3.ttt_passes``) feeding each step its own
+  drafted token and pre-norm hidden state, as vLLM's sequential EAGLE-3 proposer does.
+Anchors are processed ``chunk_anchors`` at a time (each chunk recomputes the depth-0
+context up to its last anchor) to bound memory on long sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import torch
+from torch import nn
+
+from peagle.data.vocab import DraftVocab
+from peagle.facts import HeadSpec
+from peagle.train.batch import NUM_AUX_LAYERS, Batch
+from peagle.train.eagle3 import ttt_passes
+from peagle.train.loss import TargetHead
+from peagle.train.masks import brute_force_mask
+
+Method = Literal["peagle", "eagle3"]
+Reference = Literal["data", "target"]
+EVAL_SPLIT = "eval"
+
+
+@dataclass
+class OfflineResult:
+    acceptance_length: dict[int, float]  # K -> 1 + E[accepted drafts among the first K]
+    per_position: list[float]  # P(draft k accepted), k = 1..max(ks)
+    num_anchors: int
+    num_samples: int = 0
+    method: str = "peagle"
+    reference: str = "data"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+# ----------------------------------------------------------------------------- anchors, references
+
+
+def drafting_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Anchors p where vLLM would draft: x_{p+1} and x_{p+2} are assistant tokens."""
+    n = loss_mask.numel()
+    if n < 3:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.nonzero(loss_mask[1:-1] & loss_mask[2:]).squeeze(1)
+
+
+def reference_tokens(
+    sample, reference: Reference, target_head: TargetHead | None, vocab: DraftVocab, batch_size: int = 4096
+) -> torch.Tensor:
+    """Long [n]: the token greedy decoding produces at each position (index 0 is unused)."""
+    if reference == "data":
+        return sample.token_ids.long()
+    if reference != "target":
+        raise ValueError(f"reference {reference!r} is not 'data' or 'target'")
+    if target_head is None:
+        raise ValueError("reference='target' needs the target head (TargetHead.from_target)")
+    device = target_head.lm_head.weight.device
+    final = sample.hidden[:, NUM_AUX_LAYERS]
+    draft = torch.cat(
+        [target_head(final[i : i + batch_size].to(device)).argmax(-1).cpu() for i in range(0, final.shape[0], batch_size)]
+    )
+    out = torch.zeros_like(sample.token_ids, dtype=torch.long)
+    out[1:] = vocab.to_target(draft[:-1])  # the state at q-1 predicts position q
+    return out
+
+
+def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Long [A]: leading drafts (of [A, K]) that match the reference at positions p+2..p+K+1."""
+    a, k = drafts.shape
+    positions = anchors[:, None] + 1 + torch.arange(1, k + 1)[None, :]
+    inside = positions < reference.numel()
+    clamped = positions.clamp_max(reference.numel() - 1)
+    ok = inside & loss_mask[clamped] & (drafts == reference[clamped])
+    return ok.long().cumprod(1).sum(1)
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, method: Method, device) -> Batch:
+    """One row: depth 0 for anchors 0..max(anchors) (context), depths 1..k-1 for ``anchors``.
+
+    ``supervised`` marks the elements whose drafts are read (all elements of ``anchors``).
+    """
+    last = int(anchors.max())
+    ht = spec.target_hidden_size
+    context = torch.arange(last + 1)
+    deep_anchor = anchors.repeat(k - 1)
+    deep_depth = torch.arange(1, k).repeat_interleave(anchors.numel())
+    anchor = torch.cat([context, deep_anchor])
+    depth = torch.cat([torch.zeros_like(context), deep_depth])
+    n = anchor.numel()
+    is_deep = depth > 0
+    tokens = sample.token_ids.long()
+    input_ids = torch.where(is_deep, spec.mask_token_id, tokens[(anchor + 1).clamp_max(tokens.numel() - 1)])
+    aux = torch.zeros(n, NUM_AUX_LAYERS * ht)
+    aux[:last + 1] = sample.hidden[: last + 1, :NUM_AUX_LAYERS].reshape(last + 1, NUM_AUX_LAYERS * ht).float()
+    wanted = torch.isin(anchor, anchors)
+    batch = Batch(
+        input_ids=input_ids[None],
+        aux_hidden=aux[None],
+        is_mask=(is_deep & (method == "peagle"))[None],
+        position_ids=(anchor + depth)[None],
+        anchor=anchor[None],
+        depth=depth[None],
+        doc=torch.zeros(1, n, dtype=torch.long),
+        target_hidden=torch.zeros(1, n, 0),
+        supervised=wanted[None],
+        valid=torch.ones(1, n, dtype=torch.bool),
+        attention_mask=brute_force_mask(anchor, depth)[None],
+    )
+    return batch.to(device)
+
+
+def _drafts_from(anchor: torch.Tensor, depth: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+    """Arrange per-element drafted tokens into Long [A, K] (row = anchor, column = depth)."""
+    row = torch.searchsorted(anchors, anchor)
+    out = torch.full((anchors.numel(), k), -1, dtype=torch.long)
+    out[row, depth] = tokens
+    return out
+
+
+@torch.no_grad()
+def draft_tokens(
+    drafter: nn.Module,
+    sample,
+    spec: HeadSpec,
+    vocab: DraftVocab,
+    anchors: torch.Tensor,
+    k: int,
+    method: Method = "peagle",
+    chunk_anchors: int = 256,
+) -> torch.Tensor:
+    """Long [A, K]: the target ids the drafter proposes after each of the sorted ``anchors``."""
+    device = next(drafter.parameters()).device
+    to_target = vocab.d2t.to(device)
+    out = []
+    for start in range(0, anchors.numel(), chunk_anchors):
+        chunk = anchors[start : start + chunk_anchors]
+        batch = _draft_batch(sample, spec, chunk, k, method, device)
+        if method == "peagle":
+            result = drafter(
+                input_ids=batch.input_ids,
+                aux_hidden=batch.aux_hidden,
+                position_ids=batch.position_ids,
+                attention_mask=batch.attention_mask,
+                is_mask=batch.is_mask,
+                logits_mask=batch.supervised,
+            )
+            ids = result.logits.argmax(-1)
+            picked = batch.supervised
+            anchor, depth = batch.anchor[picked], batch.depth[picked]
+            tokens = ids + to_target[ids]
+        elif method == "eagle3":
+            anchor, depth, tokens = [], [], []
+            for st in ttt_passes(drafter, batch, k, to_target_ids=lambda i: i + to_target[i]):
+                ids = st.output.logits.argmax(-1)
+                anchor.append(st.batch.anchor[st.logits_mask])
+                depth.append(st.batch.depth[st.logits_mask])
+                tokens.append(ids + to_target[ids])
+            anchor, depth, tokens = torch.cat(anchor), torch.cat(depth), torch.cat(tokens)
+        else:
+            raise ValueError(f"method {method!r} is not 'peagle' or 'eagle3'")
+        out.append(_drafts_from(anchor.cpu(), depth.cpu(), tokens.cpu(), chunk, k))
+    return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def _check_inputs(ks: Sequence[int], method: str, spec: HeadSpec, vocab: DraftVocab, k_train: int | None) -> list[int]:
+    ks = sorted(set(int(k) for k in ks))
+    if not ks or ks[0] < 1:
+        raise ValueError(f"ks must list draft lengths K >= 1, got {ks}")
+    if method not in ("peagle", "eagle3"):
+        raise ValueError(f"method {method!r} is not 'peagle' or 'eagle3'")
+    if k_train is not None and method == "peagle" and ks[-1] > k_train:
+        raise ValueError(f"K={ks[-1]} exceeds the depths the head was trained for (k_train={k_train}); lower eval.ks")
+    if spec.draft_vocab_size != vocab.size:
+        raise ValueError(f"spec.draft_vocab_size={spec.draft_vocab_size} but the draft vocabulary has {vocab.size} ids")
+    return ks
+
+
+def evaluate_offline(
+    drafter: nn.Module,
+    target_head: TargetHead | None,
+    reader: Sequence,
+    spec: HeadSpec,
+    vocab: DraftVocab,
+    ks: Sequence[int],
+    max_samples: int | None = None,
+    method: Method = "peagle",
+    reference: Reference = "data",
+    k_train: int | None = None,
+    chunk_anchors: int = 256,
+) -> OfflineResult:
+    """Simulated acceptance of ``drafter`` on the first ``max_samples`` samples of ``reader``.
+
+    ``target_head`` is only read with ``reference="target"`` (may be None otherwise).
+    """
+    ks = _check_inputs(ks, method, spec, vocab, k_train)
+    k = ks[-1]
+    was_training = drafter.training
+    drafter.eval()
+    counts, num_samples = [], 0
+    try:
+        for i in range(min(len(reader), max_samples or len(reader))):
+            sample = reader[i]
+            anchors = drafting_anchors(sample.loss_mask.bool())
+            num_samples += 1
+            if anchors.numel() == 0:
+                continue
+            drafts = draft_tokens(drafter, sample, spec, vocab, anchors, k, method, chunk_anchors)
+            with torch.no_grad():
+                ref = reference_tokens(sample, reference, target_head, vocab)
+            counts.append(accepted_counts(drafts, anchors, ref, sample.loss_mask.bool()))
+    finally:
+        drafter.train(was_training)
+    accepted = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
+    if accepted.numel() == 0:
+        raise ValueError(
+            f"no drafting positions in {num_samples} eval samples (no two consecutive assistant tokens): "
+            "check the eval split and its loss masks"
+        )
+    return OfflineResult(
+        acceptance_length={kk: 1.0 + float(accepted.clamp_max(kk).float().mean()) for kk in ks},
+        per_position=[float((accepted >= j).float().mean()) for j in range(1, k + 1)],
+        num_anchors=int(accepted.numel()),
+        num_samples=num_samples,
+        method=method,
+        reference=reference,
+    )
+
+
+def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Reference = "data") -> Callable[[nn.Module], float]:
+    """The trainer's ``eval_fn``: acceptance length at the largest usable K on the eval split.
+
+    Usable as ``--eval-factory peagle.eval.offline:offline_eval_fn`` (K > k_train is
+    dropped for P-EAGLE heads).
+    """
+    from peagle.data.store import ShardReader
+    from peagle.data.vocab import VOCAB_FILE
+
+    data_dir = Path(data_dir)
+    spec = HeadSpec.load(data_dir / "head_spec.json")
+    vocab = DraftVocab.load(data_dir / VOCAB_FILE)
+    split = data_dir / "splits" / EVAL_SPLIT
+    reader = ShardReader(split)
+    if len(reader) == 0:
+        raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")
+    method = cfg.train.method
+    limit = cfg.train.k_train if method == "peagle" else None
+    ks = [k for k in cfg.eval.ks if limit is None or k <= limit] or [limit]
+    head = TargetHead.from_target(target_path, spec, vocab.draft_ids) if reference == "target" else None
+
+    def eval_fn(drafter: nn.Module) -> float:
+        result = evaluate_offline(
+            drafter, head, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method, reference, limit
+        )
+        return result.acceptance_length[max(ks)]
+
+    return eval_fn

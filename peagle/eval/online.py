@@ -1,0 +1,393 @@
+"""Online evaluation: acceptance length and output tokens/s of heads served in vLLM.
+
+For every (head, K) one engine is started and reused across concurrency levels; the
+target alone (no speculation) is the baseline. Concurrency c means the prompts are
+submitted in waves of c requests, each wave finishing before the next starts. Sampling
+is greedy. One short warm-up request per engine runs before anything is timed, and the
+speculative-decoding counters are read before and after each measurement, so every row
+counts only its own requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from safetensors import safe_open
+
+from peagle.config import VllmConfig, resolve_repo_path
+
+log = logging.getLogger(__name__)
+
+BASELINE = "baseline"
+WARMUP_TOKENS = 8
+
+# Public benchmarks reachable through `datasets`: (repo, subset, split, column). The
+# column holds the prompt, or a list of turns of which the first is used.
+HUB_PROMPT_SETS = {
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),
+    "humaneval": ("openai/openai_humaneval", None, "test", "prompt"),
+    "gsm8k": ("openai/gsm8k", "main", "test", "question"),
+    "speed-bench": ("nvidia/SPEED-Bench", "qualitative", "test", "turns"),
+}
+
+
+# ---------------------------------------------------------------- prompt sets
+
+
+class PromptSetUnavailable(RuntimeError):
+    """A benchmark that cannot be loaded here (offline, gated, renamed); callers skip it."""
+
+
+def _user_turns(messages: list[dict]) -> list[dict]:
+    """The conversation up to its first assistant turn: what the model is asked."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            break
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def load_jsonl_prompts(path: Path, limit: int | None = None) -> list[list[dict]]:
+    """A ``{"id", "messages": [...]}`` (or ``{"prompt": str}``) JSON-lines file -> user turns."""
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not JSON ({err}); one object per line") from None
+        if "messages" in row:
+            messages = _user_turns(row["messages"])
+        elif "prompt" in row:
+            messages = [{"role": "user", "content": row["prompt"]}]
+        else:
+            raise ValueError(f"{path}:{n}: needs a 'messages' list or a 'prompt' string")
+        if not messages:
+            raise ValueError(f"{path}:{n}: no user turn before the first assistant turn")
+        prompts.append(messages)
+        if limit and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def load_hub_prompts(name: str, limit: int | None = None) -> list[list[dict]]:
+    """A public benchmark through ``datasets``; raises ``PromptSetUnavailable`` when unreachable."""
+    repo, subset, split, column = HUB_PROMPT_SETS[name]
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(repo, subset, split=split)
+    except Exception as err:
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise PromptSetUnavailable(
+            f"prompt set {name!r} ({repo}) is unavailable here: {reason}. With network access unset "
+            "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE, or pass a local JSON-lines file instead"
+        ) from None
+    prompts = []
+    for row in ds:
+        text = row[column]
+        text = text[0] if isinstance(text, list) else text
+        prompts.append([{"role": "user", "content": text}])
+        if limit and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def load_prompt_set(name_or_path: str, limit: int | None = None) -> list[list[dict]]:
+    """Chat prompts (user turns) from a benchmark name in ``HUB_PROMPT_SETS`` or a JSON-lines path."""
+    if name_or_path.lower() in HUB_PROMPT_SETS:
+        return load_hub_prompts(name_or_path.lower(), limit)
+    path = resolve_repo_path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"prompt set {name_or_path!r}: no such file, and not one of {sorted(HUB_PROMPT_SETS)}"
+        )
+    return load_jsonl_prompts(path, limit)
+
+
+def load_prompt_sets(names: Sequence[str], limit: int | None = None) -> dict[str, list[list[dict]]]:
+    """Every set that loads; unreachable benchmarks are skipped with a logged reason."""
+    loaded = {}
+    for name in names:
+        try:
+            loaded[name] = load_prompt_set(name, limit)
+        except PromptSetUnavailable as err:
+            log.warning("skipping: %s", err)
+    return loaded
+
+
+def tokenize_prompts(prompts: Sequence, tokenizer) -> list[list[int]]:
+    """Token ids as the target sees them: chat messages go through its chat template."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            p = [{"role": "user", "content": p}]
+        if p and isinstance(p[0], int):
+            out.append(list(p))
+            continue
+        enc = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
+        ids = enc["input_ids"] if isinstance(enc, Mapping) or hasattr(enc, "keys") else enc
+        out.append([int(t) for t in ids])
+    return out
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class OnlineRow:
+    method: str  # "baseline" or the head's label
+    k: int  # speculative tokens; 0 for the baseline
+    concurrency: int
+    requests: int
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    acceptance_length: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    parallel_drafting: bool | None = None
+    engine_start_s: float = 0.0
+
+
+@dataclass
+class OnlineResult:
+    target: str
+    max_tokens: int
+    prompt_set: str = ""
+    rows: list[OnlineRow] = field(default_factory=list)
+
+    def baseline(self, concurrency: int) -> OnlineRow | None:
+        return next((r for r in self.rows if r.method == BASELINE and r.concurrency == concurrency), None)
+
+    def speedup(self, row: OnlineRow) -> float | None:
+        """Output tokens/s relative to the baseline at the same concurrency."""
+        base = self.baseline(row.concurrency)
+        return row.output_tokens_per_s / base.output_tokens_per_s if base and base.output_tokens_per_s else None
+
+    def methods(self) -> list[str]:
+        return list(dict.fromkeys(r.method for r in self.rows if r.method != BASELINE))
+
+    def acceptance_by_k(self, method: str, concurrency: int | None = None) -> dict[int, float]:
+        """K -> acceptance length for one method (at the lowest concurrency unless given): the model card's table."""
+        rows = [r for r in self.rows if r.method == method and r.acceptance_length is not None]
+        if not rows:
+            return {}
+        c = concurrency if concurrency is not None else min(r.concurrency for r in rows)
+        return {r.k: r.acceptance_length for r in rows if r.concurrency == c}
+
+    def to_records(self) -> list[dict]:
+        records = []
+        for r in self.rows:
+            rec = asdict(r) | {"target": self.target, "prompt_set": self.prompt_set, "max_tokens": self.max_tokens}
+            rec["speedup"] = self.speedup(r)
+            records.append(rec)
+        return records
+
+    def to_table(self, title: str | None = None):
+        """A rich table, one row per (method, K, concurrency), with speed-up over the baseline."""
+        from rich.table import Table
+
+        table = Table(title=title or f"Online evaluation in vLLM: {self.target}")
+        for col in ("method", "K", "conc.", "acc. length", "per-position acceptance", "out tok/s", "speed-up", "requests"):
+            table.add_column(col, justify="left" if col in ("method", "per-position acceptance") else "right")
+        for r in self.rows:
+            speedup = self.speedup(r)
+            table.add_row(
+                r.method,
+                str(r.k) if r.k else "-",
+                str(r.concurrency),
+                f"{r.acceptance_length:.2f}" if r.acceptance_length is not None else "-",
+                " ".join(f"{a:.2f}" for a in r.per_position_acceptance) or "-",
+                f"{r.output_tokens_per_s:.1f}",
+                f"{speedup:.2f}x" if speedup is not None else "-",
+                str(r.requests),
+            )
+        return table
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({**asdict(self), "rows": [asdict(r) for r in self.rows]}, indent=2))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> OnlineResult:
+        data = json.loads(Path(path).read_text())
+        return cls(**{**data, "rows": [OnlineRow(**r) for r in data["rows"]]})
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def head_has_mask_hidden(head_dir: Path) -> bool:
+    """A head can draft in parallel only if it ships mask_hidden (an EAGLE-3 head does not)."""
+    with safe_open(str(Path(head_dir) / "model.safetensors"), "pt") as f:
+        return "mask_hidden" in f.keys()
+
+
+def speculative_config(head_dir: Path, k: int, parallel_drafting: bool) -> dict:
+    return {
+        "model": str(Path(head_dir).resolve()),
+        "method": "eagle3",
+        "num_speculative_tokens": k,
+        "parallel_drafting": parallel_drafting,
+    }
+
+
+def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, vllm_cfg: VllmConfig) -> None:
+    """Fail before any engine starts: missing heads, bad levels, too small an engine."""
+    for label, head in heads.items():
+        if label == BASELINE:
+            raise ValueError(f"{BASELINE!r} is reserved for the no-speculation run; rename that head")
+        if not (Path(head) / "config.json").exists() or not (Path(head) / "model.safetensors").exists():
+            raise FileNotFoundError(f"head {label!r}: {head} has no config.json/model.safetensors; export it first")
+    if not ks or any(k < 1 for k in ks):
+        raise ValueError(f"ks={list(ks)}: list speculative token counts K >= 1")
+    if not concurrency or any(c < 1 for c in concurrency):
+        raise ValueError(f"concurrency={list(concurrency)}: list levels >= 1")
+    if max(concurrency) > vllm_cfg.max_num_seqs:
+        raise ValueError(
+            f"concurrency {max(concurrency)} exceeds vllm.max_num_seqs={vllm_cfg.max_num_seqs}: "
+            "raise vllm.max_num_seqs or lower eval.concurrency"
+        )
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+
+
+def _fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, max_k: int) -> list[list[int]]:
+    """Drop prompts too long to generate ``max_tokens`` (+ K slots) in the engine's context."""
+    room = max_model_len - max_tokens - max_k - 1
+    kept = [p for p in prompts if 0 < len(p) <= room]
+    if len(kept) < len(prompts):
+        dropped = len(prompts) - len(kept)
+        log.warning("dropped %d prompt(s) longer than %d tokens (max_model_len - max_tokens - K)", dropped, room)
+    if not kept:
+        raise ValueError(
+            f"no prompt fits: every prompt exceeds {room} tokens; raise vllm.max_model_len or lower max_tokens"
+        )
+    return kept
+
+
+def measure(llm, prompts: list[list[int]], *, concurrency: int, max_tokens: int):
+    """Generate every prompt in waves of ``concurrency``; returns (outputs, wall seconds, spec stats delta)."""
+    from peagle.serving.generation import generate_from_token_ids
+    from peagle.serving.metrics import delta, read_spec_decode_stats
+
+    before = read_spec_decode_stats(llm)
+    outputs = []
+    started = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        wave = prompts[i : i + concurrency]
+        outputs += generate_from_token_ids(llm, wave, max_tokens=[max_tokens] * len(wave))
+    wall = time.perf_counter() - started
+    return outputs, wall, delta(before, read_spec_decode_stats(llm))
+
+
+def _warm_up(llm, prompt: list[int]) -> None:
+    from peagle.serving.generation import generate_from_token_ids
+
+    generate_from_token_ids(llm, [prompt], max_tokens=[WARMUP_TOKENS])
+
+
+def _row(method, k, concurrency, outputs, wall, stats, parallel, startup) -> OnlineRow:
+    tokens = sum(len(o.token_ids) for o in outputs)
+    speculative = k > 0 and stats.num_drafts > 0
+    return OnlineRow(
+        method=method,
+        k=k,
+        concurrency=concurrency,
+        requests=len(outputs),
+        output_tokens=tokens,
+        wall_s=wall,
+        output_tokens_per_s=tokens / wall if wall > 0 else math.nan,
+        acceptance_length=stats.acceptance_length if speculative else None,
+        per_position_acceptance=stats.per_position_acceptance if speculative else [],
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        parallel_drafting=parallel,
+        engine_start_s=startup,
+    )
+
+
+def evaluate_online(
+    target_path: str | Path,
+    heads: Mapping[str, str | Path],
+    vllm_cfg: VllmConfig,
+    prompts: Sequence,
+    *,
+    ks: Sequence[int],
+    concurrency: Sequence[int] = (1,),
+    max_tokens: int = 128,
+    parallel_drafting: Mapping[str, bool] | None = None,
+    tokenizer=None,
+    include_baseline: bool = True,
+    prompt_set: str = "",
+    target_revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+    on_row: Callable[[OnlineRow], None] | None = None,
+) -> OnlineResult:
+    """Serve each head at each K (plus the target alone) and measure every concurrency level.
+
+    ``heads`` maps a label (e.g. ``"p-eagle"``, ``"eagle-3"``) to a head directory;
+    ``prompts`` are token-id lists or chat messages (tokenised with ``tokenizer``, by
+    default the target's). ``parallel_drafting`` per label defaults to whether the head
+    ships ``mask_hidden``. ``on_row`` sees each row as soon as it is measured.
+    """
+    from peagle.serving import open_llm
+
+    heads = {label: Path(h) for label, h in heads.items()}
+    ks, concurrency = sorted(set(ks)), sorted(set(concurrency))
+    _check_inputs(heads, ks, concurrency, max_tokens, vllm_cfg)
+    parallel = {label: (parallel_drafting or {}).get(label) for label in heads}
+    parallel = {label: head_has_mask_hidden(heads[label]) if p is None else p for label, p in parallel.items()}
+    if prompts and not isinstance(prompts[0][0] if prompts[0] else 0, int) and tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
+        )
+    token_prompts = _fit_prompts(tokenize_prompts(prompts, tokenizer), vllm_cfg.max_model_len, max_tokens, max(ks))
+    result = OnlineResult(target=str(target_path), max_tokens=max_tokens, prompt_set=prompt_set)
+
+    runs: list[tuple[str, int, dict | None, bool | None]] = []
+    if include_baseline:
+        runs.append((BASELINE, 0, None, None))
+    for label, head in heads.items():
+        runs += [(label, k, speculative_config(head, k, parallel[label]), parallel[label]) for k in ks]
+
+    for method, k, spec_cfg, par in runs:
+        log.info("online eval: starting engine for %s K=%d", method, k)
+        with open_llm(
+            str(target_path),
+            vllm_cfg,
+            revision=target_revision,
+            trust_remote_code=trust_remote_code,
+            dtype=dtype,
+            speculative_config=spec_cfg,
+        ) as llm:
+            _warm_up(llm, token_prompts[0])
+            for c in concurrency:
+                outputs, wall, stats = measure(llm, token_prompts, concurrency=c, max_tokens=max_tokens)
+                row = _row(method, k, c, outputs, wall, stats, par, llm.peagle_startup_s)
+                if k and row.num_drafts == 0:
+                    log.warning("%s K=%d proposed no drafts: is the head loaded with speculative decoding?", method, k)
+                result.rows.append(row)
+                if on_row:
+                    on_row(row)
+    return result

@@ -1,0 +1,137 @@
+"""The head directory vLLM loads: config keys, tensor names, shapes and dtypes.
+
+One place states the contract (shared/design/vllm-contract.md, checked against vLLM
+0.32's ``llama_eagle3.py``); the exporter writes it and the validator checks it, so the
+two cannot drift apart. Names carry no ``model.`` prefix: vLLM's ``load_weights`` adds
+it to everything except ``lm_head``, maps ``d2t`` to ``draft_id_to_target_id``, copies
+``mask_hidden`` into a buffer and skips ``t2d``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from peagle.facts import HeadSpec
+
+HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Names vLLM 0.32 maps to the same Eagle3LlamaForCausalLM class (model registry).
+ACCEPTED_ARCHITECTURES = {
+    "LlamaForCausalLMEagle3",
+    "Eagle3LlamaForCausalLM",
+    "PeagleLlamaForCausalLM",
+    "PEagleDraftModel",
+}
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "README.md"
+FORMAT_VERSION = 1
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """What one tensor of the head must look like; ``kind`` is float, int64 or bool."""
+
+    shape: tuple[int, ...]
+    kind: str
+    why: str = ""
+
+
+def draft_vocab_size(spec: HeadSpec) -> int:
+    """Vd: the spec's draft vocabulary, or the whole target vocabulary when unset."""
+    return spec.draft_vocab_size or spec.vocab_size
+
+
+def ships_d2t(spec: HeadSpec) -> bool:
+    """vLLM builds ``draft_id_to_target_id`` only when Vd < V; a d2t at Vd == V fails to load."""
+    return draft_vocab_size(spec) < spec.vocab_size
+
+
+def fc_input_size(spec: HeadSpec) -> int:
+    return len(spec.aux_layer_ids) * spec.target_hidden_size
+
+
+def expected_tensors(spec: HeadSpec, *, parallel_drafting: bool = True) -> dict[str, TensorRule]:
+    """Every tensor the head ships, with its shape: nothing more, nothing less."""
+    h, v, vd = spec.hidden_size, spec.vocab_size, draft_vocab_size(spec)
+    q_out = spec.num_heads * spec.head_dim
+    kv_out = spec.num_kv_heads * spec.head_dim
+    rules: dict[str, TensorRule] = {
+        "embed_tokens.weight": TensorRule((v, h), "float", "the head's own table, with the learned mask row"),
+        "fc.weight": TensorRule((h, fc_input_size(spec)), "float", "projects the concatenated aux states"),
+        "norm.weight": TensorRule((h,), "float"),
+        "lm_head.weight": TensorRule((vd, h), "float", "over the draft vocabulary"),
+        "t2d": TensorRule((v,), "bool", "target id -> in draft vocabulary (read by tools, not vLLM)"),
+    }
+    for i in range(spec.num_layers):
+        qkv_in = 2 * h if i == 0 else h  # layer 0 attends over concat(embedding, hidden)
+        p = f"layers.{i}."
+        rules |= {
+            p + "self_attn.q_proj.weight": TensorRule((q_out, qkv_in), "float"),
+            p + "self_attn.k_proj.weight": TensorRule((kv_out, qkv_in), "float"),
+            p + "self_attn.v_proj.weight": TensorRule((kv_out, qkv_in), "float"),
+            p + "self_attn.o_proj.weight": TensorRule((h, q_out), "float"),
+            p + "input_layernorm.weight": TensorRule((h,), "float"),
+            p + "post_attention_layernorm.weight": TensorRule((h,), "float"),
+            p + "mlp.gate_proj.weight": TensorRule((spec.intermediate_size, h), "float"),
+            p + "mlp.up_proj.weight": TensorRule((spec.intermediate_size, h), "float"),
+            p + "mlp.down_proj.weight": TensorRule((h, spec.intermediate_size), "float"),
+        }
+    rules["layers.0.hidden_norm.weight"] = TensorRule((h,), "float", "norms the projected hidden in layer 0")
+    if ships_d2t(spec):
+        rules["d2t"] = TensorRule((vd,), "int64", "offsets: target_id = i + d2t[i]")
+    if parallel_drafting:
+        rules["mask_hidden"] = TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")
+    return rules
+
+
+def rope_parameters(spec: HeadSpec) -> dict:
+    """transformers 5 reads ``rope_parameters``; older readers read rope_theta/rope_scaling."""
+    params = dict(spec.rope_scaling) if spec.rope_scaling else {"rope_type": "default"}
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params["rope_theta"] = spec.rope_theta
+    return params
+
+
+def head_config(spec: HeadSpec, dtype: torch.dtype) -> dict:
+    """config.json of the head; the mask id goes under every name vLLM versions read."""
+    config = {
+        "architectures": [HEAD_ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": rope_parameters(spec),
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
+        "draft_vocab_size": draft_vocab_size(spec),
+        "target_hidden_size": spec.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": sorted(spec.aux_layer_ids),
+        # vLLM 0.32 reads mask_token_id first, then pard_token, then ptd_token_id (0.16+).
+        "mask_token_id": spec.mask_token_id,
+        "ptd_token_id": spec.mask_token_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "dtype": DTYPE_NAMES[dtype],  # transformers 5 spelling; must agree with torch_dtype
+    }
+    if spec.rope_scaling:
+        config["rope_scaling"] = rope_parameters(spec)
+    return config
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    for dtype, dname in DTYPE_NAMES.items():
+        if dname == name:
+            return dtype
+    raise ValueError(f"unsupported head dtype {name!r}; use one of {sorted(DTYPE_NAMES.values())}")

@@ -1,0 +1,301 @@
+"""The P-EAGLE drafter: an EAGLE-3 head that drafts K tokens in one forward pass.
+
+This module computes exactly what vLLM's ``Eagle3LlamaForCausalLM``
+(``vllm/model_executor/models/llama_eagle3.py``) computes when it serves the head with
+``parallel_drafting``, and its ``state_dict()`` uses the head's own weight names:
+
+    x     = embed_tokens(input_ids)                       [.., H]
+    h     = fc(aux)  with aux = mask_hidden at mask slots [.., 3Ht] -> [.., H]
+    layer 0:  r = h;  a = cat(input_layernorm(x), hidden_norm(h))   (2H into q/k/v)
+    every layer:  r = attn(a) + r;  a = mlp(post_attention_layernorm(r));  later layers
+              first do r = a + r;  a = input_layernorm(r)            (vLLM's fused add+norm)
+    prenorm = a + r;  logits = lm_head(norm(prenorm))
+
+vLLM projects ``mask_hidden`` through ``fc`` (``combine_hidden_states``) and feeds back
+``prenorm`` (the final norm's residual output) as the next EAGLE-3 step's hidden state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from peagle.facts import HeadSpec
+from peagle.model.target_weights import load_target_tensors
+
+MASK_HIDDEN_INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    """vLLM's RMSNorm (fp32 statistics, then weight), optionally fused with a residual add."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = x32.to(dtype) * self.weight
+        return out if residual is None else (out, residual)
+
+
+def rope_inv_freq(spec: HeadSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale for the spec's RoPE (theta + any scaling type)."""
+    scaling = dict(spec.rope_scaling or {})
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    params = {**scaling, "rope_type": rope_type, "rope_theta": spec.rope_theta}
+    if rope_type == "default":
+        dim = spec.head_dim
+        inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv, 1.0  # vLLM's float32 formula
+    cfg = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters=params,
+    )
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, None)
+    return inv.float(), float(scale)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Neox-style RoPE (vLLM's ``is_neox_style=True`` for Llama), always computed in fp32.
+
+    The frequencies are a plain attribute, not a buffer, so casting the module to bf16
+    (DeepSpeed does) cannot round them.
+    """
+
+    def __init__(self, spec: HeadSpec):
+        super().__init__()
+        self.inv_freq, self.scale = rope_inv_freq(spec)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: HeadSpec, in_features: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: HeadSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """vLLM's Eagle3 ``LlamaDecoderLayer``; layer 0 reads concat(norm(embeds), norm(hidden))."""
+
+    def __init__(self, spec: HeadSpec, layer_idx: int):
+        super().__init__()
+        self.first = layer_idx == 0
+        h = spec.hidden_size
+        self.self_attn = Attention(spec, 2 * h if self.first else h)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        if self.first:
+            self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
+
+    def forward(self, embeds, hidden, residual, cos, sin, mask):
+        if self.first:
+            residual = hidden
+            hidden = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, mask)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+@dataclass
+class DrafterOutput:
+    logits: torch.Tensor  # [B, N, Vd], or [M, Vd] for the positions of ``logits_mask``
+    hidden: torch.Tensor  # [B, N, H]: pre-final-norm residual stream, what EAGLE-3 feeds back
+
+
+class PEagleDrafter(nn.Module):
+    """P-EAGLE / EAGLE-3 drafter with vLLM's weight names (``state_dict()`` = head weights)."""
+
+    def __init__(self, spec: HeadSpec):
+        super().__init__()
+        if spec.draft_vocab_size is None:
+            raise ValueError(
+                "HeadSpec.draft_vocab_size is unset: build the draft vocabulary first "
+                "(spec.with_draft_vocab(Vd), or read the dataset's head_spec.json)"
+            )
+        self.spec = spec
+        h, ht = spec.hidden_size, spec.target_hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.fc = nn.Linear(3 * ht, h, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * ht) * MASK_HIDDEN_INIT_STD)
+        self.rotary = Rotary(spec)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        is_mask: torch.Tensor | None = None,
+        hidden_override: torch.Tensor | None = None,
+        override_mask: torch.Tensor | None = None,
+        logits_mask: torch.Tensor | None = None,
+    ) -> DrafterOutput:
+        """Run all elements at once; ``attention_mask[b, q, k]`` True = q may attend to k.
+
+        ``is_mask`` slots use ``mask_hidden`` as their pre-fc feature; ``hidden_override``
+        replaces fc(aux) where ``override_mask`` (EAGLE-3 training-time test feeds back the
+        previous step's ``DrafterOutput.hidden``). ``logits_mask`` computes logits only for
+        its True positions (returned flattened [M, Vd]) to save lm_head memory.
+        """
+        self._check_shapes(input_ids, aux_hidden, position_ids, attention_mask)
+        embeds = self.embed_tokens(input_ids)
+        features = aux_hidden.to(self.fc.weight.dtype)
+        if is_mask is not None:
+            features = torch.where(is_mask[..., None], self.mask_hidden.to(features.dtype), features)
+        hidden = self.fc(features)
+        if hidden_override is not None:
+            if override_mask is None:
+                raise ValueError("hidden_override needs override_mask (which positions take it)")
+            hidden = torch.where(override_mask[..., None], hidden_override.to(hidden.dtype), hidden)
+        # Every real element attends to itself; padding rows would otherwise be all-False (NaN).
+        n = input_ids.shape[1]
+        mask = attention_mask | torch.eye(n, dtype=torch.bool, device=attention_mask.device)
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(embeds, hidden, residual, cos, sin, mask)
+        prenorm = hidden + residual
+        normed = self.norm(prenorm)
+        if logits_mask is not None:
+            normed = normed[logits_mask]
+        return DrafterOutput(logits=self.lm_head(normed), hidden=prenorm)
+
+    def _check_shapes(self, input_ids, aux_hidden, position_ids, attention_mask) -> None:
+        b, n = input_ids.shape
+        want = 3 * self.spec.target_hidden_size
+        if aux_hidden.shape != (b, n, want):
+            raise ValueError(f"aux_hidden has shape {tuple(aux_hidden.shape)}, expected {(b, n, want)} (3 aux layers x Ht)")
+        if position_ids.shape != (b, n):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(b, n)}")
+        if attention_mask.shape != (b, n, n) or attention_mask.dtype != torch.bool:
+            raise ValueError(
+                f"attention_mask must be bool [B,N,N]={(b, n, n)}, got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+
+    # -- construction, persistence ------------------------------------------------------
+
+    @classmethod
+    def from_target(cls, spec: HeadSpec, target_path: str, draft_ids: torch.Tensor) -> PEagleDrafter:
+        """A fresh drafter whose embeddings and lm_head start from the target's (when H == Ht).
+
+        The mask token's row is re-drawn (it is unused by the target, and must differ from
+        the target's table so vLLM ships the learned row instead of sharing the target's).
+        """
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
+        if draft_ids.numel() != spec.draft_vocab_size:
+            raise ValueError(
+                f"draft_ids has {draft_ids.numel()} entries but spec.draft_vocab_size is {spec.draft_vocab_size}"
+            )
+        drafter = cls(spec)
+        if spec.hidden_size != spec.target_hidden_size:
+            return drafter
+        weights = load_target_tensors(target_path, draft_ids)
+        embed, head = weights["embed_tokens"], weights["lm_head"]
+        if embed.shape != drafter.embed_tokens.weight.shape:
+            raise ValueError(
+                f"target embeddings {tuple(embed.shape)} do not match the spec's [V, H] "
+                f"{tuple(drafter.embed_tokens.weight.shape)}: the head spec was computed for another target"
+            )
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(embed)
+            row_std = embed.std().clamp_min(1e-3)
+            drafter.embed_tokens.weight[spec.mask_token_id].normal_(0.0, float(row_std))
+            drafter.lm_head.weight.copy_(head)
+        return drafter
+
+    def freeze_embeddings_except_mask(self) -> None:
+        """Train only the mask token's embedding row (gradients of other rows are zeroed)."""
+        keep = torch.zeros(self.spec.vocab_size, 1, dtype=torch.bool)
+        keep[self.spec.mask_token_id] = True
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return grad * keep.to(grad.device)
+
+        self.embed_tokens.weight.register_hook(hook)
+
+    def save(self, path: str | Path) -> None:
+        """Write the state dict (head names) atomically as safetensors."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path, spec: HeadSpec) -> PEagleDrafter:
+        drafter = cls(spec)
+        state = load_file(str(path))
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{path} does not match the head spec: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+            )
+        return drafter

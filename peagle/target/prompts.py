@@ -1,0 +1,68 @@
+"""The demo's prompt files, made from the same stdlib split the embedded target uses.
+
+``code_train.jsonl`` holds functions of TRAIN-split files, ``code_eval.jsonl`` functions of
+HELD-OUT files (never seen by the target). Each line is
+``{"id", "messages": [user: signature + docstring, assistant: the original function]}``;
+the assistant turn is a reference that regeneration replaces with the target's answer.
+Regenerate with ``python -m peagle.target.prompts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from peagle.config import EmbeddedTargetRecipe
+from peagle.paths import REPO_ROOT
+from peagle.target.corpus import _hash_unit, chat_examples, load_corpus
+
+PROMPTS_DIR = REPO_ROOT / "data" / "prompts"
+DEFAULT_COUNTS = {"train": 400, "eval": 64}
+FILE_NAMES = {"train": "code_train.jsonl", "eval": "code_eval.jsonl"}
+GENERATED_WITH_PYTHON = "3.11.7"  # the stdlib the committed files were made from
+
+
+def embedded_prompt_messages(
+    split: Literal["train", "eval"], count: int, recipe: EmbeddedTargetRecipe | None = None
+) -> list[dict]:
+    """``count`` prompt records from the recipe's train or held-out files, in a stable order."""
+    recipe = recipe or EmbeddedTargetRecipe()
+    corpus = load_corpus(recipe.corpus_max_bytes, recipe.heldout_fraction, recipe.seed)
+    files = corpus.train if split == "train" else corpus.heldout
+    examples = sorted(chat_examples(files), key=lambda ex: _hash_unit(f"prompt:{recipe.seed}:{ex.id}"))
+    if len(examples) < count:
+        raise ValueError(f"only {len(examples)} {split} functions are available, {count} were asked for")
+    return [{"id": ex.id, "messages": ex.messages()} for ex in examples[:count]]
+
+
+def write_prompt_files(out_dir: Path = PROMPTS_DIR, counts: dict[str, int] | None = None) -> dict[str, Path]:
+    """Write both prompt files atomically; returns their paths."""
+    counts = {**DEFAULT_COUNTS, **(counts or {})}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for split, name in FILE_NAMES.items():
+        path = out_dir / name
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w") as fh:
+            for record in embedded_prompt_messages(split, counts[split]):
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+        written[split] = path
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=PROMPTS_DIR)
+    parser.add_argument("--train", type=int, default=DEFAULT_COUNTS["train"])
+    parser.add_argument("--eval", type=int, default=DEFAULT_COUNTS["eval"])
+    args = parser.parse_args()
+    for split, path in write_prompt_files(args.out_dir, {"train": args.train, "eval": args.eval}).items():
+        print(f"{split}: {path}")
+
+
+if __name__ == "__main__":
+    main()

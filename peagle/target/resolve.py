@@ -1,0 +1,54 @@
+"""Turn ``target.model`` into something transformers and vLLM can load, failing clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from peagle.config import ConfigError, TargetConfig
+from peagle.target.build import build_embedded_target
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+
+
+def resolve_target(target: TargetConfig, progress: bool = True) -> str:
+    """``embedded`` -> the cached build (built now if missing); a local path -> that path; else the hub id."""
+    if target.is_embedded:
+        return str(build_embedded_target(target.embedded, progress=progress))
+    local = Path(target.model).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"target.model {target.model!r} is a local path without a config.json")
+        return str(local.resolve())
+    if _looks_like_path(target.model):
+        raise ConfigError(f"target.model {target.model!r} looks like a local path but does not exist")
+    try:
+        validate_repo_id(target.model)
+    except HFValidationError:
+        raise ConfigError(
+            f"target.model {target.model!r} is neither an existing local directory nor a valid hub id "
+            "(org/name); fix the path or the id"
+        ) from None
+    return target.model
+
+
+def load_target_config_and_tokenizer(target: TargetConfig) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
+    """The target's transformers config and tokenizer (revision / trust_remote_code from the config)."""
+    where = resolve_target(target)
+    kwargs = {"revision": target.revision, "trust_remote_code": target.trust_remote_code}
+    try:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    except OSError as err:  # hub errors (offline, gated, missing repo) arrive as OSError subclasses
+        reason = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"target.model {target.model!r} (revision {target.revision or 'default'}) could not be reached: "
+            f"{reason}. If it is a gated or private hub model set HF_TOKEN (and unset HF_HUB_OFFLINE); "
+            "otherwise point target.model at a local directory with the model, or use 'embedded'"
+        ) from None
+    return config, tokenizer

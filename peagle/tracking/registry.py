@@ -1,0 +1,280 @@
+"""The registry gate between training and serving.
+
+Every exported head becomes a version of the target's registered model and takes the
+``challenger`` alias. The ``champion`` alias (what deployments pull) moves only to a
+head that passed validation and whose weighted acceptance beats the champion's by the
+configured margin; every decision is written on the version as tags, so the registry
+itself explains why a head is or is not serving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from peagle.tracking.mlflow_run import Tracker, file_sha256  # first: it configures MLflow's environment
+from peagle.tracking.scrub import scrub_text
+
+import mlflow.artifacts  # noqa: E402  isort: skip
+from mlflow import MlflowClient  # noqa: E402  isort: skip
+from mlflow.entities.model_registry import ModelVersion  # noqa: E402  isort: skip
+from mlflow.exceptions import MlflowException  # noqa: E402  isort: skip
+from mlflow.protos.databricks_pb2 import (  # noqa: E402  isort: skip
+    RESOURCE_ALREADY_EXISTS,
+    RESOURCE_DOES_NOT_EXIST,
+    ErrorCode,
+)
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+HEAD_FILES = ("config.json", "model.safetensors")  # what vLLM needs from a head directory
+
+TAG_FILES = "peagle.files"  # {relative path: {"bytes": n, "sha256": hex}} of the uploaded head
+TAG_SCORE = "peagle.score"
+TAG_VALIDATED = "peagle.validated"
+TAG_DECISION = "peagle.promotion.decision"
+TAG_REASON = "peagle.promotion.reason"
+TAG_CHAMPION_BEFORE = "peagle.promotion.champion_before"
+TAG_MARGIN = "peagle.promotion.margin"
+TAG_DECIDED_AT = "peagle.promotion.decided_at"
+TAG_SUPERSEDED_BY = "peagle.superseded_by"
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    promoted: bool
+    reason: str
+    champion_before: str | None  # version numbers as MLflow reports them ("3")
+    champion_after: str | None
+
+
+def weighted_score(acceptance_by_benchmark: dict[str, float], weights: dict[str, float]) -> float:
+    """Weighted mean acceptance over the weighted benchmarks (unweighted ones are ignored).
+
+    A weighted benchmark without a measurement is an error: scoring it as 0 would quietly
+    make a head look worse, scoring it as absent would make it look better.
+    """
+    if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+        raise ValueError(f"tracking.benchmark_weights {weights} must be non-negative with a positive sum")
+    missing = [b for b, w in weights.items() if w > 0 and b not in acceptance_by_benchmark]
+    if missing:
+        raise ValueError(
+            f"no acceptance measured for weighted benchmark(s) {missing} "
+            f"(measured: {sorted(acceptance_by_benchmark)}); evaluate them or drop their weights"
+        )
+    total = sum(w for w in weights.values() if w > 0)
+    return sum(w * float(acceptance_by_benchmark[b]) for b, w in weights.items() if w > 0) / total
+
+
+def _client(client_or_tracker: MlflowClient | Tracker) -> MlflowClient:
+    return client_or_tracker.client if isinstance(client_or_tracker, Tracker) else client_or_tracker
+
+
+# ---------------------------------------------------------------------------------------
+# Register
+
+
+def head_file_manifest(head_dir: Path) -> dict[str, dict]:
+    """Size and sha256 of every file of a head directory, after checking vLLM's files are there."""
+    head_dir = Path(head_dir)
+    missing = [f for f in HEAD_FILES if not (head_dir / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"head directory {head_dir} lacks {missing}; export the head first (peagle export)")
+    _check_readable(head_dir)
+    return {
+        p.relative_to(head_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(head_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _check_readable(head_dir: Path) -> None:
+    """config.json parses and model.safetensors has a readable header with tensors."""
+    try:
+        json.loads((head_dir / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{head_dir / 'config.json'} is not valid JSON: {err}") from None
+    try:
+        with safe_open(str(head_dir / "model.safetensors"), framework="numpy") as fh:
+            if not list(fh.keys()):
+                raise ValueError(f"{head_dir / 'model.safetensors'} holds no tensors")
+    except ValueError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for a truncated file
+        raise ValueError(f"{head_dir / 'model.safetensors'} is not a readable safetensors file: {err}") from None
+
+
+def ensure_registered_model(client: MlflowClient, name: str) -> None:
+    try:
+        client.create_registered_model(name, description="P-EAGLE drafter heads (peagle)")
+    except MlflowException as err:
+        if err.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+
+
+def register_head(
+    client: MlflowClient | Tracker,
+    run_id: str,
+    head_dir: str | Path,
+    name: str,
+    tags: dict,
+    metrics: dict[str, float],
+) -> ModelVersion:
+    """Upload ``head_dir`` as run artifacts (``heads/<dir name>``) and register it as a new
+    version of ``name`` with the ``challenger`` alias.
+
+    ``tags`` carry what the version is (target id, K, validation status...); ``metrics``
+    are written as ``metric.<name>`` tags so the registry view shows them.
+    """
+    client = _client(client)
+    head_dir = Path(head_dir)
+    files = head_file_manifest(head_dir)
+    artifact_path = f"heads/{head_dir.name}"
+    if client.list_artifacts(run_id, artifact_path):
+        raise FileExistsError(
+            f"run {run_id} already holds artifacts at {artifact_path}; a registered version would "
+            "change under its users. Export each head to its own directory name."
+        )
+    client.log_artifacts(run_id, str(head_dir), artifact_path)
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+
+    version_tags = {str(k): scrub_text(str(v)) for k, v in tags.items()}
+    version_tags.update({f"metric.{k}": repr(float(v)) for k, v in metrics.items()})
+    version_tags[TAG_FILES] = json.dumps(files, sort_keys=True)
+    ensure_registered_model(client, name)
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=version_tags)
+    client.set_registered_model_alias(name, CHALLENGER, version.version)
+    return client.get_model_version(name, version.version)
+
+
+# ---------------------------------------------------------------------------------------
+# Promote
+
+
+def champion_version(client: MlflowClient | Tracker, name: str) -> ModelVersion | None:
+    """The version holding the ``champion`` alias, or None when there is none yet."""
+    client = _client(client)
+    try:
+        aliases = client.get_registered_model(name).aliases
+    except MlflowException as err:
+        if err.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            return None
+        raise
+    return client.get_model_version(name, aliases[CHAMPION]) if CHAMPION in aliases else None
+
+
+def promote_if_better(
+    client: MlflowClient | Tracker,
+    name: str,
+    version: str | int,
+    score: float,
+    margin: float,
+    validated: bool,
+) -> PromotionDecision:
+    """Move ``champion`` to ``version`` only if it is validated and its score beats the
+    champion's by ``margin`` (relative): ``score > champion_score * (1 + margin)``."""
+    client = _client(client)
+    version = str(version)
+    if not math.isfinite(score) or score < 0:
+        raise ValueError(f"score must be a finite acceptance >= 0, got {score}")
+    if margin < 0:
+        raise ValueError(f"promotion margin must be >= 0, got {margin}")
+    client.get_model_version(name, version)  # a clear error for an unknown version
+    champion = champion_version(client, name)
+    before = str(champion.version) if champion else None
+    promoted, reason = _decide(champion, version, score, margin, validated)
+
+    client.set_model_version_tag(name, version, TAG_SCORE, repr(float(score)))
+    client.set_model_version_tag(name, version, TAG_VALIDATED, str(bool(validated)).lower())
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, version)
+        if before:
+            client.set_model_version_tag(name, before, TAG_SUPERSEDED_BY, version)
+    for key, value in {
+        TAG_DECISION: "promoted" if promoted else "refused",
+        TAG_REASON: reason,
+        TAG_CHAMPION_BEFORE: before or "none",
+        TAG_MARGIN: repr(float(margin)),
+        TAG_DECIDED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }.items():
+        client.set_model_version_tag(name, version, key, value)
+    return PromotionDecision(promoted, reason, before, version if promoted else before)
+
+
+def _decide(champion: ModelVersion | None, version: str, score: float, margin: float, validated: bool):
+    if not validated:
+        return False, "refused: the head did not pass validation"
+    if champion is None:
+        return True, f"promoted: first validated head (score {score:.4f}), no champion yet"
+    if str(champion.version) == version:
+        return False, f"version {version} is already the champion"
+    recorded = champion.tags.get(TAG_SCORE)
+    if recorded is None:
+        return False, (
+            f"refused: champion v{champion.version} has no recorded score (tag {TAG_SCORE}); "
+            "tag it with its weighted acceptance or move the alias by hand"
+        )
+    champion_score = float(recorded)
+    needed = champion_score * (1 + margin)
+    comparison = (f"score {score:.4f} vs champion v{champion.version} {champion_score:.4f} "
+                  f"x (1 + margin {margin:g}) = {needed:.4f}")
+    if score > needed:
+        return True, f"promoted: {comparison}"
+    return False, f"refused: {comparison} (must be strictly greater)"
+
+
+# ---------------------------------------------------------------------------------------
+# Serve
+
+
+def download_champion(client: MlflowClient | Tracker, name: str, dst: str | Path, *, overwrite: bool = False) -> Path:
+    """Download the champion head into ``dst`` (config.json + model.safetensors + card),
+    verified file by file against the sizes and hashes recorded at registration."""
+    client = _client(client)
+    dst = Path(dst).resolve()
+    champion = champion_version(client, name)
+    if champion is None:
+        raise LookupError(f"registered model {name!r} has no champion yet; run the pipeline until a "
+                          "validated head is promoted")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"{dst} is not empty; choose another directory or pass overwrite=True")
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=client.get_model_version_download_uri(name, champion.version),
+            dst_path=str(staging),
+            tracking_uri=client.tracking_uri,
+        ))
+        verify_head_files(local, json.loads(champion.tags.get(TAG_FILES, "{}")))
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(local, dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dst
+
+
+def verify_head_files(head_dir: Path, expected: dict[str, dict]) -> None:
+    """Every recorded file is present with its recorded size and sha256; vLLM's files parse."""
+    problems = []
+    for rel, meta in expected.items():
+        path = head_dir / rel
+        if not path.is_file():
+            problems.append(f"{rel} missing")
+        elif path.stat().st_size != meta["bytes"]:
+            problems.append(f"{rel} has {path.stat().st_size} bytes, expected {meta['bytes']}")
+        elif file_sha256(path) != meta["sha256"]:
+            problems.append(f"{rel} sha256 differs from the registered one")
+    if problems:
+        raise ValueError(f"downloaded head {head_dir} is incomplete or corrupt: {'; '.join(problems)}")
+    head_file_manifest(head_dir)  # required files present and readable even without a record

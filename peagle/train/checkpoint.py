@@ -1,0 +1,374 @@
+"""Drafter checkpoints: atomic, resumable, pruned to the last N plus the best.
+
+``<root>/step-NNNNNN/`` holds
+
+    drafter.safetensors   the drafter's state dict (vLLM head names), gathered on rank 0
+    head_spec.json        the HeadSpec it was trained for
+    trainer_state.json    step, epoch, position in the epoch, batch plan, metrics, the
+                          acceptance it was chosen by, and rank 0's python/numpy/torch RNG
+                          states as plain lists (ranks > 0: rng-rank-R.json)
+    deepspeed/engine/     DeepSpeed's own engine checkpoint (module, optimizer, scheduler)
+
+A checkpoint is written into ``<root>/.tmp-step-NNNNNN`` and renamed when every rank
+has finished, so a visible ``step-*`` directory is always complete; ``latest`` and
+``best`` are small pointer files replaced atomically after the rename.
+
+DeepSpeed saves its engine state with ``torch.save`` and its stock loader calls
+``torch.load(weights_only=False)``, i.e. full unpickling. ``install_safe_loader`` swaps
+in a loader that uses ``weights_only=True`` with only the three DeepSpeed classes its
+ZeRO optimizer states contain allow-listed, so resuming never runs arbitrary pickle code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from peagle.facts import HeadSpec
+
+DRAFTER_FILE = "drafter.safetensors"
+HEAD_SPEC_FILE = "head_spec.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+DEEPSPEED_DIR = "deepspeed"
+DEEPSPEED_TAG = "engine"
+LATEST = "latest"
+BEST = "best"
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+STATE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- DeepSpeed loading
+
+
+def _deepspeed_safe_globals() -> list:
+    """The only non-tensor classes DeepSpeed 0.19's ZeRO 0-3 checkpoints contain (measured)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def install_safe_loader(engine) -> None:
+    """Make ``engine.load_checkpoint`` read files with ``torch.load(weights_only=True)``."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise RuntimeError(
+            f"DeepSpeed chose {type(engine.checkpoint_engine).__name__}; peagle only knows how to load "
+            "TorchCheckpointEngine files safely (remove any 'checkpoint' writer section from the DeepSpeed config)"
+        )
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(engine._config)
+
+
+# ----------------------------------------------------------------------------- RNG states
+
+
+def capture_rng() -> dict:
+    """Python, numpy and torch RNG states as JSON-able lists (no pickle)."""
+    version, py_state, gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "python": [version, list(py_state), gauss],
+        "numpy": [np_kind, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(py_state), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+# ----------------------------------------------------------------------------- trainer state
+
+
+@dataclass
+class TrainerState:
+    """Where training stands; everything a resume needs besides DeepSpeed's own state."""
+
+    step: int  # optimizer steps completed
+    epoch: int  # epoch the next step belongs to
+    epoch_position: int  # micro-batches of that epoch this rank has already consumed
+    world_size: int
+    steps_per_epoch: int
+    micro_batch_size: int
+    grad_accum: int
+    total_steps: int
+    config_hash: str = ""
+    acceptance: float | None = None  # offline acceptance of this checkpoint, when evaluated
+    metrics: dict = field(default_factory=dict)  # the last step's logged metrics
+    replica_checksums: list[float] = field(default_factory=list)  # per rank: all must agree
+    rng: dict = field(default_factory=dict)  # rank 0's RNG states
+    version: int = STATE_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainerState:
+        data = json.loads(text)
+        if data.get("version") != STATE_VERSION:
+            raise ValueError(f"trainer state version {data.get('version')} is not {STATE_VERSION}")
+        return cls(**data)
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file under ``path`` before the rename publishes it."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:06d}"
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).name[len(PREFIX) :])
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (temp directories are never listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit()]
+    return sorted(found, key=checkpoint_step)
+
+
+def _pointer(root: Path, name: str) -> Path | None:
+    path = Path(root) / name
+    if not path.is_file():
+        return None
+    target = Path(root) / json.loads(path.read_text())["checkpoint"]
+    return target if target.is_dir() else None
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint (what a resume continues from)."""
+    return _pointer(root, LATEST)
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """The checkpoint with the highest offline acceptance so far (None before any evaluation)."""
+    return _pointer(root, BEST)
+
+
+def best_acceptance(root: Path) -> float | None:
+    path = Path(root) / BEST
+    return json.loads(path.read_text())["acceptance"] if path.is_file() and _pointer(root, BEST) else None
+
+
+def read_trainer_state(checkpoint: Path) -> TrainerState:
+    return TrainerState.from_json((Path(checkpoint) / TRAINER_STATE_FILE).read_text())
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The drafter's full state dict on CPU on rank 0 (None elsewhere); collective.
+
+    ZeRO-3 keeps each parameter partitioned across ranks, so it is gathered first; the
+    other stages hold full parameters on every rank.
+    """
+    module = engine.module
+    if engine.zero_optimization_partition_weights():
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if _rank() == 0 else None
+        return state
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if _rank() == 0 else None
+
+
+def replica_checksum(engine) -> float:
+    """A float64 fingerprint of this rank's full parameters (ranks must agree exactly)."""
+    module = engine.module
+    params = list(module.parameters())
+
+    def fingerprint() -> float:
+        total = 0.0
+        for i, p in enumerate(params):
+            data = p.detach()
+            total += (i + 1) * float(data.sum(dtype=torch.float64)) + float(data.float().square().sum(dtype=torch.float64))
+        return total
+
+    if engine.zero_optimization_partition_weights():
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return fingerprint()
+    return fingerprint()
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(
+    engine,
+    spec: HeadSpec,
+    state: TrainerState,
+    root: Path,
+    keep_last: int,
+    drafter_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``step-NNNNNN`` atomically on every rank's behalf; collective (call on all ranks).
+
+    ``drafter_state`` (rank 0) reuses a state dict already gathered for evaluation.
+    Returns the checkpoint directory. Afterwards ``latest`` points at it, ``best`` at the
+    checkpoint with the highest ``state.acceptance``, and older ones beyond ``keep_last``
+    (other than the best) are removed.
+    """
+    root = Path(root)
+    rank = _rank()
+    name = checkpoint_name(state.step)
+    tmp = root / f"{TMP_PREFIX}{name}"
+    final = root / name
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    if drafter_state is None:
+        drafter_state = gathered_state_dict(engine)
+    engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in drafter_state.items()}, str(tmp / DRAFTER_FILE))
+        (tmp / HEAD_SPEC_FILE).write_text(spec.to_json())
+        (tmp / TRAINER_STATE_FILE).write_text(replace(state, rng=capture_rng()).to_json())
+    else:
+        (tmp / f"rng-rank-{rank}.json").write_text(json.dumps(capture_rng()))
+    _barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+        _write_text_atomic(root / LATEST, json.dumps({"checkpoint": name, "step": state.step}))
+        _update_best(root, name, state.acceptance)
+        prune_checkpoints(root, keep_last)
+    _barrier()
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished temp directory into place (replacing a stale one of the same step)."""
+    if final.exists():
+        stale = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+        if stale.exists():
+            shutil.rmtree(stale)
+        os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _update_best(root: Path, name: str, acceptance: float | None) -> None:
+    if acceptance is None:
+        return
+    current = best_acceptance(root)
+    if current is None or acceptance > current:
+        _write_text_atomic(root / BEST, json.dumps({"checkpoint": name, "acceptance": acceptance}))
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Remove checkpoints older than the last ``keep_last``, never the best; also stale temp dirs."""
+    root = Path(root)
+    keep = set(list_checkpoints(root)[-keep_last:])
+    best = best_checkpoint(root)
+    if best is not None:
+        keep.add(best)
+    removed = []
+    for path in list_checkpoints(root):
+        if path not in keep:
+            shutil.rmtree(path)
+            removed.append(path)
+    for path in root.iterdir():
+        if path.is_dir() and path.name.startswith(TMP_PREFIX):
+            shutil.rmtree(path)
+    return removed
+
+
+def load_checkpoint(engine, checkpoint: Path) -> TrainerState:
+    """Restore DeepSpeed's engine (module, optimizer, scheduler) and this rank's RNG; collective."""
+    checkpoint = Path(checkpoint)
+    state = read_trainer_state(checkpoint)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if state.world_size != world_size:
+        raise ValueError(
+            f"{checkpoint} was written by {state.world_size} ranks but this run has {world_size}; "
+            "resume with the same train.world_size or start a fresh output directory"
+        )
+    load_path, _ = engine.load_checkpoint(
+        str(checkpoint / DEEPSPEED_DIR),
+        tag=DEEPSPEED_TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if load_path is None:
+        raise FileNotFoundError(f"{checkpoint / DEEPSPEED_DIR} holds no DeepSpeed engine checkpoint")
+    rank = _rank()
+    rng = state.rng if rank == 0 else json.loads((checkpoint / f"rng-rank-{rank}.json").read_text())
+    restore_rng(rng)
+    return state

@@ -1,0 +1,147 @@
+"""What each rank trains on, in which order: deterministic, shardable, resumable.
+
+An epoch's order is a permutation seeded by (seed, epoch), dealt round-robin to the
+ranks, so every rank knows its samples without talking to the others and a resumed run
+sees exactly the same order. The randomness inside an example (COD sampling) comes
+from a generator seeded by (seed, epoch, sample index), not from a running stream, so
+resuming mid-epoch rebuilds bit-identical examples without saving generator states.
+
+Every rank gets the same number of micro-batches per epoch (the tail that does not
+fill a whole optimizer step on every rank is dropped): DeepSpeed's collectives need all
+ranks to step together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How an epoch splits into optimizer steps for one rank."""
+
+    num_samples: int  # in the split
+    world_size: int
+    micro_batch_size: int
+    grad_accum: int
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.num_samples // self.world_size
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one rank consumes per optimizer step."""
+        return self.micro_batch_size * self.grad_accum
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.samples_per_rank // self.samples_per_step
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.grad_accum
+
+    def check(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"the training split has {self.num_samples} samples, fewer than one optimizer step needs "
+                f"(world_size {self.world_size} x micro_batch_size {self.micro_batch_size} x grad_accum "
+                f"{self.grad_accum} = {self.world_size * self.samples_per_step}); generate more data "
+                "(data.max_samples) or lower train.micro_batch_size / train.grad_accum / train.world_size"
+            )
+
+
+def epoch_permutation(num_samples: int, epoch: int, seed: int) -> list[int]:
+    """The whole split's order in ``epoch``: the same on every rank and every run."""
+    generator = torch.Generator().manual_seed(_mix(seed, epoch))
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def rank_order(plan: BatchPlan, epoch: int, seed: int, rank: int) -> list[int]:
+    """Sample indices rank ``rank`` trains on in ``epoch`` (equal length on every rank)."""
+    if not 0 <= rank < plan.world_size:
+        raise ValueError(f"rank {rank} is outside world size {plan.world_size}")
+    mine = epoch_permutation(plan.num_samples, epoch, seed)[rank :: plan.world_size]
+    return mine[: plan.micro_batches_per_epoch * plan.micro_batch_size]
+
+
+def example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A generator owned by one (epoch, sample): COD draws do not depend on what ran before."""
+    return torch.Generator().manual_seed(_mix(seed, epoch, index))
+
+
+def _mix(*values: int) -> int:
+    """A well-spread 63-bit seed from small integers (numpy's SeedSequence hashing)."""
+    state = np.random.SeedSequence([int(v) for v in values]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31 | int(state[1])) & ((1 << 63) - 1)
+
+
+class EpochSamples(Dataset):
+    """Sample ``i`` of the split turned into one training example for the current epoch.
+
+    ``make_example(sample, generator)`` is the objective's example builder (P-EAGLE or
+    EAGLE-3). Items are ``(example, num_tokens)``: the token count feeds tokens/s.
+    """
+
+    def __init__(self, samples: Sequence, make_example: Callable[[Any, torch.Generator], Any], seed: int):
+        self.samples = samples
+        self.make_example = make_example
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        sample = self.samples[index]
+        example = self.make_example(sample, example_generator(self.seed, self.epoch, index))
+        return example, int(sample.token_ids.numel())
+
+
+class MicroBatches(Sampler[list[int]]):
+    """This rank's micro-batches of one epoch, starting after ``skip`` of them (resume)."""
+
+    def __init__(self, order: list[int], micro_batch_size: int, skip: int = 0):
+        self.batches = [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+        if not 0 <= skip <= len(self.batches):
+            raise ValueError(f"cannot skip {skip} of {len(self.batches)} micro-batches in this epoch")
+        self.skip = skip
+
+    def __iter__(self):
+        return iter(self.batches[self.skip :])
+
+    def __len__(self) -> int:
+        return len(self.batches) - self.skip
+
+
+def epoch_loader(
+    dataset: EpochSamples,
+    plan: BatchPlan,
+    epoch: int,
+    rank: int,
+    collate: Callable[[list], Any],
+    skip_micro_batches: int = 0,
+) -> DataLoader:
+    """Micro-batches ``(batch, num_tokens)`` of ``epoch`` for ``rank``, in the fixed order.
+
+    Built in the main process (no workers): example construction is cheap next to the
+    drafter's forward, and it keeps the order and the generators trivially reproducible.
+    """
+    dataset.set_epoch(epoch)
+    order = rank_order(plan, epoch, dataset.seed, rank)
+    sampler = MicroBatches(order, plan.micro_batch_size, skip_micro_batches)
+
+    def collate_with_tokens(items):
+        examples, tokens = zip(*items)
+        return collate(list(examples)), sum(tokens)
+
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_with_tokens, num_workers=0)

@@ -1,0 +1,221 @@
+"""The EAGLE-3 baseline: the same head trained autoregressively with training-time test (TTT).
+
+EAGLE-3 drafts one token per forward pass. vLLM (``llm_base_proposer.py``, non-parallel
+path) runs step 0 on the accepted context, (x_{p+1}, fc(g_p)) at position p, then each
+step j >= 1 feeds ONE new slot at position p + j: the token drafted at step j-1 and, as
+its hidden state, the drafter's own pre-final-norm output of step j-1 (``prenorm``,
+``DrafterOutput.hidden``; it bypasses ``fc``). Its query sees the context up to p and the
+earlier steps of its own chain through the KV cache.
+
+Training-time test reproduces that: element (p, j) of a P-EAGLE-layout example is step j
+after anchor p. Choices (as in the EAGLE-3 paper's TTT): the token fed at step j >= 1 is
+the ground-truth x_{p+j+1}, not the drafted one; gradients flow through the fed-back
+hidden states; the RoPE position of step j is p + j (vLLM's); attention is P-EAGLE's rule
+(depth-0 context up to the anchor, plus the own chain), i.e. exactly the KV cache view.
+Step j is one forward pass over every element of depth <= j; the shallower elements are
+recomputed with the same inputs, which gives the same values as cached keys/values.
+
+Loss: the P-EAGLE objective's KL and weighting over all charged (anchor, step) elements.
+The exported head uses the same weight names; ``mask_hidden`` stays untrained (served
+WITHOUT ``parallel_drafting``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from peagle.facts import HeadSpec
+from peagle.model.drafter import DrafterOutput
+from peagle.train.batch import Batch, Example, build_peagle_example, collate
+from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss
+from peagle.train.masks import PrecomputedMask
+from peagle.train.partition import partition_batch, select_elements
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def with_ground_truth_tokens(example: Example) -> Example:
+    """Element (p, d >= 1) reads the real next token x_{p+d+1} (TTT), not the mask token.
+
+    Depth 0 holds every anchor in order with input x_{a+1}; anchors of packed documents
+    are consecutive, and (p, d) exists only while p + d + 1 is inside p's document, so
+    x_{p+d+1} is the depth-0 input of anchor p + d.
+    """
+    zero = example.depth == 0
+    next_token = torch.empty(int(example.anchor.max()) + 1, dtype=torch.long)
+    next_token[example.anchor[zero]] = example.input_ids[zero]
+    deep = ~zero
+    input_ids = example.input_ids.clone()
+    input_ids[deep] = next_token[example.anchor[deep] + example.depth[deep]]
+    return replace(example, input_ids=input_ids, is_mask=torch.zeros_like(example.is_mask))
+
+
+def build_eagle3_example(sample, spec: HeadSpec, ttt_steps: int, max_len: int) -> Example:
+    """Every supervised (anchor, step < ttt_steps) element, fed ground-truth tokens (no COD)."""
+    example = build_peagle_example(sample, spec, ttt_steps, cod_ratio=1.0, cod_floor=1.0, max_len=max_len)
+    return with_ground_truth_tokens(example)
+
+
+# ----------------------------------------------------------------------------- TTT passes
+
+
+@dataclass
+class TTTStep:
+    step: int
+    columns: torch.Tensor  # Long [B, n]: this pass's elements as columns of the input batch (pad: N)
+    batch: Batch  # this pass's elements (depth <= step)
+    output: DrafterOutput  # logits only where ``logits_mask``, flattened [M, Vd]
+    logits_mask: torch.Tensor  # Bool [B, n]
+
+
+def parent_columns(batch: Batch) -> torch.Tensor:
+    """Long [B, N]: the column of element (p, d)'s parent (p, d-1); N for depth 0 / padding."""
+    b, n = batch.input_ids.shape
+    stride = int(batch.depth.max()) + 1 if batch.depth.numel() else 1
+    parent = torch.full((b, n), n, dtype=torch.long, device=batch.input_ids.device)
+    for row in range(b):
+        valid = batch.valid[row]
+        anchor, depth = batch.anchor[row], batch.depth[row]
+        key = anchor * stride + depth
+        table = torch.full((int(key[valid].max()) + 1 if valid.any() else 1,), n, dtype=torch.long, device=parent.device)
+        cols = torch.nonzero(valid).squeeze(1)
+        table[key[cols]] = cols
+        deep = valid & (depth > 0)
+        parent[row, deep] = table[key[deep] - 1]
+    deep = batch.valid & (batch.depth > 0)
+    if bool((parent[deep] == n).any()):
+        raise ValueError("an element (p, d) has no parent (p, d-1) in its batch: TTT chains must be complete")
+    return parent
+
+
+def _gather_rows(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """values [B, N(+1), ...] gathered at columns [B, n] -> [B, n, ...]."""
+    index = columns.reshape(*columns.shape, *([1] * (values.dim() - 2))).expand(*columns.shape, *values.shape[2:])
+    return values.gather(1, index)
+
+
+def ttt_passes(
+    drafter: nn.Module,
+    batch: Batch,
+    steps: int,
+    to_target_ids: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Iterator[TTTStep]:
+    """Run EAGLE-3 steps 0..steps-1 over a P-EAGLE-layout batch, one forward pass per step.
+
+    Logits are computed for the step's ``supervised`` elements. Training (``to_target_ids``
+    None): inputs are the batch's (ground-truth) tokens. Drafting (``to_target_ids`` maps
+    draft-vocabulary ids to target ids): step j >= 1 elements read the token their parent
+    drafted (its argmax), so every parent of a deeper element must be ``supervised``.
+    """
+    b, n = batch.input_ids.shape
+    if steps < 1:
+        raise ValueError(f"EAGLE-3 needs at least one step, got {steps}")
+    parent = parent_columns(batch)
+    fed_hidden = None  # [B, N+1, H]: each element's pre-norm output from its own step
+    drafted = torch.zeros(b, n + 1, dtype=torch.long, device=batch.input_ids.device)  # drafting mode only
+    for j in range(steps):
+        keep = batch.valid & (batch.depth <= j)
+        index = [torch.nonzero(keep[row]).squeeze(1) for row in range(b)]
+        sub = select_elements(batch, index)
+        columns = torch.full(sub.valid.shape, n, dtype=torch.long, device=keep.device)
+        for row, idx in enumerate(index):
+            columns[row, : idx.numel()] = idx
+        deep = sub.valid & (sub.depth > 0)
+        sub_parent = _gather_rows(torch.cat([parent, parent.new_full((b, 1), n)], 1), columns)
+        override = None
+        if j > 0:
+            override = _gather_rows(fed_hidden, sub_parent)
+            if to_target_ids is not None:
+                sub.input_ids = torch.where(deep, _gather_rows(drafted, sub_parent), sub.input_ids)
+        current = sub.valid & (sub.depth == j)
+        logits_mask = current & sub.supervised
+        out = drafter(
+            input_ids=sub.input_ids,
+            aux_hidden=sub.aux_hidden,
+            position_ids=sub.position_ids,
+            attention_mask=sub.attention_mask,
+            is_mask=None,
+            hidden_override=override,
+            override_mask=deep if j > 0 else None,
+            logits_mask=logits_mask,
+        )
+        yield TTTStep(step=j, columns=columns, batch=sub, output=out, logits_mask=logits_mask)
+        if j + 1 < steps:
+            fed_hidden = _store(fed_hidden, out.hidden, columns, current, n)
+            if to_target_ids is not None:
+                tokens = torch.zeros_like(sub.input_ids)
+                tokens[logits_mask] = to_target_ids(out.logits.argmax(-1))
+                drafted = drafted.scatter(1, torch.where(logits_mask, columns, n), tokens)
+
+
+def _store(fed: torch.Tensor | None, hidden: torch.Tensor, columns: torch.Tensor, current: torch.Tensor, n: int) -> torch.Tensor:
+    """Add this step's elements' hidden states to the per-column buffer (differentiably).
+
+    Each column is written once, at its own step; everything else lands (as zeros) in the
+    dummy column N.
+    """
+    b, _, h = hidden.shape
+    if fed is None:
+        fed = hidden.new_zeros(b, n + 1, h)
+    target_cols = torch.where(current, columns, n)[..., None].expand(-1, -1, h)
+    src = torch.where(current[..., None], hidden, 0.0)
+    return fed + torch.zeros_like(fed).scatter_add(1, target_cols, src)
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def eagle3_loss(
+    drafter: nn.Module,
+    target_head: TargetHead,
+    batch: Batch,
+    ttt_steps: int,
+    weighting: Weighting = "uniform",
+    denominator: float | torch.Tensor | None = None,
+    k: int | None = None,
+) -> LossOutput:
+    """TTT loss over a batch of ``build_eagle3_example`` examples (same ``LossOutput`` as P-EAGLE).
+
+    Step j charges the supervised depth-j elements; ``denominator`` / ``weighting`` as in
+    ``kl_loss`` (pass the whole batch's normaliser when the batch is a segment).
+    """
+    logits, target_logits, depths = [], [], []
+    for st in ttt_passes(drafter, batch, ttt_steps):
+        logits.append(st.output.logits)
+        with torch.no_grad():
+            target_logits.append(target_head(st.batch.target_hidden[st.logits_mask]))
+        depths.append(st.batch.depth[st.logits_mask])
+    return kl_loss(torch.cat(logits), torch.cat(target_logits), torch.cat(depths), k or ttt_steps, weighting, denominator)
+
+
+def objective(train, spec: HeadSpec, target_head: TargetHead):
+    """The trainer's ``Objective`` for ``train.method == "eagle3"`` (steps = eagle3_ttt_steps)."""
+    from peagle.train.trainer import Objective
+
+    steps = train.eagle3_ttt_steps
+
+    def make_example(sample, generator):
+        return build_eagle3_example(sample, spec, steps, train.max_len)
+
+    def denominator(batch: Batch):
+        if train.loss_depth_weighting == "uniform":
+            return int((batch.supervised & (batch.depth < steps)).sum())
+        return torch.bincount(batch.depth[batch.supervised], minlength=steps).float()
+
+    def loss(model, batch: Batch, denom) -> LossOutput:
+        return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denom, k=steps)
+
+    return Objective(
+        name="eagle3",
+        make_example=make_example,
+        collate=partial(collate, mask=PrecomputedMask(train.max_len, steps)),
+        loss=loss,
+        denominator=denominator,
+        split=partition_batch if train.segments > 1 else None,
+    )

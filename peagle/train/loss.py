@@ -1,0 +1,166 @@
+"""The training loss: forward KL(target || drafter) over the draft vocabulary.
+
+The target's distribution at a position comes from its stored final (pre-norm) hidden
+state through the target's own final RMSNorm and the lm_head rows of the draft
+vocabulary (``TargetHead``, frozen). Public ports sum the KL over supervised elements and
+divide by their count ("uniform"); one early port averaged per-depth means
+("per_depth_mean"). Both are here so the choice can be measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from peagle.facts import HeadSpec
+from peagle.model.drafter import RMSNorm
+from peagle.model.target_weights import load_target_tensors, target_config
+from peagle.train.batch import Batch
+
+Weighting = Literal["uniform", "per_depth_mean"]
+
+
+class TargetHead(nn.Module):
+    """Frozen target final norm + lm_head rows of the draft vocabulary: hidden -> logits."""
+
+    def __init__(self, hidden_size: int, draft_vocab_size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    @classmethod
+    def from_target(cls, target_path: str, spec: HeadSpec, draft_ids: torch.Tensor) -> TargetHead:
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
+        if spec.draft_vocab_size is not None and draft_ids.numel() != spec.draft_vocab_size:
+            raise ValueError(f"draft_ids has {draft_ids.numel()} entries, spec.draft_vocab_size is {spec.draft_vocab_size}")
+        weights = load_target_tensors(target_path, draft_ids)
+        eps = float(target_config(target_path).get("rms_norm_eps", spec.rms_norm_eps))
+        head = cls(spec.target_hidden_size, draft_ids.numel(), eps)
+        if weights["norm"].shape != (spec.target_hidden_size,):
+            raise ValueError(
+                f"target final norm has shape {tuple(weights['norm'].shape)}, spec says Ht={spec.target_hidden_size}"
+            )
+        with torch.no_grad():
+            head.norm.weight.copy_(weights["norm"])
+            head.lm_head.weight.copy_(weights["lm_head"])
+        return head
+
+    def forward(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(final_hidden.to(self.lm_head.weight.dtype)))
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    loss_sum: torch.Tensor  # detached sum of per-element KL
+    num_supervised: int
+    metrics: dict[str, float]
+    # Per-depth sums (Float [K]) so segments / ranks can be aggregated exactly.
+    depth_stats: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p_target || p_draft) per row, in fp32."""
+    log_q = F.log_softmax(draft_logits.float(), dim=-1)
+    log_p = F.log_softmax(target_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def depth_statistics(kl: torch.Tensor, correct: torch.Tensor, depth: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Per-depth KL sums, top-1 agreement counts and element counts (Float [K] each)."""
+    zeros = kl.new_zeros(k)
+    return {
+        "kl_sum": zeros.index_add(0, depth, kl.detach().float()),
+        "correct": zeros.index_add(0, depth, correct.float()),
+        "count": zeros.index_add(0, depth, torch.ones_like(kl, dtype=torch.float)),
+    }
+
+
+def metrics_from_stats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``loss/depth_d``, ``acc/depth_d`` (top-1 agreement with the target) and overall ``acc``."""
+    kl, correct, count = (stats[key].tolist() for key in ("kl_sum", "correct", "count"))
+    metrics = {}
+    for d, (s, c, n) in enumerate(zip(kl, correct, count)):
+        if n > 0:
+            metrics[f"loss/depth_{d}"] = s / n
+            metrics[f"acc/depth_{d}"] = c / n
+    total = sum(count)
+    if total > 0:
+        metrics["acc"] = sum(correct) / total
+        metrics["kl"] = sum(kl) / total
+    return metrics
+
+
+def kl_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    depth: torch.Tensor,
+    k: int,
+    weighting: Weighting = "uniform",
+    denominator: float | torch.Tensor | None = None,
+) -> LossOutput:
+    """Loss over M supervised elements ([M, Vd] logits, Long [M] depths).
+
+    ``denominator`` (for sequence partitioning / gradient accumulation): "uniform" divides
+    the KL sum by it instead of M; "per_depth_mean" takes a Float [K] of per-depth counts
+    of the whole batch.
+    """
+    kl = forward_kl(draft_logits, target_logits)
+    correct = draft_logits.argmax(-1) == target_logits.argmax(-1)
+    stats = depth_statistics(kl, correct, depth, k)
+    if weighting == "uniform":
+        denom = float(kl.numel()) if denominator is None else float(denominator)
+        loss = kl.sum() / max(denom, 1.0)
+    elif weighting == "per_depth_mean":
+        counts = stats["count"] if denominator is None else torch.as_tensor(denominator, dtype=torch.float, device=kl.device)
+        if counts.shape != (k,):
+            raise ValueError(f"per_depth_mean needs per-depth counts of shape [{k}], got {tuple(counts.shape)}")
+        per_depth_sum = kl.new_zeros(k).index_add(0, depth, kl)
+        present = counts > 0
+        loss = (per_depth_sum[present] / counts[present]).sum() / present.sum().clamp_min(1)
+    else:
+        raise ValueError(f"loss weighting {weighting!r} is not one of 'uniform', 'per_depth_mean'")
+    if kl.numel() == 0:
+        loss = draft_logits.sum() * 0.0  # keeps the graph (every rank must call backward)
+    return LossOutput(
+        loss=loss,
+        loss_sum=kl.detach().sum(),
+        num_supervised=int(kl.numel()),
+        metrics=metrics_from_stats(stats),
+        depth_stats=stats,
+    )
+
+
+def peagle_loss(
+    drafter: nn.Module,
+    target_head: TargetHead,
+    batch: Batch,
+    weighting: Weighting = "uniform",
+    denominator: float | torch.Tensor | None = None,
+    k: int | None = None,
+) -> LossOutput:
+    """Run the drafter over a batch and score its supervised elements against the target.
+
+    ``k`` sizes the per-depth statistics (default: the deepest depth in the batch + 1;
+    pass train.k_train so metrics from different batches line up).
+    """
+    supervised = batch.supervised
+    out = drafter(
+        input_ids=batch.input_ids,
+        aux_hidden=batch.aux_hidden,
+        position_ids=batch.position_ids,
+        attention_mask=batch.attention_mask,
+        is_mask=batch.is_mask,
+        logits_mask=supervised,
+    )
+    with torch.no_grad():
+        target_logits = target_head(batch.target_hidden[supervised])
+    depth = batch.depth[supervised]
+    if k is None:
+        k = int(batch.depth.max()) + 1 if batch.depth.numel() else 1
+    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator)

@@ -1,0 +1,240 @@
+"""Sequence partitioning (P-EAGLE paper, Algorithm 1): one long sequence, S forward+backward passes.
+
+A training example of L anchors is cut at B_s = floor(s * L / S). Each element is owned by
+(charged in) exactly one segment:
+
+    depth 0 at anchor p      -> the segment holding p
+    depth 1 at anchor p      -> the segment holding p + 1   (its RoPE position)
+    depth g >= 2 at anchor p -> its parent's segment (depth g-1, same anchor) = that of p + 1
+
+Segment s also carries, as context, every depth-0 element with anchor < B_{s+1}; those are
+recomputed there but not charged. Every key an owned element may attend to (depth-0
+context up to its anchor, its own chain) is therefore inside its segment, and the context
+elements attend only to depth-0 elements before them, so each owned element computes
+exactly what it computes in the whole example. Dividing each segment's loss by the WHOLE
+batch's supervised count (``denominator``) makes the segments' gradients sum to the
+single-pass gradient, while the largest attention matrix shrinks from (sum of all depths)^2
+to (L + deeper elements of one segment)^2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from peagle.train.batch import Batch, Example, collate
+from peagle.train.loss import LossOutput, TargetHead, Weighting, metrics_from_stats, peagle_loss
+from peagle.train.masks import PrecomputedMask
+
+STAT_KEYS = ("kl_sum", "correct", "count")
+
+
+@dataclass
+class Segment:
+    """One segment of an example: its elements (owned + context) and which ones it charges."""
+
+    example: Example  # elements in their original order; ``supervised`` = supervised and owned here
+    index: torch.Tensor  # Long [M]: positions of these elements in the original example
+    owned: torch.Tensor  # Bool [M]: charged here (False: depth-0 context recomputed for attention)
+    start: int  # anchors [start, end) are this segment's
+    end: int
+
+
+def segment_boundaries(num_anchors: int, segments: int) -> list[int]:
+    """B_0..B_S with B_s = floor(s * L / S) (B_0 = 0, B_S = L)."""
+    if segments < 1:
+        raise ValueError(f"the number of segments must be >= 1, got {segments}")
+    return [s * num_anchors // segments for s in range(segments + 1)]
+
+
+def owner_segment(anchor: torch.Tensor, depth: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
+    """Long [N]: the segment each element is charged in (Algorithm 1, steps 2-3).
+
+    Depth >= 2 elements inherit their parent's segment; following the chain down to
+    depth 1 gives the segment of anchor + 1 for every depth >= 1.
+    """
+    last = boundaries[-1] - 1
+    owner_anchor = torch.where(depth == 0, anchor, (anchor + 1).clamp_max(max(last, 0)))
+    inner = torch.as_tensor(boundaries[1:-1], dtype=owner_anchor.dtype, device=owner_anchor.device)
+    return torch.bucketize(owner_anchor, inner, right=True)
+
+
+def segment_indices(anchor: torch.Tensor, depth: torch.Tensor, segments: int) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """Per segment: (element index [M] in original order, owned Bool [M], start, end)."""
+    num_anchors = int(anchor.max()) + 1 if anchor.numel() else 0
+    bounds = segment_boundaries(num_anchors, segments)
+    owner = owner_segment(anchor, depth, bounds)
+    parts = []
+    for s in range(segments):
+        owned = owner == s
+        # A segment left empty (more segments than anchors) still carries anchor 0 as
+        # context, so it is a valid (zero-loss) forward pass.
+        context = (depth == 0) & (anchor < max(bounds[s + 1], 1))
+        index = torch.nonzero(owned | context).squeeze(1)
+        parts.append((index, owned[index], bounds[s], bounds[s + 1]))
+    return parts
+
+
+def partition_example(example: Example, num_segments: int) -> list[Segment]:
+    """Split one example into ``num_segments`` segments (Algorithm 1); see the module doc."""
+    _check_depth_zero_complete(example.anchor, example.depth)
+    segments = []
+    for index, owned, start, end in segment_indices(example.anchor, example.depth, num_segments):
+        part = example.select(index)
+        part.supervised = part.supervised & owned
+        segments.append(Segment(example=part, index=index, owned=owned, start=start, end=end))
+    return segments
+
+
+def _check_depth_zero_complete(anchor: torch.Tensor, depth: torch.Tensor) -> None:
+    """Partitioning relies on depth 0 holding every anchor 0..L-1 (the real context)."""
+    zero = anchor[depth == 0]
+    num_anchors = int(anchor.max()) + 1 if anchor.numel() else 0
+    if zero.numel() != num_anchors or not torch.equal(zero.sort().values, torch.arange(num_anchors, device=zero.device)):
+        raise ValueError(
+            "sequence partitioning needs one depth-0 element for every anchor 0..L-1 "
+            "(build examples with build_peagle_example; COD never drops depth 0)"
+        )
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def select_elements(batch: Batch, index: list[torch.Tensor], keep_supervised: list[torch.Tensor] | None = None) -> Batch:
+    """A batch of row-wise element subsets: row b keeps elements ``index[b]`` (in that order).
+
+    The attention mask is gathered from ``batch.attention_mask``, so it stays exactly the
+    whole batch's rule restricted to the kept elements. ``keep_supervised[b]`` (Bool, one
+    per kept element) further restricts which kept elements are supervised.
+    """
+    b = len(index)
+    n = max((int(i.numel()) for i in index), default=0)
+    device = batch.input_ids.device
+    out = {}
+    for f in fields(batch):
+        t = getattr(batch, f.name)
+        if f.name == "attention_mask":
+            continue
+        fill = -1 if f.name == "doc" else 0
+        padded = torch.full((b, n, *t.shape[2:]), fill, dtype=t.dtype, device=device)
+        for row, idx in enumerate(index):
+            padded[row, : idx.numel()] = t[row, idx]
+        out[f.name] = padded
+    attention = torch.zeros(b, n, n, dtype=torch.bool, device=device)
+    for row, idx in enumerate(index):
+        attention[row, : idx.numel(), : idx.numel()] = batch.attention_mask[row][idx][:, idx]
+    out["attention_mask"] = attention
+    if keep_supervised is not None:
+        for row, keep in enumerate(keep_supervised):
+            out["supervised"][row, : keep.numel()] &= keep
+    return Batch(**out)
+
+
+class SegmentBatches(Sequence[Batch]):
+    """The S segment batches of one batch, each built only when it is read (one alive at a time)."""
+
+    def __init__(self, batch: Batch, rows: list[list[tuple[torch.Tensor, torch.Tensor]]], segments: int):
+        self._batch, self._rows, self._segments = batch, rows, segments
+
+    def __len__(self) -> int:
+        return self._segments
+
+    def __getitem__(self, s: int) -> Batch:
+        if not -self._segments <= s < self._segments:
+            raise IndexError(f"segment {s} out of range for {self._segments} segments")
+        s %= self._segments
+        return select_elements(self._batch, [row[s][0] for row in self._rows], [row[s][1] for row in self._rows])
+
+
+def partition_batch(batch: Batch, segments: int) -> SegmentBatches:
+    """Split every row of a collated batch into ``segments`` segment batches (Algorithm 1).
+
+    Segment s of the batch holds segment s of every row; masks are sliced from the batch's
+    own mask. Losses of these batches must be divided by the WHOLE batch's normaliser.
+    """
+    rows = []
+    for row in range(batch.input_ids.shape[0]):
+        valid = torch.nonzero(batch.valid[row]).squeeze(1)
+        anchor, depth = batch.anchor[row, valid], batch.depth[row, valid]
+        _check_depth_zero_complete(anchor, depth)
+        rows.append([(valid[idx], owned) for idx, owned, _, _ in segment_indices(anchor, depth, segments)])
+    return SegmentBatches(batch, rows, segments)
+
+
+# ----------------------------------------------------------------------------- training step
+
+
+def loss_denominator(supervised: torch.Tensor, depth: torch.Tensor, weighting: Weighting, k: int):
+    """The whole batch's normaliser: supervised count ("uniform") or per-depth counts [K]."""
+    if weighting == "uniform":
+        return int(supervised.sum())
+    return torch.bincount(depth[supervised], minlength=k).float()
+
+
+def _as_examples(data: Example | list[Example] | Batch) -> list[Example] | None:
+    if isinstance(data, Example):
+        return [data]
+    if isinstance(data, (list, tuple)) and all(isinstance(e, Example) for e in data):
+        return list(data)
+    if isinstance(data, Batch):
+        return None
+    raise TypeError(f"expected an Example, a list of Examples or a Batch, got {type(data).__name__}")
+
+
+def partitioned_loss_backward(
+    drafter: nn.Module,
+    target_head: TargetHead,
+    data: Example | list[Example] | Batch,
+    segments: int,
+    weighting: Weighting = "uniform",
+    mask: PrecomputedMask | None = None,
+    k: int | None = None,
+) -> LossOutput:
+    """Forward+backward ``data`` as ``segments`` segments; gradients = the single-pass gradients.
+
+    Examples are partitioned first and each segment batch is collated (mask built) only
+    when it runs, so peak memory is that of the largest segment; a ``Batch`` is split
+    with ``partition_batch`` (its full mask already exists). ``mask`` defaults to a
+    ``PrecomputedMask`` sized for the data. Returns the summed ``LossOutput`` (``loss``
+    detached: the backward passes have already run).
+    """
+    examples = _as_examples(data)
+    if examples is not None:
+        depth = torch.cat([e.depth for e in examples])
+        supervised = torch.cat([e.supervised for e in examples])
+        k = k or int(depth.max()) + 1
+        if mask is None:
+            mask = PrecomputedMask(max(int(e.anchor.max()) + 1 for e in examples), k)
+        per_example = [partition_example(e, segments) for e in examples]
+        parts = (collate([segs[s].example for segs in per_example], mask) for s in range(segments))
+    else:
+        depth, supervised = data.depth, data.supervised
+        k = k or int(depth.max()) + 1
+        parts = iter(partition_batch(data, segments))
+    denominator = loss_denominator(supervised, depth, weighting, k)
+    total = None
+    for part in parts:
+        out = peagle_loss(drafter, target_head, part, weighting, denominator, k=k)
+        out.loss.backward()
+        total = _accumulate(total, out)
+        del out, part
+    return total
+
+
+def _accumulate(total: LossOutput | None, out: LossOutput) -> LossOutput:
+    """Sum two segments' outputs (loss, KL sum, counts, per-depth statistics)."""
+    stats = {key: out.depth_stats[key].detach().clone() for key in STAT_KEYS}
+    if total is not None:
+        stats = {key: total.depth_stats[key] + stats[key] for key in STAT_KEYS}
+        out = replace(
+            out,
+            loss=total.loss + out.loss.detach(),
+            loss_sum=total.loss_sum + out.loss_sum,
+            num_supervised=total.num_supervised + out.num_supervised,
+        )
+    else:
+        out = replace(out, loss=out.loss.detach())
+    return replace(out, depth_stats=stats, metrics=metrics_from_stats(stats))

@@ -1,0 +1,468 @@
+"""The training loop: DeepSpeed steps over the shard store, checkpoints, metrics, best-by-acceptance.
+
+``train_drafter`` runs in every rank of the current process group (one process, or each
+process that ``torchrun`` / the ``deepspeed`` launcher started; see ``launch``). Per
+optimizer step each rank consumes ``grad_accum`` micro-batches of its own slice of the
+epoch's seeded order; each micro-batch runs as ``train.segments`` forward+backward
+passes (sequence partitioning) whose losses are divided by the micro-batch's whole
+supervised count. DeepSpeed reduces, clips and steps once per optimizer step.
+
+Outputs under ``out_dir``: ``step-NNNNNN/`` checkpoints (``checkpoint``), ``latest`` /
+``best`` pointers, ``metrics.jsonl`` (one JSON object per step and per evaluation,
+written by rank 0) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
+from ``latest`` at the exact data position, optimizer, schedule and RNG state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from peagle.config import PipelineConfig, TrainConfig
+from peagle.facts import HeadSpec
+from peagle.train import checkpoint as ckpt
+from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
+from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
+
+METRICS_FILE = "metrics.jsonl"
+RESULT_FILE = "train_result.json"
+TRAIN_SPLIT = "train"
+STAT_KEYS = ("kl_sum", "correct", "count")
+# Fields that may change between a run and its resume without changing what is trained.
+RESUMABLE_FIELDS = {"eval_every", "save_every", "keep_last", "world_size"}
+
+EvalFn = Callable[[torch.nn.Module], float]
+MetricsCallback = Callable[[int, dict], None]
+
+
+@dataclass
+class TrainResult:
+    last_checkpoint: Path | None
+    best_checkpoint: Path | None  # highest offline acceptance; None when nothing was evaluated
+    metrics_history: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["last_checkpoint"] = str(self.last_checkpoint) if self.last_checkpoint else None
+        data["best_checkpoint"] = str(self.best_checkpoint) if self.best_checkpoint else None
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainResult:
+        data = json.loads(text)
+        return cls(
+            last_checkpoint=Path(data["last_checkpoint"]) if data["last_checkpoint"] else None,
+            best_checkpoint=Path(data["best_checkpoint"]) if data["best_checkpoint"] else None,
+            metrics_history=data["metrics_history"],
+        )
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+@dataclass
+class Objective:
+    """What ``train.method`` trains: how examples are built, batched, split and scored."""
+
+    name: str
+    make_example: Callable[[Any, torch.Generator], Any]  # (sample, generator) -> example
+    collate: Callable[[list], Any]  # examples -> batch
+    loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
+    denominator: Callable[[Any], Any]  # the whole micro-batch's normaliser (for segments)
+    split: Callable[[Any, int], list] | None = None  # (batch, segments) -> segment batches
+
+
+def peagle_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
+    from peagle.train.batch import build_peagle_example, collate
+    from peagle.train.loss import peagle_loss
+    from peagle.train.masks import PrecomputedMask
+
+    def make_example(sample, generator):
+        return build_peagle_example(
+            sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator
+        )
+
+    def denominator(batch):
+        if train.loss_depth_weighting == "uniform":
+            return batch.num_supervised
+        depths = batch.depth[batch.supervised]
+        return torch.bincount(depths, minlength=train.k_train).float()
+
+    def loss(model, batch, denom):
+        return peagle_loss(model, target_head, batch, train.loss_depth_weighting, denom, k=train.k_train)
+
+    return Objective(
+        name="peagle",
+        make_example=make_example,
+        collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
+        loss=loss,
+        denominator=denominator,
+        split=_partition_split() if train.segments > 1 else None,
+    )
+
+
+def _partition_split():
+    """Sequence partitioning (paper, Algorithm 1) from ``peagle.train.partition``."""
+    try:
+        from peagle.train.partition import partition_batch
+    except ImportError as err:
+        raise RuntimeError(
+            f"train.segments > 1 needs peagle.train.partition.partition_batch ({err}); set train.segments: 1"
+        ) from None
+    return partition_batch
+
+
+def eagle3_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
+    """The EAGLE-3 baseline (training-time test) on the same data, from ``peagle.train.eagle3``."""
+    try:
+        from peagle.train import eagle3
+    except ImportError as err:
+        raise RuntimeError(f"train.method 'eagle3' needs peagle.train.eagle3 ({err})") from None
+    return eagle3.objective(train, spec, target_head)
+
+
+def make_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
+    if train.method == "peagle":
+        return peagle_objective(train, spec, target_head)
+    if train.method == "eagle3":
+        return eagle3_objective(train, spec, target_head)
+    raise ValueError(f"train.method {train.method!r} is not 'peagle' or 'eagle3'")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class TrainingInputs:
+    spec: HeadSpec
+    samples: Any  # a ShardReader (or any sequence of samples)
+    draft_ids: torch.Tensor
+
+
+def load_training_inputs(data_dir: Path) -> TrainingInputs:
+    """Head spec, training split and draft vocabulary of a dataset directory (checked first)."""
+    from peagle.data.store import ShardReader
+    from peagle.data.vocab import VOCAB_FILE, DraftVocab
+
+    data_dir = Path(data_dir)
+    for need in ("head_spec.json", VOCAB_FILE, f"splits/{TRAIN_SPLIT}/manifest.json"):
+        if not (data_dir / need).exists():
+            raise FileNotFoundError(f"{data_dir / need} not found: build the dataset first (`peagle data CONFIG`)")
+    spec = HeadSpec.load(data_dir / "head_spec.json")
+    vocab = DraftVocab.load(data_dir / VOCAB_FILE)
+    if spec.draft_vocab_size != vocab.size:
+        raise ValueError(
+            f"{data_dir}: head_spec.json says draft_vocab_size={spec.draft_vocab_size} but "
+            f"{VOCAB_FILE} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
+        )
+    return TrainingInputs(spec=spec, samples=ShardReader(data_dir / "splits" / TRAIN_SPLIT), draft_ids=vocab.draft_ids)
+
+
+def train_config_hash(train: TrainConfig) -> str:
+    """Identity of what is being trained (fields that only affect bookkeeping are left out)."""
+    import hashlib
+
+    data = {k: v for k, v in train.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class MetricsLog:
+    """``metrics.jsonl`` on rank 0: one object per line, flushed as written."""
+
+    def __init__(self, path: Path, enabled: bool, on_metrics: MetricsCallback | None):
+        self.path, self.enabled, self.on_metrics = path, enabled, on_metrics
+        self.history: list[dict] = []
+
+    def resume_at(self, step: int) -> None:
+        """Drop records after ``step`` (a killed run logged steps its checkpoint does not hold)."""
+        if not self.path.exists():
+            return
+        kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        self.history = [r for r in kept if r["step"] <= step]
+        if self.enabled:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            tmp.replace(self.path)
+
+    def write(self, record: dict) -> None:
+        self.history.append(record)
+        if self.enabled:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            if self.on_metrics is not None:
+                self.on_metrics(record["step"], record)
+
+
+class StepStats:
+    """Sums over one optimizer step's micro-batches (and segments), reduced across ranks."""
+
+    def __init__(self, k: int, device: torch.device):
+        self.k, self.device = k, device
+        self.depth = torch.zeros(len(STAT_KEYS), k, dtype=torch.float64)
+        self.loss = 0.0  # sum over micro-batches of the optimized loss
+        self.micro_batches = 0
+        self.tokens = 0
+
+    def add_segment(self, out) -> None:
+        self.loss += float(out.loss.detach())
+        for i, key in enumerate(STAT_KEYS):
+            values = out.depth_stats.get(key) if out.depth_stats else None
+            if values is not None:
+                self.depth[i, : values.numel()] += values.detach().double().cpu()[: self.k]
+
+    def reduced(self) -> dict:
+        """Loss (mean over micro-batches and ranks), per-depth loss/acc and tokens, all ranks."""
+        flat = torch.cat([self.depth.reshape(-1), torch.tensor([self.loss, self.micro_batches, self.tokens], dtype=torch.float64)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flat = flat.to(self.device)
+            dist.all_reduce(flat)
+            flat = flat.cpu()
+        depth = flat[: self.depth.numel()].reshape(self.depth.shape)
+        loss_sum, micro, tokens = flat[self.depth.numel() :].tolist()
+        from peagle.train.loss import metrics_from_stats
+
+        record = {"loss": loss_sum / max(micro, 1), "tokens": int(tokens)}
+        record.update(metrics_from_stats({key: depth[i] for i, key in enumerate(STAT_KEYS)}))
+        return record
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def run_micro_batch(engine, objective: Objective, batch, segments: int, grad_accum: int, stats: StepStats) -> None:
+    """Forward+backward of one micro-batch, ``segments`` DeepSpeed micro-steps long.
+
+    Each segment's loss is already divided by the whole micro-batch's normaliser (the
+    objective's ``denominator``), so the segments' gradients sum to the unpartitioned
+    gradient; dividing by ``grad_accum`` here (not by DeepSpeed, which counts segments
+    too) averages micro-batches. DeepSpeed steps only at its accumulation boundary, which
+    falls after the last segment of the last micro-batch.
+    """
+    batch = batch.to(engine.device)
+    denominator = objective.denominator(batch)
+    parts = objective.split(batch, segments) if segments > 1 else [batch]
+    if len(parts) != segments:
+        raise RuntimeError(f"sequence partitioning returned {len(parts)} segments, expected train.segments={segments}")
+    for part in parts:
+        out = objective.loss(engine, part, denominator)
+        engine.backward(out.loss / grad_accum, scale_wrt_gas=False)
+        engine.step()
+        stats.add_segment(out)
+    stats.micro_batches += 1
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate(engine, spec: HeadSpec, eval_fn: EvalFn | None, dist_info: DistInfo, state_dict) -> float | None:
+    """Offline acceptance of the current weights (rank 0 runs ``eval_fn``; all ranks get it)."""
+    if eval_fn is None:
+        return None
+    value = torch.zeros(1, dtype=torch.float64)
+    if dist_info.is_main:
+        from peagle.model import PEagleDrafter
+
+        drafter = PEagleDrafter(spec)
+        drafter.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+        drafter.eval()
+        with torch.no_grad():
+            value[0] = float(eval_fn(drafter))
+    if dist.is_initialized() and dist_info.world_size > 1:
+        value = value.to(engine.device)
+        dist.broadcast(value, src=0)
+    return float(value.cpu()[0])
+
+
+def check_replicas(engine, dist_info: DistInfo) -> list[float]:
+    """Every rank's parameter fingerprint; data-parallel replicas must be identical."""
+    mine = torch.tensor([ckpt.replica_checksum(engine)], dtype=torch.float64)
+    if dist_info.world_size == 1:
+        return mine.tolist()
+    gathered = [torch.zeros(1, dtype=torch.float64, device=engine.device) for _ in range(dist_info.world_size)]
+    dist.all_gather(gathered, mine.to(engine.device))
+    values = [float(t.cpu()[0]) for t in gathered]
+    if len(set(values)) != 1:
+        raise RuntimeError(f"data-parallel replicas diverged: parameter fingerprints per rank {values}")
+    return values
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train_drafter(
+    cfg: PipelineConfig,
+    data_dir: Path,
+    target_path: str,
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    eval_fn: EvalFn | None = None,
+    on_metrics: MetricsCallback | None = None,
+    resume: bool = True,
+    inputs: TrainingInputs | None = None,
+) -> TrainResult:
+    """Train (or resume training) a drafter in the current process group; see the module doc.
+
+    ``eval_fn(drafter) -> acceptance`` (run on rank 0 at ``train.eval_every`` steps and at
+    the end) picks the best checkpoint; ``on_metrics(step, record)`` sees every record
+    written to ``metrics.jsonl``. ``inputs`` overrides what is read from ``data_dir``.
+    With ``train.max_steps`` set, training runs that many optimizer steps (as many epochs
+    as needed); otherwise ``train.epochs`` whole epochs.
+    """
+    from peagle.model import PEagleDrafter, target_config
+    from peagle.train.loss import TargetHead
+
+    train = cfg.train
+    out_dir = Path(out_dir)
+    inputs = inputs or load_training_inputs(data_dir)
+    target_config(target_path)  # a missing target fails here, before DeepSpeed starts
+    spec = inputs.spec
+    dist_info = init_process_group()
+    if dist_info.world_size != train.world_size:
+        raise ValueError(
+            f"train.world_size={train.world_size} but this process group has {dist_info.world_size} ranks; "
+            "start training with peagle.train.launch.launch_training (it runs torchrun with the right size)"
+        )
+    plan = BatchPlan(len(inputs.samples), dist_info.world_size, train.micro_batch_size, train.grad_accum)
+    plan.check()
+    total_steps = train.max_steps or plan.steps_per_epoch * train.epochs
+
+    torch.manual_seed(train.seed)
+    drafter = PEagleDrafter.from_target(spec, target_path, inputs.draft_ids)
+    engine = build_engine(drafter, train, total_steps, dist_info.world_size)
+    engine.train()
+    target_head = TargetHead.from_target(target_path, spec, inputs.draft_ids).to(engine.device)
+    objective = make_objective(train, spec, target_head)
+    dataset = EpochSamples(inputs.samples, objective.make_example, train.seed)
+
+    if dist_info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(out_dir / METRICS_FILE, dist_info.is_main, on_metrics)
+    step = 0
+    config_hash = train_config_hash(train)
+    previous = ckpt.latest_checkpoint(out_dir)
+    if previous is not None and not resume:
+        raise FileExistsError(
+            f"{out_dir} already holds checkpoints (latest {previous.name}); resume from them or use a fresh output directory"
+        )
+    if previous is not None:
+        state = ckpt.load_checkpoint(engine, previous)
+        _check_resumable(state, plan, total_steps, config_hash, previous)
+        step = state.step
+        log.resume_at(step)
+    elif dist_info.is_main and (out_dir / METRICS_FILE).exists():
+        (out_dir / METRICS_FILE).unlink()
+    if dist.is_initialized():
+        dist.barrier()
+
+    def state_at(step: int, acceptance: float | None, record: dict, checksums: list[float]) -> ckpt.TrainerState:
+        epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+        return ckpt.TrainerState(
+            step=step,
+            epoch=epoch,
+            epoch_position=in_epoch * plan.grad_accum,
+            world_size=dist_info.world_size,
+            steps_per_epoch=plan.steps_per_epoch,
+            micro_batch_size=plan.micro_batch_size,
+            grad_accum=plan.grad_accum,
+            total_steps=total_steps,
+            config_hash=config_hash,
+            acceptance=acceptance,
+            metrics=record,
+            replica_checksums=checksums,
+        )
+
+    def checkpoint_now(step: int, record: dict, evaluate_now: bool) -> None:
+        state_dict = ckpt.gathered_state_dict(engine)
+        acceptance = evaluate(engine, spec, eval_fn, dist_info, state_dict) if evaluate_now else None
+        if acceptance is not None:
+            log.write({"step": step, "eval/acceptance": acceptance})
+        checksums = check_replicas(engine, dist_info)
+        ckpt.save_checkpoint(
+            engine, spec, state_at(step, acceptance, record, checksums), out_dir, train.keep_last, state_dict
+        )
+
+    bar = tqdm(total=total_steps, initial=step, desc=f"train {objective.name}", disable=not (progress and dist_info.is_main))
+    gas = micro_steps_per_step(train)
+    depths = max(train.k_train, train.eagle3_ttt_steps)  # per-depth statistics of either objective
+    while step < total_steps:
+        epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+        batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, objective.collate, in_epoch * plan.grad_accum))
+        for _ in range(plan.steps_per_epoch - in_epoch):
+            start = time.perf_counter()
+            stats = StepStats(depths, engine.device)
+            for _ in range(plan.grad_accum):
+                batch, tokens = next(batches)
+                stats.tokens += tokens
+                run_micro_batch(engine, objective, batch, train.segments, train.grad_accum, stats)
+            if engine.global_steps != step + 1 or engine.micro_steps % gas:
+                raise RuntimeError(f"DeepSpeed is at step {engine.global_steps}, expected {step + 1}: accumulation is off")
+            step += 1
+            seconds = time.perf_counter() - start
+            record = {"step": step, "epoch": epoch, "lr": current_lr(engine), **stats.reduced()}
+            record["step_time_s"] = seconds
+            record["tokens_per_s"] = record["tokens"] / seconds
+            grad_norm = engine.get_global_grad_norm()
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            log.write(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record.get('acc', 0.0):.3f}")
+            last = step == total_steps
+            eval_due = bool(train.eval_every) and step % train.eval_every == 0
+            evaluate_now = eval_fn is not None and (last or eval_due)
+            if last or eval_due or _save_due(train, step, plan):
+                checkpoint_now(step, record, evaluate_now)
+            if last:
+                break
+    bar.close()
+
+    result = TrainResult(
+        last_checkpoint=ckpt.latest_checkpoint(out_dir),
+        best_checkpoint=ckpt.best_checkpoint(out_dir),
+        metrics_history=log.history,
+    )
+    if dist_info.is_main:
+        tmp = out_dir / (RESULT_FILE + ".tmp")
+        tmp.write_text(result.to_json())
+        tmp.replace(out_dir / RESULT_FILE)
+    return result
+
+
+def _save_due(train: TrainConfig, step: int, plan: BatchPlan) -> bool:
+    if train.save_every:
+        return step % train.save_every == 0
+    if train.eval_every:
+        return False  # evaluation steps are the checkpoint cadence
+    return step % plan.steps_per_epoch == 0  # neither set: once per epoch
+
+
+def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int, config_hash: str, where: Path) -> None:
+    mismatch = {
+        name: (old, new)
+        for name, old, new in [
+            ("train config", state.config_hash, config_hash),
+            ("steps per epoch", state.steps_per_epoch, plan.steps_per_epoch),
+            ("micro batch size", state.micro_batch_size, plan.micro_batch_size),
+            ("grad accumulation", state.grad_accum, plan.grad_accum),
+            ("total steps", state.total_steps, total_steps),
+        ]
+        if old != new
+    }
+    if mismatch:
+        detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in mismatch.items())
+        raise ValueError(
+            f"cannot resume from {where}: it was trained with different settings ({detail}); "
+            "use a fresh output directory (or restore the original config)"
+        )

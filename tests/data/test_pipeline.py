@@ -1,0 +1,246 @@
+"""build_dataset: resumable, refuses mixed configurations, and (slow) end to end in vLLM."""
+
+import json
+
+import pytest
+import torch
+
+from peagle.config import ConfigError, parse_config
+from peagle.data.pipeline import (
+    BUILD_FILE,
+    Record,
+    append_samples,
+    build_dataset,
+    plan_records,
+    prepare_data_dir,
+    read_samples,
+    render_records,
+    write_samples,
+)
+from peagle.facts import HeadSpec
+from rich.console import Console
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write a function that adds two numbers."},
+     {"role": "assistant", "content": "def add(a, b):\n    return a + b\n"}],
+    [{"role": "system", "content": "You write Python."},
+     {"role": "user", "content": "Reverse a string."},
+     {"role": "assistant", "content": "def rev(s):\n    return s[::-1]\n"},
+     {"role": "user", "content": "Now for a list."},
+     {"role": "assistant", "content": "def rev_list(xs):\n    return xs[::-1]\n"}],
+    [{"role": "user", "content": "Explain what a hash map is."}],
+] + [
+    [{"role": "user", "content": f"Print the square of {i}."},
+     {"role": "assistant", "content": f"print({i} * {i})"}]
+    for i in range(9)
+]
+
+
+def make_cfg(tmp_path, prompts_path, target="embedded", **data):
+    return parse_config({
+        "name": "t",
+        "workdir": str(tmp_path / "run"),
+        "target": {"model": target, "dtype": "float32"},  # vLLM on CPU would pick bfloat16 for "auto"
+        "vllm": {"max_model_len": 192, "max_num_seqs": 8, "cpu_kvcache_space_gib": 1},
+        "data": {
+            "sources": [{"kind": "jsonl", "path": str(prompts_path)}],
+            "heldout_samples": 3,
+            "min_tokens": 8,
+            "max_seq_len": 64,
+            "aux_layer_ids": [1, 2, 3],
+            "regenerate": {"max_tokens": 24, "batch_size": 4},
+            "shard_max_tokens": 256,
+            "draft_vocab_size": 64,
+            "extract_batch_size": 4,
+            **data,
+        },
+        "train": {"max_len": 64, "k_train": 4},
+        "eval": {"max_tokens": 16},
+    })
+
+
+@pytest.fixture
+def prompts_path(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    return path
+
+
+def small_spec(vocab_size=384):
+    return HeadSpec(
+        target="t", target_revision=None, target_num_layers=4, target_hidden_size=64, vocab_size=vocab_size,
+        aux_layer_ids=[1, 2, 3], final_layer_id=4, mask_token_id=6, hidden_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=512,
+    )
+
+
+def test_other_configuration_is_refused_before_any_work(tmp_path, prompts_path):
+    cfg = make_cfg(tmp_path, prompts_path)
+    data_dir = cfg.run_dir / "data"
+    data_dir.mkdir(parents=True)
+    (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "0123456789abcdef"}))
+    with pytest.raises(ConfigError, match="another configuration.*--force"):
+        build_dataset(cfg, "/nonexistent/target", small_spec(), progress=False)
+
+
+def test_force_clears_the_old_dataset(tmp_path):
+    data_dir = tmp_path / "data"
+    (data_dir / "splits" / "train").mkdir(parents=True)
+    (data_dir / "splits" / "train" / "shard-00000.safetensors").write_bytes(b"x")
+    (data_dir / "samples.jsonl").write_text('{"id": "a"}\n')
+    (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "old"}))
+    prepare_data_dir(data_dir, "new", force=True, console=Console(quiet=True))
+    assert not (data_dir / "splits").exists() and not (data_dir / "samples.jsonl").exists()
+    assert json.loads((data_dir / BUILD_FILE).read_text()) == {"config_hash": "new"}
+    prepare_data_dir(data_dir, "new", force=False, console=Console(quiet=True))  # same hash: fine
+
+
+def test_draft_vocab_larger_than_target_is_refused(tmp_path, prompts_path):
+    cfg = make_cfg(tmp_path, prompts_path, draft_vocab_size=1000)
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        build_dataset(cfg, "/nonexistent/target", small_spec(vocab_size=384), progress=False)
+
+
+def test_render_filters_say_why(tmp_path, prompts_path, make_tokenizer, templates):
+    cfg = make_cfg(tmp_path, prompts_path, min_tokens=10)
+    tok = make_tokenizer(templates["plain"])
+    long_answer = "x = 1\n" * 40
+    records = [
+        Record("ok", "train", "s", CONVERSATIONS[0]),
+        Record("short", "train", "s", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]),
+        Record("no-assistant", "train", "s", CONVERSATIONS[2]),
+        Record("long", "train", "s", [{"role": "user", "content": "go"},
+                                      {"role": "assistant", "content": long_answer}]),
+        Record("late", "train", "s", [{"role": "user", "content": "y = 2\n" * 40},
+                                      {"role": "assistant", "content": "z"}]),
+        Record("regen", "train", "s", CONVERSATIONS[0], regen="failed: prompt too long"),
+    ]
+    render_records(tok, records, cfg, max_len=32, progress=False)
+    status = {r.id: r.status for r in records}
+    assert status["ok"] == "ok" and records[0].token_ids.numel() == records[0].num_tokens and records[0].loss_mask.any()
+    assert status["short"].startswith("failed: too short")
+    assert status["no-assistant"] == "failed: no assistant tokens to learn from"
+    long = records[3]
+    assert long.status == "ok" and long.truncated_from > 32 and len(long.token_ids) == long.num_tokens == 32
+    assert status["late"].startswith("failed: no assistant tokens within the first 32")
+    assert status["regen"] == "failed: regeneration: prompt too long"
+
+
+def test_samples_file_survives_a_cut_line_and_ends_one_line_per_prompt(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    a = Record("a", "train", "s", CONVERSATIONS[0], regen="ok")
+    append_samples(path, [a, Record("b", "eval", "s", CONVERSATIONS[1], regen="ok")])
+    a.messages = CONVERSATIONS[3]
+    append_samples(path, [a])
+    with open(path, "a") as fh:
+        fh.write('{"id": "c", "mess')  # a crash mid-line
+    previous = read_samples(path)
+    assert set(previous) == {"a", "b"} and previous["a"]["messages"] == CONVERSATIONS[3]
+    write_samples(path, [a, Record("b", "eval", "s", CONVERSATIONS[1], status="failed: x")])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [d["id"] for d in lines] == ["a", "b"] and lines[1]["status"] == "failed: x"
+
+
+def test_a_rerun_restores_regenerated_responses(tmp_path, prompts_path):
+    cfg = make_cfg(tmp_path, prompts_path)
+    data_dir = cfg.run_dir / "data"
+    data_dir.mkdir(parents=True)
+    first = plan_records(cfg, data_dir, Console(quiet=True))
+    assert all(r.regen is None for r in first)
+    done = first[0]
+    done.messages = done.messages[:1] + [{"role": "assistant", "content": "WRITTEN BY THE TARGET"}]
+    done.regen = "ok"
+    append_samples(data_dir / "samples.jsonl", [done])
+    again = plan_records(cfg, data_dir, Console(quiet=True))
+    assert [r.id for r in again] == [r.id for r in first]
+    restored = [r for r in again if r.regen is not None]
+    assert len(restored) == 1 and restored[0].messages[-1]["content"] == "WRITTEN BY THE TARGET"
+
+
+# ----------------------------------------------------------------------------- end to end (vLLM)
+
+
+def hf_states(target_dir, token_ids, layer_ids):
+    """The reference: HF hidden_states[k] for aux layers, the last layer's output (pre-norm) for k = L."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda _m, _i, out: captured.setdefault("last", out[0] if isinstance(out, tuple) else out)
+    )
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), output_hidden_states=True)
+    hook.remove()
+    num_layers = model.config.num_hidden_layers
+    return torch.stack(
+        [captured["last"][0] if k == num_layers else out.hidden_states[k][0] for k in layer_ids], dim=1
+    )
+
+
+@pytest.mark.slow
+def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, capsys):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from peagle.data.chat import render_with_loss_mask
+    from peagle.data.store import ShardReader
+    from peagle.data.vocab import DraftVocab
+    from peagle.facts import head_spec_from_target
+    from peagle.serving.tiny import build_tiny_llama
+
+    target = build_tiny_llama(tmp_path / "target")
+    cfg = make_cfg(tmp_path, prompts_path, target=str(target))
+    tok = AutoTokenizer.from_pretrained(target)
+    spec = head_spec_from_target(cfg, AutoConfig.from_pretrained(target), tok)
+
+    info = build_dataset(cfg, str(target), spec)
+    assert info.num_train + info.num_eval + info.num_failed == len(CONVERSATIONS)
+    assert info.num_eval <= 3 and info.num_train >= 6
+    lines = [json.loads(x) for x in (info.data_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted(d["id"] for d in lines) == sorted({d["id"] for d in lines})  # one line per prompt
+    assert all(d["regen"] == "ok" for d in lines)
+    ok = {d["id"]: d for d in lines if d["status"] == "ok"}
+    assert len(ok) == info.num_train + info.num_eval
+
+    train = ShardReader(info.train_dir)
+    assert len(train) == info.num_train and train.num_shards >= 2 and train.layer_ids == [1, 2, 3, 4]
+    sample = train[0]
+    ids, mask = render_with_loss_mask(tok, ok[sample.id]["messages"])
+    assert sample.token_ids.tolist() == ids[:64] and sample.loss_mask.tolist() == mask[:64]
+    ref = hf_states(target, sample.token_ids.tolist(), [1, 2, 3, 4])
+    assert ((sample.hidden - ref).abs() <= 2**-8 * ref.abs() + 1e-4).all()  # bf16 storage of vLLM's states
+
+    vocab = DraftVocab.load(info.vocab_path)
+    assert vocab.size == 64 and torch.equal(vocab.draft_ids, torch.arange(64) + vocab.d2t)
+    assert HeadSpec.load(info.spec_path).draft_vocab_size == 64
+    assert json.loads((info.train_dir / "manifest.json").read_text())["config_hash"] == info.config_hash
+
+    # Rerun with nothing to do: no engine, same dataset.
+    capsys.readouterr()
+    again = build_dataset(cfg, str(target), spec)
+    assert "starting vLLM" not in capsys.readouterr().out
+    assert (again.num_train, again.num_eval, again.num_tokens) == (info.num_train, info.num_eval, info.num_tokens)
+
+    # A crash before the eval split was written: the rerun extracts it again but does not
+    # regenerate (a marker put into the saved response survives into the shards).
+    import shutil
+
+    shutil.rmtree(info.eval_dir)
+    eval_id = next(d["id"] for d in lines if d["split"] == "eval" and d["status"] == "ok")
+    marked = [dict(d) for d in lines]
+    for d in marked:
+        if d["id"] == eval_id:
+            d["messages"][-1]["content"] = "MARKER " + d["messages"][-1]["content"]
+    (info.data_dir / "samples.jsonl").write_text("".join(json.dumps(d) + "\n" for d in marked))
+    resumed = build_dataset(cfg, str(target), spec)
+    out = capsys.readouterr()
+    assert "starting vLLM" in out.out and "regenerate" not in out.err
+    assert resumed.num_eval == info.num_eval and resumed.num_train == info.num_train
+    stored = {s.id: s for s in ShardReader(resumed.eval_dir)}
+    marker_ids = tok("MARKER", add_special_tokens=False)["input_ids"]
+    token_text = stored[eval_id].token_ids.tolist()
+    assert any(token_text[i : i + len(marker_ids)] == marker_ids for i in range(len(token_text)))
+
+    with pytest.raises(ConfigError, match="another configuration"):
+        build_dataset(make_cfg(tmp_path, prompts_path, target=str(target), draft_vocab_size=32), str(target), spec)

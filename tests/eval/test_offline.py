@@ -1,0 +1,184 @@
+"""Offline acceptance equals a brute-force, per-anchor simulation of greedy speculative decoding."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from test_partition import make_models, tiny_spec  # noqa: E402
+
+from peagle.data.store import ShardReader, ShardWriter  # noqa: E402
+from peagle.data.vocab import vocab_from_ids  # noqa: E402
+from peagle.eval.offline import (  # noqa: E402
+    accepted_counts,
+    draft_tokens,
+    drafting_anchors,
+    evaluate_offline,
+    reference_tokens,
+)
+
+K = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: threads only add contention (the suite shares a small machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def setup(seed=0, draft_vocab=6):
+    """A drafter whose draft vocabulary is small (so deeper drafts sometimes match by chance)."""
+    spec = tiny_spec(vocab=40, draft_vocab=draft_vocab)
+    drafter, head = make_models(spec, seed=seed)
+    drafter.eval()
+    g = torch.Generator().manual_seed(seed)
+    vocab = vocab_from_ids(torch.randperm(spec.vocab_size - 1, generator=g)[:draft_vocab], spec.vocab_size)
+    return spec, drafter, head, vocab
+
+
+def causal(drafter, tokens, aux, positions, is_mask=None, override=None):
+    n = tokens.numel()
+    kwargs = {}
+    if override is not None:
+        kwargs = dict(hidden_override=override[None], override_mask=(override.abs().sum(-1) > 0)[None])
+    return drafter(
+        input_ids=tokens[None],
+        aux_hidden=aux[None],
+        position_ids=positions[None],
+        attention_mask=torch.ones(n, n, dtype=torch.bool).tril()[None],
+        is_mask=None if is_mask is None else is_mask[None],
+        **kwargs,
+    )
+
+
+def to_target(vocab, logits):
+    ids = logits.argmax(-1)
+    return ids + vocab.d2t[ids]
+
+
+def context(spec, sample, anchor):
+    """vLLM's drafter input after anchor p: (x_{a+1}, g_a) at positions 0..p."""
+    ht = spec.target_hidden_size
+    tokens = sample.token_ids[1 : anchor + 2].clone()
+    aux = sample.hidden[: anchor + 1, :3].reshape(anchor + 1, 3 * ht)
+    return tokens, aux, torch.arange(anchor + 1)
+
+
+@torch.no_grad()
+def brute_peagle(drafter, spec, vocab, sample, anchor, k=K):
+    """Inference-time input: context, then K-1 (mask, mask_hidden) slots; plain causal attention."""
+    tokens, aux, positions = context(spec, sample, anchor)
+    tokens = torch.cat([tokens, torch.full((k - 1,), spec.mask_token_id)])
+    aux = torch.cat([aux, aux.new_zeros(k - 1, aux.shape[1])])
+    positions = torch.arange(anchor + k)
+    is_mask = positions > anchor
+    out = causal(drafter, tokens, aux, positions, is_mask)
+    return to_target(vocab, out.logits[0, anchor:])
+
+
+@torch.no_grad()
+def brute_eagle3(drafter, spec, vocab, sample, anchor, k=K):
+    """vLLM's sequential EAGLE-3: each step appends (its drafted token, its pre-norm hidden)."""
+    tokens, aux, positions = context(spec, sample, anchor)
+    override = torch.zeros(anchor + 1, spec.hidden_size)
+    drafts = []
+    for j in range(k):
+        out = causal(drafter, tokens, aux, positions, override=override)
+        drafts.append(to_target(vocab, out.logits[0, -1]))
+        tokens = torch.cat([tokens, drafts[-1][None]])
+        aux = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])
+        positions = torch.cat([positions, torch.tensor([anchor + j + 1])])
+        override = torch.cat([override, out.hidden[0, -1:]])
+    return torch.stack(drafts)
+
+
+def brute_accepted(drafts, anchor, reference, loss_mask):
+    count = 0
+    for k, token in enumerate(drafts.tolist(), start=1):
+        pos = anchor + 1 + k
+        if pos >= reference.numel() or not loss_mask[pos] or token != int(reference[pos]):
+            break
+        count += 1
+    return count
+
+
+@torch.no_grad()
+def self_consistent_sample(spec, drafter, vocab, n=40, seed=0):
+    """Tokens x_{q} = the drafter's own first draft after anchor q-2, so acceptance is non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, 4, spec.target_hidden_size, generator=g)
+    tokens = torch.randint(0, spec.vocab_size - 1, (n,), generator=g)
+    loss_mask = torch.ones(n, dtype=torch.bool)
+    loss_mask[:6] = False
+    loss_mask[22:25] = False  # a second turn: its user tokens are not drafted for
+    sample = SimpleNamespace(token_ids=tokens, loss_mask=loss_mask, hidden=hidden)
+    for q in range(2, n):
+        if loss_mask[q]:
+            tokens[q] = brute_peagle(drafter, spec, vocab, sample, q - 2, k=1)[0]
+    return sample
+
+
+def test_drafting_anchors_and_prefix_counting():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    assert drafting_anchors(mask).tolist() == [1, 2, 5]
+    reference = torch.arange(8)
+    drafts = torch.tensor([[3, 4, 9], [4, 5, 6], [7, 0, 0]])
+    # anchor 1: 3, 4 match, then position 5 is not an assistant token; anchor 2: 4 matches,
+    # 5 is outside the mask; anchor 5: 7 matches, then the sequence ends
+    assert accepted_counts(drafts, torch.tensor([1, 2, 5]), reference, mask).tolist() == [2, 1, 1]
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_one_pass_drafts_equal_per_anchor_inference(method):
+    spec, drafter, head, vocab = setup(seed=1)
+    sample = self_consistent_sample(spec, drafter, vocab)
+    anchors = drafting_anchors(sample.loss_mask)
+    brute = brute_peagle if method == "peagle" else brute_eagle3
+    got = draft_tokens(drafter, sample, spec, vocab, anchors, K, method, chunk_anchors=7)
+    for row, anchor in enumerate(anchors.tolist()):
+        assert torch.equal(got[row], brute(drafter, spec, vocab, sample, anchor)), anchor
+    for reference in ("data", "target"):
+        ref = reference_tokens(sample, reference, head, vocab)
+        counts = accepted_counts(got, anchors, ref, sample.loss_mask)
+        want = [brute_accepted(got[r], a, ref, sample.loss_mask) for r, a in enumerate(anchors.tolist())]
+        assert counts.tolist() == want
+    data_counts = accepted_counts(got, anchors, sample.token_ids, sample.loss_mask)
+    assert (data_counts >= 1).float().mean() > 0.8  # first drafts generated the data
+    if method == "peagle":
+        assert (data_counts >= 2).any()
+
+
+def test_evaluate_offline_from_a_shard_store(tmp_path):
+    spec, drafter, head, vocab = setup(seed=2)
+    samples = [self_consistent_sample(spec, drafter, vocab, n, seed) for n, seed in ((40, 0), (31, 1), (3, 2))]
+    with ShardWriter(tmp_path / "eval", [2, 3, 4, 6], spec.target_hidden_size, "float32", 64) as writer:
+        for i, s in enumerate(samples):
+            writer.add(f"s{i}", s.token_ids, s.loss_mask, s.hidden)
+    reader = ShardReader(tmp_path / "eval")
+    result = evaluate_offline(drafter, head, reader, spec, vocab, [1, 2, 4], max_samples=3, method="peagle", k_train=4)
+
+    accepted = []
+    for i in range(len(reader)):
+        s = reader[i]
+        for anchor in drafting_anchors(s.loss_mask).tolist():
+            drafts = brute_peagle(drafter, spec, vocab, s, anchor)
+            accepted.append(brute_accepted(drafts, anchor, s.token_ids, s.loss_mask))
+    accepted = torch.tensor(accepted)
+    assert result.num_anchors == accepted.numel() and result.num_samples == 3
+    for k in (1, 2, 4):
+        assert result.acceptance_length[k] == pytest.approx(1 + accepted.clamp_max(k).float().mean().item(), abs=1e-12)
+    assert result.per_position == pytest.approx([(accepted >= j).float().mean().item() for j in range(1, 5)], abs=1e-12)
+    assert result.acceptance_length[1] > 1.8
+
+    with pytest.raises(ValueError, match="k_train"):
+        evaluate_offline(drafter, head, reader, spec, vocab, [5], 3, k_train=4)
+    with pytest.raises(ValueError, match="target head"):
+        evaluate_offline(drafter, None, reader, spec, vocab, [2], 3, reference="target")

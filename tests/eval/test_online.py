@@ -1,0 +1,138 @@
+"""Online evaluation: prompt sets, the result table and plot, and a measured run in vLLM."""
+
+import json
+import math
+
+import pytest
+
+from peagle.config import VllmConfig
+from peagle.eval.online import (
+    BASELINE,
+    OnlineResult,
+    OnlineRow,
+    PromptSetUnavailable,
+    evaluate_online,
+    load_prompt_set,
+    load_prompt_sets,
+    tokenize_prompts,
+)
+from peagle.eval.plots import plot_online
+from peagle.paths import REPO_ROOT
+
+CODE_EVAL = REPO_ROOT / "data" / "prompts" / "code_eval.jsonl"
+
+
+def test_shipped_code_eval_set_keeps_only_the_user_turns():
+    prompts = load_prompt_set("data/prompts/code_eval.jsonl")
+    rows = [json.loads(line) for line in CODE_EVAL.read_text().splitlines() if line.strip()]
+    assert len(prompts) == len(rows)
+    assert all(len(p) == 1 and p[0]["role"] == "user" for p in prompts)
+    assert prompts[0][0]["content"] == rows[0]["messages"][0]["content"]
+    assert len(load_prompt_set(str(CODE_EVAL), limit=5)) == 5
+
+
+def test_malformed_jsonl_names_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n{"oops": 1}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: needs a 'messages' list"):
+        load_prompt_set(str(path))
+
+
+def test_hub_benchmarks_offline_are_skipped_with_a_reason(monkeypatch, caplog):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(PromptSetUnavailable, match="'gsm8k' .*openai/gsm8k.* unavailable here"):
+        load_prompt_set("gsm8k")
+    loaded = load_prompt_sets(["mt-bench", str(CODE_EVAL)], limit=3)
+    assert list(loaded) == [str(CODE_EVAL)]
+    assert "skipping: prompt set 'mt-bench'" in caplog.text
+
+
+def test_chat_prompts_go_through_the_chat_template(tmp_path):
+    from peagle.serving.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(tmp_path)
+    ids = tokenize_prompts([[{"role": "user", "content": "def add(a, b):"}], [5, 6, 7]], tok)
+    assert ids[1] == [5, 6, 7]
+    assert ids[0][0] == tok.bos_token_id
+    assert ids[0][-1] == tok.convert_tokens_to_ids("<|assistant|>")
+
+
+def sample_result() -> OnlineResult:
+    rows = [
+        OnlineRow(BASELINE, 0, 1, 4, 400, 4.0, 100.0),
+        OnlineRow(BASELINE, 0, 4, 4, 400, 2.0, 200.0),
+    ]
+    for k, al, tps in ((1, 1.8, 150.0), (3, 2.6, 190.0)):
+        rows.append(OnlineRow("p-eagle", k, 1, 4, 400, 400 / tps, tps, al, [0.8] * k, 10, 10 * k, 10, True))
+        rows.append(OnlineRow("p-eagle", k, 4, 4, 400, 200 / tps, 2 * tps, al, [0.8] * k, 10, 10 * k, 10, True))
+        rows.append(OnlineRow("eagle-3", k, 1, 4, 400, 400 / tps, tps * 0.9, al - 0.2, [0.7] * k, 10, 10 * k, 8, False))
+    return OnlineResult(target="/models/tiny", max_tokens=100, prompt_set="code_eval", rows=rows)
+
+
+def test_result_records_table_and_card_numbers(tmp_path):
+    from rich.console import Console
+
+    result = sample_result()
+    records = result.to_records()
+    assert len(records) == len(result.rows)
+    assert records[2]["speedup"] == pytest.approx(1.5) and records[5]["speedup"] == pytest.approx(1.9)
+    assert records[0]["acceptance_length"] is None and records[0]["prompt_set"] == "code_eval"
+    assert result.acceptance_by_k("p-eagle") == {1: 1.8, 3: 2.6}
+    assert result.acceptance_by_k("eagle-3") == {1: pytest.approx(1.6), 3: pytest.approx(2.4)}
+    console = Console(record=True, width=140)
+    console.print(result.to_table())
+    text = console.export_text()
+    assert "p-eagle" in text and "1.90x" in text and "0.80 0.80 0.80" in text
+    loaded = OnlineResult.load(result.save(tmp_path / "online.json"))
+    assert loaded == result
+
+
+def test_plot_is_a_png_with_every_method(tmp_path):
+    path = plot_online(sample_result(), tmp_path / "online.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    assert [p.name for p in tmp_path.iterdir()] == ["online.png"]
+
+
+def test_bad_inputs_fail_before_any_engine_starts(tmp_path):
+    cfg = VllmConfig(max_num_seqs=2)
+    with pytest.raises(FileNotFoundError, match="head 'p-eagle'.*export it first"):
+        evaluate_online(tmp_path, {"p-eagle": tmp_path / "none"}, cfg, [[1, 2]], ks=[1])
+    with pytest.raises(ValueError, match="exceeds vllm.max_num_seqs=2"):
+        evaluate_online(tmp_path, {}, cfg, [[1, 2]], ks=[1], concurrency=[4])
+    with pytest.raises(ValueError, match="no prompt fits"):
+        evaluate_online(tmp_path, {}, VllmConfig(max_model_len=64), [[1] * 60], ks=[1], max_tokens=16)
+
+
+@pytest.mark.slow
+def test_golden_head_online_against_the_baseline(tmp_path_factory):
+    """A head that always drafts the target's next token: acceptance exactly K + 1 at every level."""
+    from peagle.export.selftest import build_golden_pair
+
+    work = tmp_path_factory.mktemp("online")
+    target, head = build_golden_pair(work)
+    cfg = VllmConfig(max_model_len=512, max_num_seqs=4, cpu_kvcache_space_gib=1)
+    prompts = load_prompt_set(str(CODE_EVAL), limit=4)
+    seen = []
+    result = evaluate_online(
+        target, {"p-eagle": head}, cfg, prompts, ks=[2], concurrency=[1, 2], max_tokens=16,
+        prompt_set="code_eval", on_row=seen.append,
+    )  # fmt: skip
+    assert [(r.method, r.k, r.concurrency) for r in result.rows] == [
+        (BASELINE, 0, 1), (BASELINE, 0, 2), ("p-eagle", 2, 1), ("p-eagle", 2, 2),
+    ]  # fmt: skip
+    assert seen == result.rows
+    for row in result.rows:
+        assert row.requests == 4 and row.output_tokens == 4 * 16  # the marker target never stops early
+        assert row.output_tokens_per_s > 0 and math.isfinite(row.output_tokens_per_s)
+    base = result.rows[0]
+    assert base.acceptance_length is None and base.num_drafts == 0
+    for row in result.rows[2:]:
+        assert row.parallel_drafting is True
+        assert row.acceptance_length == pytest.approx(3.0)
+        assert row.per_position_acceptance == pytest.approx([1.0, 1.0])
+        assert row.engine_start_s > 0
+    assert result.acceptance_by_k("p-eagle") == {2: pytest.approx(3.0)}
+    png = plot_online(result, work / "online.png")
+    assert png.stat().st_size > 20_000

@@ -1,0 +1,147 @@
+"""The registry gate: challenger on registration, champion only for a validated, better head."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from peagle.tracking.mlflow_run import Tracker
+from peagle.tracking.registry import (
+    CHALLENGER,
+    CHAMPION,
+    TAG_DECISION,
+    TAG_SCORE,
+    TAG_SUPERSEDED_BY,
+    download_champion,
+    promote_if_better,
+    register_head,
+    weighted_score,
+)
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def tracker(tracking):
+    """One pipeline run holding every head these tests register."""
+    with Tracker(tracking, "registry-tests") as tracker:
+        yield tracker
+
+
+@pytest.fixture()
+def model_name(request):
+    return f"peagle-test-{request.node.name}-{next(_names)}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture()
+def register(tracker, tmp_path, make_head_dir):
+    """Register a fresh head (seeded contents) as a new version of ``name``."""
+    def _register(name, seed, validated=True):
+        head = make_head_dir(tmp_path / f"{name}-head-{seed}", seed=seed)
+        return register_head(tracker, tracker.run_id, head, name,
+                             tags={"target": "registry-tests", "k": 5, "validated": validated},
+                             metrics={"acceptance_k5": 0.5 + seed / 100})
+    return _register
+
+
+def aliases(tracker, name) -> dict[str, str]:
+    return {alias: str(v) for alias, v in tracker.client.get_registered_model(name).aliases.items()}
+
+
+def test_register_uploads_head_and_names_it_challenger(tracker, register, tmp_path, model_name):
+    version = register(model_name, seed=1)
+    assert version.source.endswith(f"heads/{model_name}-head-1") and version.run_id == tracker.run_id
+    assert version.tags["k"] == "5" and version.tags["metric.acceptance_k5"] == "0.51"
+    files = json.loads(version.tags["peagle.files"])
+    assert set(files) == {"config.json", "model.safetensors", "README.md"}
+    assert aliases(tracker, model_name) == {CHALLENGER: str(version.version)}
+
+
+def test_first_validated_head_becomes_champion(tracker, register, tmp_path, model_name):
+    v1 = register(model_name, seed=1)
+    decision = promote_if_better(tracker, model_name, v1.version, score=0.5, margin=0.05, validated=True)
+    assert decision.promoted and decision.champion_before is None and decision.champion_after == str(v1.version)
+    assert aliases(tracker, model_name)[CHAMPION] == str(v1.version)
+    tags = tracker.client.get_model_version(model_name, v1.version).tags
+    assert tags[TAG_DECISION] == "promoted" and float(tags[TAG_SCORE]) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("score", "validated", "promoted"),
+    [
+        (0.40, True, False),  # worse: stays challenger
+        (0.52, True, False),  # better, but by less than the 5% margin (needs > 0.525)
+        (0.90, False, False),  # far better but not validated
+        (0.53, True, True),  # better by more than the margin
+    ],
+)
+def test_gate_moves_champion_only_for_validated_margin_beaters(tracker, register, model_name, score, validated, promoted):
+    v1 = register(model_name, seed=1)
+    promote_if_better(tracker, model_name, v1.version, score=0.5, margin=0.05, validated=True)
+    v2 = register(model_name, seed=2, validated=validated)
+
+    decision = promote_if_better(tracker, model_name, v2.version, score=score, margin=0.05, validated=validated)
+
+    assert decision.promoted is promoted
+    assert decision.champion_before == str(v1.version)
+    assert decision.champion_after == str(v2.version if promoted else v1.version)
+    assert aliases(tracker, model_name) == {CHAMPION: decision.champion_after, CHALLENGER: str(v2.version)}
+    tags = tracker.client.get_model_version(model_name, v2.version).tags
+    assert tags[TAG_DECISION] == ("promoted" if promoted else "refused")
+    assert tags["peagle.promotion.reason"] == decision.reason
+    assert ("validation" in decision.reason) is (not validated)
+    old = tracker.client.get_model_version(model_name, v1.version).tags
+    assert (old.get(TAG_SUPERSEDED_BY) == str(v2.version)) is promoted
+
+
+def test_download_champion_gives_the_registered_files(tracker, register, tmp_path, model_name):
+    with pytest.raises(LookupError, match="no champion"):
+        download_champion(tracker, model_name, tmp_path / "none")
+    v1 = register(model_name, seed=3)
+    with pytest.raises(LookupError, match="no champion"):  # a challenger alone is not served
+        download_champion(tracker, model_name, tmp_path / "none")
+    promote_if_better(tracker, model_name, v1.version, score=0.5, margin=0.0, validated=True)
+    register(model_name, seed=4)  # a newer challenger must not be what we get
+
+    head = download_champion(tracker, model_name, tmp_path / "serve" / "head")
+
+    source = tmp_path / f"{model_name}-head-3"
+    assert sorted(p.name for p in head.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    for name in ("config.json", "model.safetensors"):
+        assert hashlib.sha256((head / name).read_bytes()).digest() == hashlib.sha256((source / name).read_bytes()).digest()
+    assert not [p for p in head.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+    with pytest.raises(FileExistsError):
+        download_champion(tracker, model_name, head)
+
+
+def test_download_refuses_a_corrupted_champion(tracker, register, tmp_path, model_name):
+    v1 = register(model_name, seed=5)
+    promote_if_better(tracker, model_name, v1.version, score=0.5, margin=0.0, validated=True)
+    stored = Path(v1.source.removeprefix("file://")) / "model.safetensors"
+    stored.write_bytes(stored.read_bytes()[:-16])  # a truncated upload
+
+    with pytest.raises(ValueError, match="incomplete or corrupt"):
+        download_champion(tracker, model_name, tmp_path / "serve")
+    assert not (tmp_path / "serve").exists()
+
+
+def test_register_rejects_incomplete_heads_and_reused_paths(tracker, register, tmp_path, model_name, make_head_dir):
+    head = make_head_dir(tmp_path / "partial", seed=6)
+    (head / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        register_head(tracker, tracker.run_id, head, model_name, tags={}, metrics={})
+    register(model_name, seed=7)
+    with pytest.raises(FileExistsError):
+        register_head(tracker, tracker.run_id, tmp_path / f"{model_name}-head-7", model_name, tags={}, metrics={})
+
+
+def test_weighted_score():
+    assert weighted_score({"code": 0.6, "chat": 0.4, "math": 0.1}, {"code": 3.0, "chat": 1.0}) == pytest.approx(0.55)
+    with pytest.raises(ValueError, match="math"):
+        weighted_score({"code": 0.6}, {"code": 1.0, "math": 1.0})
+    with pytest.raises(ValueError, match="positive sum"):
+        weighted_score({"code": 0.6}, {"code": 0.0})

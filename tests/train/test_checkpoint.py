@@ -1,0 +1,155 @@
+"""Checkpoints: RNG as JSON, keep-last-N plus best-by-acceptance, safe DeepSpeed loading, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
+from test_deepspeed import child_env, one_thread, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
+
+from peagle.train import checkpoint as ckpt
+
+
+def test_rng_states_round_trip_through_json():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = json.loads(json.dumps(ckpt.capture_rng()))  # plain lists, no pickle
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    ckpt.restore_rng(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_keeps_last_n_plus_best_by_acceptance(tiny_run, tmp_path):
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    acceptances = iter([1.0, 3.0, 2.0, 1.5, 1.2])  # peaks at step 2, while the loss keeps falling
+    seen = []
+    out = tmp_path / "out"
+    result = train_drafter(
+        tiny_config(max_steps=5, eval_every=1, keep_last=2), data_dir, str(target), out,
+        progress=False, eval_fn=lambda drafter: next(acceptances), on_metrics=lambda step, rec: seen.append(step),
+    )
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-000002", "step-000004", "step-000005"]
+    assert result.best_checkpoint == out / "step-000002" == ckpt.best_checkpoint(out)
+    assert result.last_checkpoint == out / "step-000005" == ckpt.latest_checkpoint(out)
+    assert ckpt.read_trainer_state(result.best_checkpoint).acceptance == 3.0
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+    evals = [r["eval/acceptance"] for r in read_metrics(out) if "eval/acceptance" in r]
+    assert evals == [1.0, 3.0, 2.0, 1.5, 1.2]
+    assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # each step's record, then its evaluation
+    for name in ("drafter.safetensors", "head_spec.json", "trainer_state.json", "deepspeed/engine"):
+        assert (result.best_checkpoint / name).exists()
+
+
+def _one_step(engine, objective, batch):
+    from peagle.train.trainer import StepStats, run_micro_batch
+
+    run_micro_batch(engine, objective, batch, segments=1, grad_accum=1, stats=StepStats(3, engine.device))
+
+
+def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path):
+    from peagle.model import PEagleDrafter
+    from peagle.train.data import EpochSamples
+    from peagle.train.engine import build_engine, init_process_group
+    from peagle.train.loss import TargetHead
+    from peagle.train.trainer import load_training_inputs, make_objective
+
+    data_dir, target = tiny_run
+    init_process_group()
+    cfg = tiny_config(zero_stage=2)
+    inputs = load_training_inputs(data_dir)
+    objective = make_objective(cfg.train, inputs.spec, TargetHead.from_target(str(target), inputs.spec, inputs.draft_ids))
+    samples = EpochSamples(inputs.samples, objective.make_example, seed=0)
+    batches = [objective.collate([samples[i][0]]) for i in range(3)]
+
+    def fresh_engine(seed):
+        torch.manual_seed(seed)
+        return build_engine(PEagleDrafter(inputs.spec), cfg.train, total_steps=10, world_size=1)
+
+    trained = fresh_engine(0)
+    _one_step(trained, objective, batches[0])
+    _one_step(trained, objective, batches[1])
+    state = ckpt.TrainerState(step=2, epoch=0, epoch_position=2, world_size=1, steps_per_epoch=16,
+                              micro_batch_size=1, grad_accum=1, total_steps=10)
+    path = ckpt.save_checkpoint(trained, inputs.spec, state, tmp_path, keep_last=2)
+
+    # DeepSpeed's optimizer file holds pickled DeepSpeed objects: a plain weights-only load
+    # refuses it, DeepSpeed's stock loader would unpickle it, ours allow-lists three classes.
+    optim_file = next((path / "deepspeed" / "engine").glob("*optim_states.pt"))
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(optim_file, weights_only=True)
+
+    resumed = fresh_engine(1)
+    assert ckpt.load_checkpoint(resumed, path).step == 2
+    assert resumed.global_steps == 2 and resumed.lr_scheduler.get_last_lr() == trained.lr_scheduler.get_last_lr()
+    _one_step(trained, objective, batches[2])
+    _one_step(resumed, objective, batches[2])
+    for (name, a), b in zip(trained.module.named_parameters(), resumed.module.parameters()):
+        assert torch.equal(a, b), f"{name} differs after resuming: optimizer state was not restored"
+
+
+CHILD_SAVE = r"""
+import sys, time, torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_deepspeed import tiny_config, tiny_spec
+from peagle.model import PEagleDrafter
+from peagle.train import checkpoint as ckpt
+from peagle.train.engine import build_engine, init_process_group
+
+root, marker = Path(sys.argv[2]), Path(sys.argv[3])
+init_process_group()
+engine = build_engine(PEagleDrafter(tiny_spec()), tiny_config().train, total_steps=10, world_size=1)
+
+def state(step):
+    return ckpt.TrainerState(step=step, epoch=0, epoch_position=step, world_size=1, steps_per_epoch=16,
+                             micro_batch_size=1, grad_accum=1, total_steps=10)
+
+ckpt.save_checkpoint(engine, tiny_spec(), state(1), root, keep_last=2)
+real_save = ckpt.save_file
+
+def save_then_stall(tensors, path):  # the write completes, then the process is killed mid-checkpoint
+    real_save(tensors, path)
+    marker.touch()
+    time.sleep(300)
+
+ckpt.save_file = save_then_stall
+ckpt.save_checkpoint(engine, tiny_spec(), state(2), root, keep_last=2)
+"""
+
+
+def test_killed_write_leaves_no_visible_partial_checkpoint(tmp_path):
+    root, marker = tmp_path / "ckpts", tmp_path / "writing"
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_SAVE)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(Path(__file__).parent), str(root), str(marker)],
+        env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "the child never reached the second checkpoint"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    partial = root / ".tmp-step-000002"
+    assert (partial / "drafter.safetensors").exists()  # the half-written checkpoint is on disk...
+    assert ckpt.list_checkpoints(root) == [root / "step-000001"]  # ...but never listed
+    assert ckpt.latest_checkpoint(root) == root / "step-000001"
+    assert ckpt.read_trainer_state(ckpt.latest_checkpoint(root)).step == 1
+    ckpt.prune_checkpoints(root, keep_last=2)  # what the next save does afterwards
+    assert not partial.exists() and (root / "step-000001").exists()

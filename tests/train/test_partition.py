@@ -1,0 +1,233 @@
+"""Sequence partitioning (Algorithm 1): segments cover every element once, gradients are exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from peagle.facts import HeadSpec
+from peagle.model import PEagleDrafter
+from peagle.train import PrecomputedMask, TargetHead, build_peagle_example, collate, peagle_loss
+from peagle.train.masks import brute_force_mask
+from peagle.train.partition import (
+    owner_segment,
+    partition_batch,
+    partition_example,
+    partitioned_loss_backward,
+    segment_boundaries,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: threads only add contention (the suite shares a small machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_spec(hidden=32, target_hidden=24, layers=2, vocab=80, draft_vocab=40, heads=4, kv_heads=2) -> HeadSpec:
+    return HeadSpec(
+        target="tiny",
+        target_revision=None,
+        target_num_layers=6,
+        target_hidden_size=target_hidden,
+        vocab_size=vocab,
+        aux_layer_ids=[2, 3, 4],
+        final_layer_id=6,
+        mask_token_id=vocab - 1,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate_size=2 * hidden,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=1 << 16,
+        draft_vocab_size=draft_vocab,
+    )
+
+
+def random_sample(spec: HeadSpec, n: int, seed: int, prompt: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    loss_mask = torch.ones(n, dtype=torch.bool)
+    loss_mask[: prompt if prompt is not None else n // 4] = False
+    return SimpleNamespace(
+        token_ids=torch.randint(0, spec.vocab_size - 1, (n,), generator=g),
+        loss_mask=loss_mask,
+        hidden=torch.randn(n, 4, spec.target_hidden_size, generator=g),
+    )
+
+
+def make_models(spec: HeadSpec, seed: int = 0):
+    torch.manual_seed(seed)
+    drafter = PEagleDrafter(spec)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    head = TargetHead(spec.target_hidden_size, spec.draft_vocab_size, spec.rms_norm_eps)
+    with torch.no_grad():
+        head.lm_head.weight.normal_(0.0, 0.5)
+    return drafter, head
+
+
+def grads(drafter) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.detach().clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad(set_to_none=True)
+    return out
+
+
+def max_rel_error(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_boundaries_and_owners_follow_algorithm_1():
+    assert segment_boundaries(10, 3) == [0, 3, 6, 10]
+    anchor = torch.tensor([0, 2, 3, 9, 2, 5, 8, 2])
+    depth = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
+    # depth 0 -> segment of the anchor; depth >= 1 -> segment of anchor + 1 (clamped to the last)
+    assert owner_segment(anchor, depth, [0, 3, 6, 10]).tolist() == [0, 0, 1, 2, 1, 2, 2, 1]
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, 5])
+def test_every_element_is_charged_once_and_sees_its_whole_context(segments):
+    spec = tiny_spec()
+    example = build_peagle_example(random_sample(spec, 61, 1), spec, 5, 0.8, 0.2, 64, torch.Generator().manual_seed(3))
+    parts = partition_example(example, segments)
+    assert len(parts) == segments
+    owned = torch.cat([p.index[p.owned] for p in parts]).sort().values
+    assert torch.equal(owned, torch.arange(len(example)))
+    full = brute_force_mask(example.anchor, example.depth, example.doc)
+    for p in parts:
+        # every key an owned element may attend to is inside its segment
+        needed = full[p.index[p.owned]].any(0)
+        assert torch.isin(torch.nonzero(needed).squeeze(1), p.index).all()
+        # context elements are depth 0 before the segment's end; they are never charged
+        ctx = ~p.owned
+        assert (p.example.depth[ctx] == 0).all() and (p.example.anchor[ctx] < p.end).all()
+        assert not p.example.supervised[ctx].any()
+        # depth-major order is kept (precomputed masks take their fast path)
+        assert torch.equal(p.index, p.index.sort().values)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def reference_grads(drafter, head, batch, weighting, k):
+    out = peagle_loss(drafter, head, batch, weighting, k=k)
+    out.loss.backward()
+    return out, grads(drafter)
+
+
+@pytest.mark.parametrize("segments", [2, 3, 4])
+@pytest.mark.parametrize("weighting", ["uniform", "per_depth_mean"])
+def test_partitioned_gradients_equal_single_pass(segments, weighting):
+    spec, k = tiny_spec(), 5
+    drafter, head = make_models(spec, seed=segments)
+    g = torch.Generator().manual_seed(10 + segments)
+    # two rows: a packed pair of documents and one longer document (random COD each)
+    examples = [
+        build_peagle_example([random_sample(spec, 40, 2, 9), random_sample(spec, 33, 3, 5)], spec, k, 0.8, 0.2, 96, g),
+        build_peagle_example(random_sample(spec, 90, 4, 20), spec, k, 0.7, 0.2, 96, g),
+    ]
+    mask = PrecomputedMask(96, k)
+    batch = collate(examples, mask)
+    ref_out, ref = reference_grads(drafter, head, batch, weighting, k)
+
+    out = partitioned_loss_backward(drafter, head, examples, segments, weighting, mask=mask, k=k)
+    from_examples = grads(drafter)
+    assert max_rel_error(from_examples, ref) < 1e-5
+    assert out.num_supervised == ref_out.num_supervised
+    assert abs(out.loss.item() - ref_out.loss.item()) < 1e-5 * abs(ref_out.loss.item())
+    assert out.metrics.keys() == ref_out.metrics.keys()
+
+    partitioned_loss_backward(drafter, head, batch, segments, weighting, k=k)
+    assert max_rel_error(grads(drafter), ref) < 1e-5
+
+
+def test_partition_batch_matches_trainer_contract():
+    """The trainer calls partition_batch(batch, S) and divides each loss by the whole batch's count."""
+    spec, k = tiny_spec(), 4
+    drafter, head = make_models(spec, seed=7)
+    g = torch.Generator().manual_seed(0)
+    examples = [build_peagle_example(random_sample(spec, n, n), spec, k, 0.8, 0.2, 64, g) for n in (50, 64)]
+    batch = collate(examples, PrecomputedMask(64, k))
+    _, ref = reference_grads(drafter, head, batch, "uniform", k)
+    parts = partition_batch(batch, 4)
+    assert len(parts) == 4
+    assert sum(p.num_supervised for p in parts) == batch.num_supervised
+    for part in parts:
+        peagle_loss(drafter, head, part, "uniform", batch.num_supervised, k=k).loss.backward()
+    assert max_rel_error(grads(drafter), ref) < 1e-5
+
+
+def test_more_segments_than_anchors_still_exact():
+    spec, k = tiny_spec(), 3
+    drafter, head = make_models(spec, seed=1)
+    example = build_peagle_example(random_sample(spec, 6, 5, 1), spec, k, 1.0, 1.0, 8)
+    _, ref = reference_grads(drafter, head, collate([example], PrecomputedMask(8, k)), "uniform", k)
+    partitioned_loss_backward(drafter, head, example, 8, k=k)
+    assert max_rel_error(grads(drafter), ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------- long sequences
+
+PEAK_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys, time
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_partition import make_models, random_sample, tiny_spec
+    from peagle.train import build_peagle_example
+    from peagle.train.partition import partitioned_loss_backward
+
+    n, segments, k = {n}, {segments}, 4
+    torch.set_num_threads(2)
+    spec = tiny_spec(hidden=64, target_hidden=64, layers=1, vocab=512, draft_vocab=256, heads=1, kv_heads=1)
+    drafter, head = make_models(spec)
+    example = build_peagle_example(random_sample(spec, n, 0), spec, k, 0.8, 0.2, n, torch.Generator().manual_seed(0))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    out = partitioned_loss_backward(drafter, head, example, segments, k=k)
+    seconds = time.perf_counter() - start
+    finite = all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
+    print(json.dumps(dict(n=n, segments=segments, elements=len(example), seconds=seconds,
+                          peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                          before_mib=base / 1024, loss=float(out.loss), finite=bool(finite))))
+    """
+)
+
+
+def peak_memory_run(n: int, segments: int) -> dict:
+    """One forward+backward of an n-token example in a fresh process: peak RSS and time."""
+    script = PEAK_SCRIPT.format(tests=os.path.dirname(__file__), n=n, segments=segments)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_16k_token_sequence_trains_in_8_segments_with_less_memory():
+    short_single = peak_memory_run(4096, 1)
+    short_split = peak_memory_run(4096, 8)
+    assert short_split["peak_mib"] < short_single["peak_mib"]
+    long_split = peak_memory_run(16384, 8)
+    assert long_split["finite"] and long_split["loss"] > 0
+    print(json.dumps([short_single, short_split, long_split], indent=1))
