@@ -96,7 +96,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = online_task(cfg, target, {stages.PEAGLE_LABEL: head_dir})
             plot = stages.record_online(run, online, cfg.run_dir / "eval")
-            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, offline), target.spec)
+            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, offline), data)
         with timer.stage("publish"), tracker.stage("publish"):
             version, decision = publish_task(cfg, tracker, head_dir, online, stages.drafted(online, stages.PEAGLE_LABEL))
         tracker.log_metrics({f"seconds_{name}": s for name, s in timer.seconds.items()})

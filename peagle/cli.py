@@ -19,7 +19,7 @@ target_app = typer.Typer(help="The target model.", no_args_is_help=True)
 config_app = typer.Typer(help="Pipeline configs.", no_args_is_help=True)
 app.add_typer(target_app, name="target")
 app.add_typer(config_app, name="config")
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 120)
 
 ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.yaml")
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")
@@ -88,6 +88,49 @@ def train_cmd(
     cfg = _load(config, set_)
     result = stages.train_head(cfg, stages.prepare_target(cfg), cfg.run_dir / "data", method=method)
     console.print(stages.summary_json(result))
+
+
+@app.command("export")
+def export_cmd(
+    config: Path = ConfigArg,
+    set_: list[str] = SetOpt,
+    method: str = typer.Option("peagle", help="peagle or eagle3: which trained head to export"),
+    checkpoint: Path = typer.Option(None, help="A checkpoint dir (default: the best by offline acceptance)"),
+    vllm_check: bool = typer.Option(True, help="Also load the head in vLLM and draft before publishing"),
+):
+    """Export a checkpoint as a head directory vLLM serves; refuses a head that fails validation."""
+    from peagle import pipeline as stages
+    from peagle.export.validate import validate_head
+
+    cfg = _load(config, set_)
+    target = stages.prepare_target(cfg)
+    ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / "best"
+    head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt, method=method)
+    if vllm_check:
+        validate_head(head, target.path, vllm_cfg=cfg.vllm, parallel_drafting=method == "peagle")
+    console.print(f"head: {head}")
+
+
+@app.command("evaluate")
+def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
+    """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
+    from peagle import pipeline as stages
+
+    cfg = _load(config, set_)
+    target = stages.prepare_target(cfg)
+    labels = {"peagle": stages.PEAGLE_LABEL, "eagle3": stages.EAGLE3_LABEL}
+    heads = {label: cfg.run_dir / "heads" / m for m, label in labels.items() if (cfg.run_dir / "heads" / m).exists()}
+    if not heads:
+        console.print(f"[red]no exported head under {cfg.run_dir / 'heads'}: run `peagle export` first[/red]")
+        raise typer.Exit(2)
+    online = stages.evaluate_online(cfg, target, heads)
+    console.print(online.to_table())
+    from peagle.eval.plots import plot_online
+
+    out = cfg.run_dir / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    console.print(f"plot: {plot_online(online, out / 'online_acceptance.png')}")
+    console.print(f"table: {online.save(out / 'online_results.json')}")
 
 
 @app.command("run")

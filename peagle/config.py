@@ -113,6 +113,7 @@ class RegenerateConfig(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(256, ge=1)
     batch_size: int = Field(64, ge=1)
+    seed: int = 0
 
 
 class DataConfig(Strict):
@@ -249,10 +250,10 @@ class PipelineConfig(Strict):
                 f"train.max_len ({self.train.max_len}) exceeds data.max_seq_len "
                 f"({self.data.max_seq_len}): the dataset has no sequences that long"
             )
-        if self.data.max_seq_len > self.vllm.max_model_len:
+        if self.data.max_seq_len >= self.vllm.max_model_len:
             raise ValueError(
-                f"data.max_seq_len ({self.data.max_seq_len}) exceeds vllm.max_model_len "
-                f"({self.vllm.max_model_len}): vLLM cannot extract states for it"
+                f"data.max_seq_len ({self.data.max_seq_len}) must be below vllm.max_model_len "
+                f"({self.vllm.max_model_len}): vLLM extracts states for prompts shorter than its limit"
             )
         if max(self.eval.ks) + self.eval.max_tokens > self.vllm.max_model_len:
             raise ValueError("eval.max_tokens + max(eval.ks) must fit in vllm.max_model_len")

@@ -176,10 +176,11 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline) -
     )
 
 
-def write_card(head_dir: Path, card, spec: HeadSpec) -> None:
+def write_card(head_dir: Path, card, data) -> None:
     """Rewrite the head's README.md once online acceptance is known (atomic)."""
     from peagle.export.card import render_model_card
 
+    spec = HeadSpec.load(Path(data.spec_path))  # carries the draft vocabulary size
     path = Path(head_dir) / "README.md"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(render_model_card(card, spec, str(head_dir)))

@@ -102,7 +102,6 @@ def extract_with_engine(
     """
     from tqdm.auto import tqdm
 
-    from peagle.serving.connector import read_hidden_states_file
     from peagle.serving.extraction import request_hidden_states
     from peagle.serving.generation import engine_max_model_len, engine_vocab_size
 
@@ -112,18 +111,13 @@ def extract_with_engine(
     iterator = iter(sequences)
     try:
         while batch := list(islice(iterator, batch_size)):
-            problems = [_sequence_problem(sid, ids, max_len, vocab) for sid, ids in batch]
-            first_bad = next((i for i, p in enumerate(problems) if p), len(batch))
-            good = batch[:first_bad]  # everything before a bad sequence is still extracted
+            good, problem = _split_at_first_problem(batch, max_len, vocab)
             paths = request_hidden_states(llm, [list(ids) for _, ids in good]) if good else []
             for (sample_id, ids), path in zip(good, paths, strict=True):
-                data = read_hidden_states_file(path, delete=True)
-                if data["token_ids"].tolist() != list(ids):
-                    raise RuntimeError(f"sample {sample_id!r}: the hidden-states file {path} holds another sequence")
                 bar.update(1)
-                yield sample_id, data["hidden_states"]
-            if first_bad < len(batch):
-                raise ValueError(problems[first_bad])
+                yield sample_id, _read_checked(sample_id, ids, path)
+            if problem:
+                raise ValueError(problem)
     finally:
         bar.close()
 
@@ -169,7 +163,6 @@ def _extract_with_replicas(model, vllm_cfg, sequences, layer_ids, work_dir: Path
     from tqdm.auto import tqdm
     from transformers import AutoConfig
 
-    from peagle.serving.connector import read_hidden_states_file
     from peagle.serving.engine import EngineStartError, replica_environments
 
     config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
@@ -200,11 +193,7 @@ def _extract_with_replicas(model, vllm_cfg, sequences, layer_ids, work_dir: Path
         nonlocal next_batch_no, bad
         if bad is not None:
             return
-        batch = list(islice(iterator, batch_size))
-        problems = [_sequence_problem(sid, ids, max_len, vocab) for sid, ids in batch]
-        first_bad = next((i for i, p in enumerate(problems) if p), len(batch))
-        if first_bad < len(batch):
-            bad, batch = problems[first_bad], batch[:first_bad]
+        batch, bad = _split_at_first_problem(list(islice(iterator, batch_size)), max_len, vocab)
         if batch:
             batches[next_batch_no] = batch
             inboxes[rank].put((next_batch_no, [list(ids) for _, ids in batch]))
@@ -226,11 +215,8 @@ def _extract_with_replicas(model, vllm_cfg, sequences, layer_ids, work_dir: Path
             batch_no, paths = payload
             dispatch(rank)  # keep the replica busy while its results are read
             for (sample_id, ids), path in zip(batches.pop(batch_no), paths, strict=True):
-                data = read_hidden_states_file(path, delete=True)
-                if data["token_ids"].tolist() != list(ids):
-                    raise RuntimeError(f"sample {sample_id!r}: the hidden-states file {path} holds another sequence")
                 bar.update(1)
-                yield sample_id, data["hidden_states"]
+                yield sample_id, _read_checked(sample_id, ids, path)
         if bad is not None:
             raise ValueError(bad)
     finally:
@@ -261,6 +247,24 @@ def _replica_main(rank, env, model, vllm_cfg, layer_ids, work_dir, revision, tru
                 results.put(("done", rank, (batch_no, request_hidden_states(llm, prompts))))
     except BaseException as err:  # reported to the parent, which raises it
         results.put(("error", rank, f"{type(err).__name__}: {err}"))
+
+
+def _split_at_first_problem(batch, max_len: int, vocab: int) -> tuple[list, str | None]:
+    """The sequences before the first bad one (still extracted), and what is wrong with it."""
+    for i, (sample_id, ids) in enumerate(batch):
+        if problem := _sequence_problem(sample_id, ids, max_len, vocab):
+            return batch[:i], problem
+    return batch, None
+
+
+def _read_checked(sample_id: str, ids: list[int], path: str) -> torch.Tensor:
+    """Load (and delete) one request's file; it must hold exactly the sequence sent."""
+    from peagle.serving.connector import read_hidden_states_file
+
+    data = read_hidden_states_file(path, delete=True)
+    if data["token_ids"].tolist() != list(ids):
+        raise RuntimeError(f"sample {sample_id!r}: the hidden-states file {path} holds another sequence")
+    return data["hidden_states"]
 
 
 def _sequence_problem(sample_id: str, ids: list[int], max_len: int, vocab: int) -> str | None:

@@ -25,7 +25,7 @@ import json
 import os
 import shutil
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +112,8 @@ def build_dataset(
         engine = _LazyEngine(stack, cfg, target_path, spec, data_dir / "work", console)
         pending_regen = [r for r in records if cfg.data.regenerate.enabled and r.regen is None]
         if pending_regen:
-            regenerate(engine.get(), tokenizer, pending_regen, cfg, data_dir / SAMPLES_FILE, progress)
+            with engine.for_regeneration() as llm:
+                regenerate(llm, tokenizer, pending_regen, cfg, data_dir / SAMPLES_FILE, progress)
         render_records(tokenizer, records, cfg, max_len, progress)
         require_training_samples(records)
         todo = [r for r in records if r.status == "ok" and r.id not in writers[r.split].done_ids()]
@@ -242,6 +243,18 @@ class _LazyEngine:
                 revision=t.revision, trust_remote_code=t.trust_remote_code, dtype=t.dtype,
             ))
         return self.llm
+
+    def for_regeneration(self):
+        """Greedy regeneration shares the extraction engine; sampling gets a plain engine of its
+        own, closed before extraction (vLLM 0.32's extraction engine samples wrongly at T > 0)."""
+        if self.cfg.data.regenerate.temperature == 0:
+            return nullcontext(self.get())
+        from peagle.serving.engine import open_llm
+
+        t = self.cfg.target
+        self.console.print(f"data: starting vLLM for sampled regeneration with {self.target_path}")
+        return open_llm(self.target_path, self.cfg.vllm, revision=t.revision,
+                        trust_remote_code=t.trust_remote_code, dtype=t.dtype)
 
 
 def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, samples_path: Path, progress: bool) -> None:

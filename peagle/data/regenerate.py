@@ -97,6 +97,11 @@ def regenerate_responses(
 
     from peagle.serving.generation import check_sampling_supported, engine_max_model_len
 
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'the target')} has no chat template: "
+            "regeneration renders conversations with it (set tokenizer.chat_template or use an instruct model)"
+        )
     check_sampling_supported(llm, cfg.temperature)
     seed = seed if seed is not None else getattr(cfg, "seed", None)
     max_model_len = engine_max_model_len(llm)
@@ -131,8 +136,12 @@ def _run_round(llm, tokenizer, chunk: list[_Work], cfg: RegenerateConfig, max_mo
 
     ready, prompts, budgets, seeds = [], [], [], []
     for w in chunk:
-        prompt = _render_prompt(tokenizer, w.history)
         turn = len(w.finish_reasons)
+        try:
+            prompt = _render_prompt(tokenizer, w.history)
+        except Exception as err:  # e.g. a template that insists on alternating roles
+            w.fail(f"turn {turn + 1}: the chat template cannot render this conversation: {err}")
+            continue
         if len(prompt) >= max_model_len:
             w.fail(
                 f"turn {turn + 1}: the prompt has {len(prompt)} tokens, no room left under "

@@ -101,7 +101,7 @@ def open_llm(
     )
     configure_environment()
     if is_cpu_platform():
-        # Read by the spawned engine process, so set before LLM() and per engine.
+        # vLLM reads it while building the engine config: set it per engine, before LLM().
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_cfg.cpu_kvcache_space_gib)
     from vllm import LLM
 

@@ -52,7 +52,13 @@ def is_secret_key(key: str) -> bool:
     )
 
 
+# The shell's working-directory variables are paths, not passwords.
+_NOT_SECRET_ENV = {"PWD", "OLDPWD"}
+
+
 def _is_secret_env_name(name: str) -> bool:
+    if name.upper() in _NOT_SECRET_ENV:
+        return False
     parts = name.upper().split("_")
     return (
         is_secret_key(name)

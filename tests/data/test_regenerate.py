@@ -41,6 +41,34 @@ def test_conversation_problems_are_named():
     assert "does not end with a user turn" in conversation_problem([{"role": "system", "content": "s"}])
 
 
+def test_template_errors_are_recorded_per_conversation(tokenizer_without_engine):
+    """A template that raises fails its conversation, not the run (checked before any engine)."""
+    from peagle.data.regenerate import _run_round, _start
+
+    tok = tokenizer_without_engine
+    tok.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}x"
+    work = _start(0, NEW_TURN)
+    _run_round(llm=None, tokenizer=tok, chunk=[work], cfg=REGEN, max_model_len=128, seed=None)
+    assert "no system role" in work.result.error and work.result.messages == NEW_TURN
+
+
+def test_missing_chat_template_is_a_clear_error(tokenizer_without_engine):
+    tok = tokenizer_without_engine
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        regenerate_responses(None, tok, [TWO_TURNS], REGEN, progress=False)  # fails before any engine use
+
+
+@pytest.fixture
+def tokenizer_without_engine(tmp_path):
+    from transformers import AutoTokenizer
+
+    from peagle.serving.tiny import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path)
+    return AutoTokenizer.from_pretrained(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from peagle.serving.tiny import build_tiny_llama
