@@ -1,17 +1,19 @@
-"""The whole pipeline as one Prefect flow: target -> data -> train -> export -> evaluate -> publish.
+"""The whole pipeline as one Prefect flow composing the stage flows as subflows:
+target -> data -> train (+ offline eval + export) -> evaluate -> publish.
 
-Each task calls one stage function of ``peagle.pipeline``; this module only wires them
-together and opens the MLflow run (with a nested run per stage) that they report into.
+This module only wires the stage flows of ``flows.stages`` together and opens the MLflow
+run (with a nested run per stage) that they report into. The data, training and online
+evaluation results are cached on their inputs, so a rerun with nothing changed reuses them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 
+from flows.common import publish_mlflow_artifact
+from flows.stages import data_flow, evaluate_flow, export_task, publish_flow, target_task, train_flow
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
 from peagle.paths import configure_environment
@@ -32,41 +34,7 @@ class PipelineResult:
     model_version: str | None = None
     promotion: object = None
     plot: str | None = None
-
-
-@task(name="target", cache_policy=NO_CACHE)
-def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
-    return stages.prepare_target(cfg)
-
-
-@task(name="data", cache_policy=NO_CACHE)
-def data_task(cfg: PipelineConfig, target: stages.TargetInfo):
-    return stages.generate_data(cfg, target)
-
-
-@task(name="train", cache_policy=NO_CACHE)
-def train_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: Path):
-    return stages.train_head(cfg, target, data_dir)
-
-
-@task(name="evaluate-offline", cache_policy=NO_CACHE)
-def offline_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: Path, checkpoint: Path):
-    return stages.evaluate_offline(cfg, target, data_dir, checkpoint)
-
-
-@task(name="export", cache_policy=NO_CACHE)
-def export_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: Path, checkpoint: Path):
-    return stages.export_head(cfg, target, data_dir, checkpoint)
-
-
-@task(name="evaluate-online", cache_policy=NO_CACHE)
-def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, Path]):
-    return stages.evaluate_online(cfg, target, heads)
-
-
-@task(name="publish", cache_policy=NO_CACHE)
-def publish_task(cfg: PipelineConfig, tracker, head_dir: Path, online, validated: bool):
-    return stages.publish_head(cfg, tracker, head_dir, online, validated=validated)
+    lineage: dict = field(default_factory=dict)
 
 
 @flow(name="peagle-pipeline")
@@ -76,30 +44,37 @@ def pipeline_flow(config_path: str = "configs/demo.yaml", overrides: dict | None
     return run_pipeline(load_config(config_path, overrides))
 
 
-def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
+def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None, force_data: bool = False) -> PipelineResult:
+    """The stages in order under one MLflow run. ``data_cfg`` (default ``cfg``) says where the
+    dataset lives: retraining trains a new revision directory on the shared dataset."""
     from peagle.tracking import Tracker
 
+    data_cfg = data_cfg or cfg
     timer = stages.StageTimer()
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):
             target = target_task(cfg)
+            lineage = stages.lineage(cfg, target)
         with timer.stage("data"), tracker.stage("data") as run:
-            data = data_task(cfg, target)
+            data = data_flow(data_cfg, force=force_data, target=target)
             stages.record_dataset(tracker, run, data)
+            lineage["data_manifests"] = str(stages.dataset_manifest_hashes(data.data_dir))
         with timer.stage("train"), tracker.stage("train") as run:
-            trained = train_task(cfg, target, data.data_dir)
+            trained = train_flow(cfg, str(data.data_dir), target=target, export=False)
             stages.record_training(run, trained)
-            offline = offline_task(cfg, target, data.data_dir, trained.best_checkpoint)
-            stages.record_offline(run, offline)
+            stages.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
-            head_dir = export_task(cfg, target, data.data_dir, trained.best_checkpoint)
+            head_dir = str(export_task(cfg, target, str(data.data_dir), trained.best_checkpoint, cfg.train.method))
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
-            online = online_task(cfg, target, {stages.PEAGLE_LABEL: head_dir})
+            online = evaluate_flow(cfg, head_dir, target=target, head_key=f"{trained.cache_key}/{cfg.train.method}")
             plot = stages.record_online(run, online, cfg.run_dir / "eval")
-            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, offline), data)
+            card = stages.model_card(cfg, target, data, online, trained.offline)
+            stages.write_card(head_dir, card, data)
         with timer.stage("publish"), tracker.stage("publish"):
-            version, decision = publish_task(cfg, tracker, head_dir, online, stages.drafted(online, stages.PEAGLE_LABEL))
+            published = publish_flow(cfg, head_dir, str(cfg.run_dir / "eval" / "online_results.json"),
+                                     mlflow_run_id=tracker.run_id, lineage=lineage)
         tracker.log_metrics({f"seconds_{name}": s for name, s in timer.seconds.items()})
+        publish_mlflow_artifact(tracker.run_url(), tracker.run_id, cfg.name)
         return PipelineResult(
             config_name=cfg.name,
             target_path=target.path,
@@ -107,11 +82,12 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineResult:
             head_dir=str(head_dir),
             checkpoint_dir=str(trained.best_checkpoint),
             online=online,
-            offline=offline,
+            offline=trained.offline,
             stage_seconds=timer.seconds,
             mlflow_run_id=tracker.run_id,
             mlflow_run_url=tracker.run_url(),
-            model_version=str(version.version),
-            promotion=decision,
+            model_version=published.version,
+            promotion=published.promotion,
             plot=str(plot),
+            lineage=lineage,
         )

@@ -145,6 +145,40 @@ def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     del cfg
 
 
+@app.command("deploy")
+def deploy_cmd(
+    prefect_file: Path = typer.Option(Path("prefect.yaml"), help="The Prefect deployments file"),
+    name: list[str] = typer.Option(None, "--name", help="Only these deployments (repeatable); default: all"),
+    check: bool = typer.Option(False, help="Only validate the file and the flows' parameters; register nothing"),
+):
+    """Register the Prefect deployments (and create their work pools) on PREFECT_API_URL's server."""
+    configure_environment()
+    from flows.deploy import deploy, load_prefect_file
+
+    if check:
+        specs = load_prefect_file(prefect_file)
+        for s in specs:
+            console.print(f"[green]ok[/green] {s.name}: {s.entrypoint} on {s.work_pool}"
+                          + (f", cron {', '.join(c.cron for c in s.schedules)}" if s.schedules else ""))
+        return
+    ids = deploy(prefect_file, name or None)
+    console.print(f"registered {len(ids)} deployments from {prefect_file}")
+
+
+@app.command("retrain")
+def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
+                force: bool = typer.Option(False, help="Retrain even when nothing changed")):
+    """Retrain only if the prompts, target or config changed since the champion; promote if better."""
+    _load(config, set_)
+    configure_environment()
+    from flows.retrain import retrain_flow
+
+    result = retrain_flow(config_path=str(config), overrides=_parse_overrides(set_), force=force)
+    console.print(result.message)
+    if result.pipeline is not None:
+        print_summary(result.pipeline)
+
+
 def print_summary(result) -> None:
     console.print(result.online.to_table(title="Acceptance length and output tokens/s in vLLM"))
     offline = result.offline.acceptance_length

@@ -35,6 +35,8 @@ def configure_environment() -> None:
         "VLLM_CACHE_ROOT": home / "cache" / "vllm",
         "PREFECT_HOME": home / "prefect",
         "PREFECT_MEMO_STORE_PATH": home / "prefect" / "memo_store.toml",
+        # Prefect 3.7 keeps cached task results in ~/.prefect/storage even when PREFECT_HOME is set.
+        "PREFECT_LOCAL_STORAGE_PATH": home / "prefect" / "storage",
         "TORCH_EXTENSIONS_DIR": home / "cache" / "torch_extensions",
         "TRITON_CACHE_DIR": home / "cache" / "triton",
         "MPLCONFIGDIR": home / "cache" / "matplotlib",

@@ -142,6 +142,8 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Pa
         ks=cfg.eval.ks,
         concurrency=cfg.eval.concurrency,
         max_tokens=cfg.eval.max_tokens,
+        # EAGLE-3 heads ship an (unused) mask_hidden too: serve them autoregressively.
+        parallel_drafting={label: label != EAGLE3_LABEL for label in heads},
         prompt_set=Path(cfg.eval.prompts).stem,
         target_revision=cfg.target.revision,
         trust_remote_code=cfg.target.trust_remote_code,
@@ -263,3 +265,108 @@ def record_online(run, online, out_dir: Path) -> Path:
 
 def summary_json(obj) -> str:
     return json.dumps(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, indent=2, default=str)
+
+
+# ----------------------------------------------------------------------------- lineage (what a head was trained on)
+
+LINEAGE_PREFIX = "peagle.lineage."
+
+
+def file_digest(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def prompt_file_hashes(cfg: PipelineConfig) -> dict[str, str]:
+    """sha256 of every local prompt file (a grown file is new prompt data); hub sets by name."""
+    from peagle.config import resolve_repo_path
+
+    hashes = {}
+    for src in cfg.data.sources:
+        path = resolve_repo_path(src.path)
+        if src.kind == "hf" or not path.exists():
+            hashes[src.path] = f"hub:{src.path}@{src.split}/{src.subset or ''}"
+        elif path.is_dir():
+            hashes[src.path] = _digest_strings(f"{p.relative_to(path)}:{file_digest(p)}"
+                                               for p in sorted(path.rglob("*")) if p.is_file())
+        else:
+            hashes[src.path] = file_digest(path)
+    return hashes
+
+
+def target_revision(cfg: PipelineConfig, target: TargetInfo) -> str:
+    """The configured revision, else a digest of the resolved target's config and weight files."""
+    if cfg.target.revision:
+        return cfg.target.revision
+    root = Path(target.path)
+    parts = [str(root.resolve())]
+    if (root / "config.json").exists():
+        parts.append(file_digest(root / "config.json"))
+    parts += [f"{p.name}:{p.stat().st_size}" for p in sorted(root.glob("*.safetensors"))]
+    return "local:" + _digest_strings(parts)[:16]
+
+
+def _digest_strings(parts) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def lineage(cfg: PipelineConfig, target: TargetInfo) -> dict[str, str]:
+    """What a head is trained on, known before any work: the keys retraining compares."""
+    return {
+        "data_config_hash": cfg.section_hash("target", "data"),
+        "train_config_hash": cfg.section_hash("drafter", "train"),
+        "target_revision": target_revision(cfg, target),
+        "prompt_files": json.dumps(prompt_file_hashes(cfg), sort_keys=True),
+    }
+
+
+def lineage_key(values: dict[str, str]) -> str:
+    """One short digest of a lineage: names a retraining revision's directory."""
+    return _digest_strings(f"{k}={values[k]}" for k in sorted(values))[:12]
+
+
+def dataset_manifest_hashes(data_dir: Path) -> dict[str, str]:
+    """sha256 of each split's manifest.json: the identity of the dataset actually built."""
+    return {split: file_digest(Path(data_dir) / "splits" / split / "manifest.json")
+            for split in ("train", "eval") if (Path(data_dir) / "splits" / split / "manifest.json").exists()}
+
+
+def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
+    """Human-readable differences between a head's recorded lineage and the current inputs."""
+    if not recorded:
+        return ["the champion has no recorded lineage (trained before lineage tags existed)"]
+    changes = []
+    old_files = json.loads(recorded.get("prompt_files", "{}"))
+    new_files = json.loads(current["prompt_files"])
+    for path in sorted(set(old_files) | set(new_files)):
+        if path not in old_files:
+            changes.append(f"new prompt source {path}")
+        elif path not in new_files:
+            changes.append(f"prompt source {path} removed")
+        elif old_files[path] != new_files[path]:
+            changes.append(f"prompt file {path} changed (new prompt data)")
+    for key, what in (("target_revision", "target revision"), ("data_config_hash", "data/target config"),
+                      ("train_config_hash", "drafter/train config")):
+        if recorded.get(key) != current[key]:
+            changes.append(f"{what} changed ({recorded.get(key)} -> {current[key]})")
+    return changes
+
+
+def recorded_lineage(version) -> dict[str, str]:
+    """The lineage tags of a registered model version (empty when it has none)."""
+    if version is None:
+        return {}
+    return {k.removeprefix(LINEAGE_PREFIX): v for k, v in version.tags.items() if k.startswith(LINEAGE_PREFIX)}
+
+
+def tag_lineage(tracker, name: str, version: str, values: dict[str, str]) -> None:
+    """Write a head's lineage on its registered version, where retraining reads it back."""
+    for key, value in values.items():
+        tracker.client.set_model_version_tag(name, str(version), LINEAGE_PREFIX + key, value)

@@ -167,8 +167,9 @@ def prepare_data_dir(data_dir: Path, config_hash: str, force: bool, console: Con
 def plan_records(cfg: PipelineConfig, data_dir: Path, console: Console) -> list[Record]:
     """Every prompt as a Record, with regenerated responses of an earlier run restored."""
     prompts = load_prompts(cfg.data, verbose=console.quiet is False)
-    train, heldout = split_heldout(prompts, cfg.data.heldout_samples, cfg.data.seed)
     previous = read_samples(data_dir / SAMPLES_FILE)
+    splits = {sample_id: rec.get("split") for sample_id, rec in previous.items()}
+    train, heldout = split_heldout(prompts, cfg.data.heldout_samples, cfg.data.seed, splits)
     records = []
     for split, convs in (("train", train), ("eval", heldout)):
         for conv in convs:

@@ -246,8 +246,15 @@ def load_prompts(data_cfg: DataConfig, *, verbose: bool = False) -> list[Convers
     return out
 
 
-def split_heldout(convs: list[Conversation], n: int, seed: int) -> tuple[list[Conversation], list[Conversation]]:
-    """(train, heldout): ``n`` conversations chosen by ``seed`` are held out for evaluation."""
+def split_heldout(
+    convs: list[Conversation], n: int, seed: int, previous: dict[str, str] | None = None
+) -> tuple[list[Conversation], list[Conversation]]:
+    """(train, heldout): ``n`` conversations chosen by ``seed`` are held out for evaluation.
+
+    ``previous`` (id -> "train"/"eval") keeps every conversation of an earlier run in
+    the split it had, so a grown prompt set never moves a trained sample into the
+    held-out split or back; only new conversations fill free held-out places.
+    """
     if n == 0:
         return list(convs), []
     if n >= len(convs):
@@ -255,9 +262,12 @@ def split_heldout(convs: list[Conversation], n: int, seed: int) -> tuple[list[Co
             f"data.heldout_samples={n} leaves no training samples out of {len(convs)} prompts; "
             "lower it or add prompts"
         )
+    previous = previous or {}
     order = list(range(len(convs)))
     random.Random(seed).shuffle(order)
-    held = set(order[:n])
+    kept = [i for i in order if previous.get(convs[i].id) == "eval"][:n]
+    fresh = [i for i in order if convs[i].id not in previous]
+    held = set(kept + fresh[: n - len(kept)])
     train = [c for i, c in enumerate(convs) if i not in held]
     heldout = [c for i, c in enumerate(convs) if i in held]
     return train, heldout

@@ -156,7 +156,7 @@ def draft_tokens(
     anchors: torch.Tensor,
     k: int,
     method: Method = "peagle",
-    chunk_anchors: int = 256,
+    chunk_anchors: int = 1024,
 ) -> torch.Tensor:
     """Long [A, K]: the target ids the drafter proposes after each of the sorted ``anchors``."""
     device = next(drafter.parameters()).device
@@ -219,7 +219,7 @@ def evaluate_offline(
     method: Method = "peagle",
     reference: Reference = "data",
     k_train: int | None = None,
-    chunk_anchors: int = 256,
+    chunk_anchors: int = 1024,
 ) -> OfflineResult:
     """Simulated acceptance of ``drafter`` on the first ``max_samples`` samples of ``reader``.
 

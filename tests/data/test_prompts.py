@@ -149,3 +149,16 @@ def test_malformed_rows_are_skipped(tmp_path):
     ])
     convs = load_prompts(data_cfg({"kind": "jsonl", "path": path}))
     assert [c.messages[0]["content"] for c in convs] == ["good"]
+
+
+def test_split_keeps_earlier_assignments_when_prompts_grow():
+    from peagle.data.prompts import Conversation, split_heldout
+
+    def convs(n):
+        return [Conversation(id=f"c{i}", messages=[{"role": "user", "content": str(i)}], source="t") for i in range(n)]
+
+    train, held = split_heldout(convs(40), 8, seed=0)
+    before = {c.id: "train" for c in train} | {c.id: "eval" for c in held}
+    train2, held2 = split_heldout(convs(48), 8, seed=0, previous=before)
+    assert {c.id for c in held2} == {c.id for c in held}  # held-out set unchanged
+    assert {c.id for c in train2} == {c.id for c in train} | {f"c{i}" for i in range(40, 48)}

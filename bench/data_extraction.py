@@ -1,0 +1,205 @@
+"""Hidden-state extraction throughput through our connector vs plain vLLM prefill.
+
+Both engines get the SAME token sequences (a built dataset's train + eval samples) in
+batches of ``data.extract_batch_size``:
+- plain: ``vllm.LLM`` from ``open_llm`` (no speculation, no connector), each sequence a
+  prompt with ``SamplingParams(max_tokens=1)``: the floor cost of one prefill;
+- extraction: ``open_data_engine`` + ``extract_with_engine`` (vLLM's
+  ``extract_hidden_states`` + ``PeagleHiddenStatesConnector``), end to end: prefill,
+  capture, file write, read back, token check, delete.
+Each engine first runs a warm-up on random sequences (no prefix-cache overlap with the
+timed pass), then one timed pass. Engine start-up is reported apart from throughput.
+
+    .venv/bin/python bench/data_extraction.py [--data-dir DIR] [--config configs/demo.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_common import load_result, report, started  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+NAME = "data_extraction"
+
+
+def load_sequences(data_dir: Path) -> list[tuple[str, list[int]]]:
+    """(sample id, token ids) of every stored sample, read without touching hidden states."""
+    from peagle.data.store import ShardReader
+
+    out = []
+    for split in ("train", "eval"):
+        reader = ShardReader(data_dir / "splits" / split, verify=False)
+        ids, lengths = reader.sample_ids(), reader.lengths()
+        tokens = torch.cat([t for t, _ in reader.iter_tokens()])
+        for sid, piece in zip(ids, tokens.split(lengths), strict=True):
+            out.append((sid, piece.tolist()))
+    return out
+
+
+def warmup_sequences(sequences, vocab_size: int, count: int = 8, seed: int = 0) -> list[tuple[str, list[int]]]:
+    """Random sequences as long as the first ``count`` real ones: warm kernels, share no prefix."""
+    g = torch.Generator().manual_seed(seed)
+    return [(f"warmup-{i}", torch.randint(4, vocab_size, (len(ids),), generator=g).tolist())
+            for i, (_, ids) in enumerate(sequences[:count])]
+
+
+def batches(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def plain_prefill(llm, sequences, batch_size: int) -> None:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    for batch in batches(sequences, batch_size):
+        llm.generate([{"prompt_token_ids": ids} for _, ids in batch], params, use_tqdm=False)
+
+
+def extraction_pass(llm, sequences, batch_size: int) -> tuple[int, float]:
+    """Tokens extracted, and seconds spent inside the engine's generate call.
+
+    The rest of the pass is ours: waiting for the connector's files, loading, checking
+    and deleting them. The split comes from timing the real ``request_hidden_states``.
+    """
+    import peagle.serving.extraction as extraction
+    from peagle.data.extract import extract_with_engine
+
+    request = extraction.request_hidden_states
+    engine_s = 0.0
+
+    def timed_request(llm, prompts):
+        nonlocal engine_s
+        start = time.perf_counter()
+        try:
+            return request(llm, prompts)
+        finally:
+            engine_s += time.perf_counter() - start
+
+    extraction.request_hidden_states = timed_request
+    try:
+        tokens = 0
+        for _, hidden in extract_with_engine(llm, sequences, batch_size=batch_size, progress=False):
+            tokens += hidden.shape[0]
+    finally:
+        extraction.request_hidden_states = request
+    return tokens, engine_s
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_plain(target: str, cfg, sequences, warm, batch_size: int) -> dict:
+    from peagle.serving import open_llm
+
+    start = time.perf_counter()
+    with open_llm(target, cfg.vllm, dtype=cfg.target.dtype) as llm:
+        startup = time.perf_counter() - start
+        warm_s = timed(lambda: plain_prefill(llm, warm, batch_size))
+        seconds = timed(lambda: plain_prefill(llm, sequences, batch_size))
+        dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds, "dtype": dtype}
+
+
+def run_extraction(target: str, cfg, layer_ids, work_dir: Path, sequences, warm, batch_size: int) -> dict:
+    from peagle.data.extract import open_data_engine
+
+    start = time.perf_counter()
+    with open_data_engine(target, cfg.vllm, layer_ids, work_dir, dtype=cfg.target.dtype) as llm:
+        startup = time.perf_counter() - start
+        warm_s = timed(lambda: extraction_pass(llm, warm, batch_size))
+        got = {}
+        seconds = timed(lambda: got.update(zip(("tokens", "engine_s"), extraction_pass(llm, sequences, batch_size))))
+    expected = sum(len(ids) for _, ids in sequences)
+    if got["tokens"] != expected:
+        raise RuntimeError(f"extraction returned hidden states for {got['tokens']} tokens, expected {expected}")
+    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds,
+            "engine_generate_s": got["engine_s"], "file_read_check_s": seconds - got["engine_s"]}
+
+
+def tables(result: dict) -> list:
+    plain = result["plain"]["tokens_per_s"]
+    rows = [[name, f"{r['startup_s']:.1f}", f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['tokens_per_s'] / plain:.3f}"]
+            for name, r in (("plain vLLM prefill", result["plain"]), ("extraction (connector)", result["extraction"]))]
+    return [(f"Extraction vs plain prefill, same {result['num_sequences']} sequences / {result['num_tokens']} tokens, "
+             f"batch {result['batch_size']}", ["engine", "start-up s", "pass s", "tokens/s", "x plain"], rows)]
+
+
+def notes(result: dict) -> list[str]:
+    e = result["extraction"]
+    return [
+        f"target {Path(result['target']).name} (hidden {result['hidden_size']}), layers {result['layer_ids']}, "
+        f"engine dtype {result['engine_dtype']}; sequences: the demo dataset's train + eval samples",
+        f"extraction pass split: {e['engine_generate_s']:.2f} s inside the engine's generate, "
+        f"{e['file_read_check_s']:.2f} s waiting for / loading / checking / deleting the connector's files",
+        "start-up: LLM() construction (model load, KV cache, profiling); one warm-up on 8 random sequences "
+        "per engine before the timed pass; prefix caching as configured (default on) for both",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    parser.add_argument("--data-dir", default=None, help="a built dataset (default: the config's run dir / data)")
+    parser.add_argument("--max-sequences", type=int, default=None)
+    parser.add_argument("--render-only", action="store_true", help="re-print results/data_extraction.json")
+    args = parser.parse_args()
+    if args.render_only:
+        result = load_result(NAME)
+        report(NAME, result, tables(result), notes(result))
+        return
+
+    from peagle.config import load_config
+    from peagle.paths import configure_environment, peagle_home
+    from peagle.target import resolve_target
+
+    configure_environment()
+    cfg = load_config(args.config)
+    data_dir = Path(args.data_dir) if args.data_dir else cfg.run_dir / "data"
+    target = resolve_target(cfg.target)
+    manifest = json.loads((data_dir / "splits" / "train" / "manifest.json").read_text())
+    layer_ids = manifest["layer_ids"]
+    sequences = load_sequences(data_dir)[: args.max_sequences]
+    vocab_size = json.loads((data_dir / "head_spec.json").read_text())["vocab_size"]
+    warm = warmup_sequences(sequences, vocab_size)
+    batch_size = cfg.data.extract_batch_size
+    num_tokens = sum(len(ids) for _, ids in sequences)
+    print(f"{len(sequences)} sequences, {num_tokens} tokens, layers {layer_ids}, target {target}")
+
+    stamp = started()
+    plain = run_plain(target, cfg, sequences, warm, batch_size)
+    extraction = run_extraction(target, cfg, layer_ids, peagle_home() / "bench" / "data_extraction",
+                                sequences, warm, batch_size)
+    for r in (plain, extraction):
+        r["tokens_per_s"] = num_tokens / r["seconds"]
+    result = {
+        "benchmark": NAME,
+        **stamp,
+        "target": target,
+        "engine_dtype": plain.pop("dtype"),
+        "data_dir": str(data_dir),
+        "layer_ids": layer_ids,
+        "hidden_size": manifest["hidden_size"],
+        "batch_size": batch_size,
+        "num_sequences": len(sequences),
+        "num_tokens": num_tokens,
+        "plain": plain,
+        "extraction": extraction,
+        "throughput_ratio_extraction_over_plain": extraction["tokens_per_s"] / plain["tokens_per_s"],
+    }
+    report(NAME, result, tables(result), notes(result))
+
+
+if __name__ == "__main__":
+    main()

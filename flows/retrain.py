@@ -1,0 +1,100 @@
+"""Scheduled retraining: retrain only when something the champion was trained on changed.
+
+1. compare the current inputs (prompt-file hashes, target revision, data and training config
+   hashes) with the lineage tags on the registry's champion;
+2. nothing changed: stop (no engine, no training) and say so in a Prefect artifact;
+3. otherwise extend the shared dataset (the data stage regenerates and extracts only the
+   samples it does not hold yet), train a new revision in its own directory
+   (``<run>/revisions/<lineage key>``), evaluate it in vLLM and register it; the registry
+   gate promotes it only when it beats the champion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefect import flow, get_run_logger
+
+from flows.common import artifact_key
+from flows.pipeline import PipelineResult, run_pipeline
+from flows.stages import target_task
+from peagle import pipeline as stages
+from peagle.config import ConfigError, PipelineConfig, load_config
+from peagle.paths import configure_environment
+
+
+@dataclass
+class RetrainResult:
+    retrained: bool
+    changes: list[str] = field(default_factory=list)
+    champion_before: str | None = None
+    pipeline: PipelineResult | None = None
+    message: str = ""
+
+
+def revision_config(cfg: PipelineConfig, lineage: dict[str, str]) -> PipelineConfig:
+    """The same config, writing checkpoints and heads under a directory of its own inputs."""
+    workdir = cfg.run_dir / "revisions" / stages.lineage_key(lineage)
+    return cfg.model_copy(update={"workdir": str(workdir)})
+
+
+def registry_state(cfg: PipelineConfig, current: dict[str, str]):
+    """(champion, its lineage, a version already trained on exactly ``current`` or None)."""
+    from mlflow.exceptions import MlflowException
+
+    from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
+    from peagle.tracking.registry import champion_version
+
+    client = make_client(resolve_tracking_uri(cfg.tracking))
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    champion = champion_version(client, name)
+    if champion is None:
+        return None, {}, None
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except MlflowException:
+        versions = []
+    same = [v for v in versions if not stages.changes_since(stages.recorded_lineage(v), current)]
+    latest = max(same, key=lambda v: int(v.version)) if same else None
+    return champion, stages.recorded_lineage(champion), latest
+
+
+@flow(name="peagle-retrain")
+def retrain_flow(config_path: str = "configs/demo.yaml", overrides: dict | None = None,
+                 force: bool = False) -> RetrainResult:
+    """Retrain a custom model's head when its prompt data, target or config changed since the
+    champion was trained; promote through the registry gate. ``force`` retrains regardless."""
+    from prefect.artifacts import create_markdown_artifact
+
+    configure_environment()
+    cfg = load_config(config_path, overrides)
+    log = get_run_logger()
+    target = target_task(cfg)
+    current = stages.lineage(cfg, target)
+    champion, recorded, already = registry_state(cfg, current)
+    before = str(champion.version) if champion else None
+    changes = ["no champion yet"] if champion is None else stages.changes_since(recorded, current)
+    if already is not None and not force:  # e.g. a challenger the gate refused: retraining would repeat it
+        changes = []
+    if force and not changes:
+        changes = ["forced"]
+    if not changes:
+        trained = (f"champion v{before}" if already is None or str(already.version) == before
+                   else f"v{already.version} ({already.tags.get('peagle.promotion.reason', 'not promoted')})")
+        message = (f"nothing new: {trained} was trained on these inputs (same prompt files, target revision "
+                   f"{current['target_revision']}, same config); no data generated, nothing trained")
+        log.info(message)
+        create_markdown_artifact(f"### Retraining {cfg.name}\n\n{message}", key=artifact_key(cfg.name, "retrain"))
+        return RetrainResult(False, [], before, None, message)
+
+    log.info("retraining %s: %s", cfg.name, "; ".join(changes))
+    data_rebuild = bool(recorded) and recorded.get("data_config_hash") != current["data_config_hash"]
+    try:
+        result = run_pipeline(revision_config(cfg, current), data_cfg=cfg, force_data=data_rebuild)
+    except ConfigError as err:
+        raise ConfigError(f"retraining {cfg.name}: {err}") from None
+    decision = result.promotion
+    message = (f"retrained on: {'; '.join(changes)}. Version {result.model_version}: {decision.reason}")
+    create_markdown_artifact(f"### Retraining {cfg.name}\n\n{message}", key=artifact_key(cfg.name, "retrain"))
+    log.info(message)
+    return RetrainResult(True, changes, before, result, message)

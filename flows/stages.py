@@ -1,0 +1,243 @@
+"""One Prefect flow per pipeline stage: data, train, evaluate, publish.
+
+Each flow takes the typed config (``PipelineConfig``; a deployment passes a YAML path plus
+overrides instead) and calls the stage functions of ``peagle.pipeline``. The pipeline and
+retraining flows compose them as subflows; each also runs alone (``prefect.yaml``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.common import (
+    RESULT_SERIALIZER,
+    RETRIES,
+    RETRY_DELAY_S,
+    cache_key_from_param,
+    digest,
+    path_exists,
+    publish_acceptance_artifact,
+    retry_if_transient,
+)
+from peagle import pipeline as stages
+from peagle.config import PipelineConfig, load_config
+from peagle.paths import configure_environment
+
+CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
+TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
+
+
+def resolve_config(config: PipelineConfig | str, overrides: dict | None = None) -> PipelineConfig:
+    """A config model as given, or loaded from a YAML path (what deployments pass)."""
+    if isinstance(config, PipelineConfig):
+        return load_overrides(config, overrides) if overrides else config
+    configure_environment()
+    return load_config(config, overrides)
+
+
+def load_overrides(cfg: PipelineConfig, overrides: dict) -> PipelineConfig:
+    from peagle.config import parse_config
+
+    data = cfg.model_dump(mode="json", by_alias=True)
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return parse_config(data)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def dataset_key(cfg: PipelineConfig, target: stages.TargetInfo) -> str:
+    """What decides the dataset: target+data config, prompt-file contents, target revision, where."""
+    values = stages.lineage(cfg, target)
+    return "data-" + digest(values["data_config_hash"], values["prompt_files"], values["target_revision"], cfg.run_dir)
+
+
+def dataset_on_disk(cfg: PipelineConfig) -> bool:
+    """The run's data dir holds a finished build of this config (else a cached result is stale)."""
+    data_dir = cfg.run_dir / "data"
+    build = data_dir / "build.json"
+    if not build.exists() or not (data_dir / "vocab.safetensors").exists() or not (data_dir / "head_spec.json").exists():
+        return False
+    return json.loads(build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
+
+
+@task(name="target", cache_policy=NO_CACHE)
+def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
+    return stages.prepare_target(cfg)
+
+
+@task(name="data", **CACHED, **TRANSIENT_RETRIES)
+def data_task(cfg: PipelineConfig, target: stages.TargetInfo, key: str, force: bool = False):
+    return stages.generate_data(cfg, target, force=force)
+
+
+@flow(name="peagle-data")
+def data_flow(config: PipelineConfig | str, overrides: dict | None = None, force: bool = False,
+              target: stages.TargetInfo | None = None):
+    """Prompts -> regenerated responses -> hidden states; an unchanged dataset is reused from cache."""
+    cfg = resolve_config(config, overrides)
+    target = target or target_task(cfg)
+    refresh = force or not dataset_on_disk(cfg)
+    info = data_task.with_options(refresh_cache=refresh)(cfg, target, dataset_key(cfg, target), force)
+    get_run_logger().info("dataset %s: %d train + %d eval samples (%s)", info.data_dir, info.num_train,
+                          info.num_eval, "built" if refresh else "cache key matched; reused if unchanged")
+    return info
+
+
+# ----------------------------------------------------------------------------- train
+
+
+@dataclass
+class TrainOutcome:
+    checkpoint_dir: str
+    best_checkpoint: str
+    head_dir: str | None  # None when the caller exports (the pipeline does, in its own stage)
+    metrics_history: list
+    offline: object  # peagle.eval.offline result
+    cache_key: str = ""  # the training key: what the exported head is a function of
+
+
+def training_key(cfg: PipelineConfig, data_dir: Path, method: str) -> str:
+    """What decides the trained head: the dataset actually built, drafter/train/eval config, method."""
+    manifests = stages.dataset_manifest_hashes(data_dir)
+    return "train-" + digest(manifests, cfg.section_hash("target", "drafter", "train", "eval"), method, cfg.run_dir)
+
+
+@task(name="train", **CACHED)
+def train_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, key: str, method: str):
+    return stages.train_head(cfg, target, Path(data_dir), method=method)
+
+
+@task(name="evaluate-offline", cache_policy=NO_CACHE)
+def offline_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str):
+    return stages.evaluate_offline(cfg, target, Path(data_dir), Path(checkpoint))
+
+
+@task(name="export", cache_policy=NO_CACHE)
+def export_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str, method: str):
+    return stages.export_head(cfg, target, Path(data_dir), Path(checkpoint), method=method)
+
+
+@flow(name="peagle-train")
+def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overrides: dict | None = None,
+               method: str | None = None, target: stages.TargetInfo | None = None, export: bool = True) -> TrainOutcome:
+    """DeepSpeed training (cached on the dataset's manifests and the training config), offline
+    acceptance of the best checkpoint, and the exported head directory."""
+    cfg = resolve_config(config, overrides)
+    target = target or target_task(cfg)
+    method = method or cfg.train.method
+    data_dir = str(data_dir or cfg.run_dir / "data")
+    ckpt_dir = stages.checkpoint_dir(cfg, method)
+    refresh = not path_exists(ckpt_dir / "best")
+    key = training_key(cfg, Path(data_dir), method)
+    trained = train_task.with_options(refresh_cache=refresh)(cfg, target, data_dir, key, method)
+    offline = offline_task(cfg, target, data_dir, str(trained.best_checkpoint))
+    head_dir = export_task(cfg, target, data_dir, str(trained.best_checkpoint), method) if export else None
+    return TrainOutcome(str(ckpt_dir), str(trained.best_checkpoint), head_dir and str(head_dir),
+                        trained.metrics_history, offline, key)
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+def evaluation_key(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str],
+                   head_key: str | None = None) -> str:
+    """What decides online acceptance: the head (its training key when known, else its files'
+    hashes), the target, vLLM and eval settings, and the run directory the result is written to."""
+    head = head_key or {label: {p.name: stages.file_digest(p) for p in sorted(Path(d).glob("*"))
+                                if p.is_file() and p.name != "README.md"} for label, d in heads.items()}
+    return "eval-" + digest(head, sorted(heads), stages.target_revision(cfg, target),
+                            cfg.section_hash("vllm", "eval"), cfg.target.dtype, cfg.run_dir)
+
+
+@task(name="evaluate-online", **CACHED, **TRANSIENT_RETRIES)
+def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str], key: str):
+    return stages.evaluate_online(cfg, target, {label: Path(d) for label, d in heads.items()})
+
+
+@flow(name="peagle-evaluate")
+def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, overrides: dict | None = None,
+                  target: stages.TargetInfo | None = None, head_key: str | None = None):
+    """Acceptance per K and tokens/s in vLLM (cached on the head's training key, or its file
+    hashes); publishes the acceptance table as a Prefect markdown artifact."""
+    cfg = resolve_config(config, overrides)
+    target = target or target_task(cfg)
+    heads = {stages.PEAGLE_LABEL: str(head_dir or cfg.run_dir / "heads" / "peagle")}
+    if not path_exists(Path(heads[stages.PEAGLE_LABEL]) / "config.json"):
+        raise FileNotFoundError(f"no exported head at {heads[stages.PEAGLE_LABEL]}: run the train flow first")
+    online = online_task(cfg, target, heads, evaluation_key(cfg, target, heads, head_key))
+    publish_acceptance_artifact(online, cfg.name)
+    return online
+
+
+# ----------------------------------------------------------------------------- publish
+
+
+@dataclass
+class PublishOutcome:
+    version: str
+    promotion: object  # peagle.tracking.registry.PromotionDecision
+    reused: bool  # an identical head was already registered: nothing new registered
+
+
+def registered_twin(tracker, name: str, head_dir: str):
+    """An already registered version with exactly this head's files (publishing is idempotent)."""
+    from mlflow.exceptions import MlflowException
+
+    from peagle.tracking.registry import TAG_FILES, head_file_manifest
+
+    files = json.dumps(head_file_manifest(Path(head_dir)), sort_keys=True)
+    try:
+        versions = tracker.client.search_model_versions(f"name='{name}'")
+    except MlflowException:
+        return None
+    return next((v for v in versions if v.tags.get(TAG_FILES) == files), None)
+
+
+@task(name="publish", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
+def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict):
+    from peagle.tracking.mlflow_run import registered_model_name
+    from peagle.tracking.registry import PromotionDecision, champion_version
+
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    twin = registered_twin(tracker, name, head_dir)
+    if twin is not None:
+        champion = champion_version(tracker, name)
+        before = str(champion.version) if champion else None
+        reason = f"identical head already registered as version {twin.version}; nothing registered"
+        return PublishOutcome(str(twin.version), PromotionDecision(False, reason, before, before), True)
+    version, decision = stages.publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
+    stages.tag_lineage(tracker, name, version.version, lineage)
+    return PublishOutcome(str(version.version), decision, False)
+
+
+@flow(name="peagle-publish")
+def publish_flow(config: PipelineConfig | str, head_dir: str, online_results: str, overrides: dict | None = None,
+                 mlflow_run_id: str | None = None, lineage: dict | None = None) -> PublishOutcome:
+    """Register the head (alias challenger) and promote it through the registry gate.
+
+    ``online_results``: the JSON the evaluate stage saved. With ``mlflow_run_id`` the head is
+    registered under that (running) pipeline run; otherwise under a run of its own.
+    """
+    from peagle.eval.online import OnlineResult
+    from peagle.tracking import Tracker
+
+    cfg = resolve_config(config, overrides)
+    online = OnlineResult.load(online_results)
+    lineage = lineage or {}
+    validated = stages.drafted(online, stages.PEAGLE_LABEL)
+    if mlflow_run_id:
+        tracker = Tracker(cfg.tracking, target_id=cfg.target.model, run_id=mlflow_run_id).start()
+        return publish_task(cfg, tracker, head_dir, online, validated, lineage)
+    with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg, run_name=f"{cfg.name}-publish") as tracker:
+        return publish_task(cfg, tracker, head_dir, online, validated, lineage)

@@ -1,0 +1,40 @@
+"""The training benchmarks run end to end (--quick) and write well-formed result files.
+
+Timings are not checked (project rule: tests check correctness, benchmarks measure);
+each script imports torch + transformers in fresh processes, so this is marked slow.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = {
+    "train_seqlen_memory": 8,  # 2 lengths x 2 segment counts, 8 columns
+    "train_dataloading": 6,
+    "train_forward_latency": 6,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_bench_quick_writes_results(name, tmp_path):
+    env = {**os.environ, "PEAGLE_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / f"{name}.json").read_text())
+    assert result["meta"]["load_average_start"] and result["meta"]["load_average_end"]
+    table = result["tables"][0]
+    assert len(table["columns"]) == SCRIPTS[name]
+    assert table["rows"] and all(len(r) == SCRIPTS[name] for r in table["rows"])
+    assert (tmp_path / f"{name}.md").read_text().startswith(f"# {name}")
+    if name == "train_seqlen_memory":  # every quick cell fits: S=1 is the ratio's reference
+        assert all(r[4] != "-" for r in table["rows"]), table["rows"]
+        assert [r[5] for r in table["rows"] if r[1] == 1] == [1.0, 1.0]

@@ -1,0 +1,91 @@
+"""Retry rules (run through Prefect's real retry machinery), lineage comparison, artifacts."""
+
+import json
+
+import pytest
+
+from flows.common import acceptance_markdown, artifact_key, is_transient
+
+
+def test_engine_start_and_connection_errors_are_transient():
+    from mlflow.exceptions import MlflowException
+
+    from peagle.serving.engine import EngineStartError
+
+    assert is_transient(EngineStartError("engine core died during start-up"))
+    assert is_transient(ConnectionRefusedError(111, "Connection refused"))
+    assert is_transient(MlflowException("API request to http://mlflow:5000 failed: Max retries exceeded"))
+    wrapped = RuntimeError("stage failed")
+    wrapped.__cause__ = EngineStartError("busy device")
+    assert is_transient(wrapped)
+    assert not is_transient(ValueError("data.max_seq_len must be below vllm.max_model_len"))
+    assert not is_transient(MlflowException("RESOURCE_DOES_NOT_EXIST: registered model"))
+
+
+def flaky_flow(exc_type, fail_times: int):
+    """A flow whose task (with the stage tasks' retry options) fails ``fail_times`` times first."""
+    from prefect import flow, task
+
+    from flows.common import retry_if_transient
+
+    calls = []
+
+    @task(retries=2, retry_delay_seconds=0, retry_condition_fn=retry_if_transient)
+    def start_engine():
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise exc_type("simulated start-up failure")
+        return "started"
+
+    @flow
+    def run():
+        return start_engine()
+
+    return run, calls
+
+
+def test_a_transient_failure_is_retried(prefect_server):
+    from peagle.serving.engine import EngineStartError
+
+    run, calls = flaky_flow(EngineStartError, fail_times=1)
+    assert run() == "started"
+    assert len(calls) == 2
+
+
+def test_a_config_error_is_not_retried(prefect_server):
+    run, calls = flaky_flow(ValueError, fail_times=1)
+    state = run(return_state=True)
+    assert state.is_failed()
+    assert len(calls) == 1
+
+
+def test_changes_since_names_what_changed():
+    from peagle.pipeline import changes_since
+
+    recorded = {"data_config_hash": "a", "train_config_hash": "t", "target_revision": "r1",
+                "prompt_files": json.dumps({"p.jsonl": "h1"})}
+    assert changes_since(recorded, dict(recorded)) == []
+    grown = {**recorded, "prompt_files": json.dumps({"p.jsonl": "h2", "q.jsonl": "h3"}), "target_revision": "r2"}
+    changes = changes_since(recorded, grown)
+    assert "prompt file p.jsonl changed (new prompt data)" in changes
+    assert "new prompt source q.jsonl" in changes
+    assert any(c.startswith("target revision changed") for c in changes)
+    assert changes_since({}, recorded)[0].startswith("the champion has no recorded lineage")
+
+
+def test_acceptance_markdown_and_artifact_keys():
+    from peagle.eval.online import OnlineResult, OnlineRow
+
+    online = OnlineResult(target="t", max_tokens=32, prompt_set="code_eval", rows=[
+        OnlineRow("baseline", 0, 1, 4, 128, 2.0, 64.0),
+        OnlineRow("p-eagle", 2, 1, 4, 128, 1.0, 128.0, acceptance_length=2.5),
+    ])
+    text = acceptance_markdown(online)
+    assert "| p-eagle | 2 | 1 | 2.500 | 128.0 | 2.00x |" in text
+    assert artifact_key("Qwen3_8B", "acceptance") == "qwen3-8b-acceptance"
+
+
+@pytest.mark.parametrize("bad", ["../etc", "x" * 300])
+def test_artifact_keys_are_always_valid(bad):
+    key = artifact_key(bad)
+    assert len(key) <= 100 and all(c.isalnum() or c == "-" for c in key)
