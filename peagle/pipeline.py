@@ -16,6 +16,7 @@ from pathlib import Path
 
 from peagle.config import PipelineConfig
 from peagle.facts import HeadSpec, head_spec_from_target
+from peagle.fileio import sha256_file as file_digest
 from peagle.paths import configure_environment
 
 PEAGLE_LABEL = "p-eagle"
@@ -270,16 +271,6 @@ def summary_json(obj) -> str:
 # ----------------------------------------------------------------------------- lineage (what a head was trained on)
 
 LINEAGE_PREFIX = "peagle.lineage."
-
-
-def file_digest(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def prompt_file_hashes(cfg: PipelineConfig) -> dict[str, str]:

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from peagle.fileio import fsync_dir, sha256_file
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
@@ -165,23 +167,7 @@ def _write_json_atomic(path: Path, obj) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+    fsync_dir(path.parent)
 
 
 def _shard_sample_ids(path: Path) -> list[str]:

@@ -30,6 +30,7 @@ from urllib.parse import unquote
 
 import yaml
 
+from peagle.fileio import sha256_file as file_sha256
 from peagle.config import PipelineConfig, TrackingConfig
 from peagle.paths import REPO_ROOT, configure_environment, peagle_home
 from peagle.tracking.scrub import scrub, scrub_text
@@ -193,14 +194,6 @@ def git_state(repo_dir: Path) -> dict[str, str]:
     if status.returncode == 0:
         state[TAG_GIT_DIRTY] = str(bool(status.stdout.strip())).lower()
     return state
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _now_ms() -> int:

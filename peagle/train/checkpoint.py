@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from peagle.fileio import fsync_dir
 from peagle.facts import HeadSpec
 
 DRAFTER_FILE = "drafter.safetensors"
@@ -148,14 +149,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
@@ -163,7 +156,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -175,7 +168,7 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
 
 
 def checkpoint_name(step: int) -> str:
@@ -321,7 +314,7 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(stale)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _update_best(root: Path, name: str, acceptance: float | None) -> None:
