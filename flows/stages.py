@@ -196,12 +196,15 @@ def registered_twin(tracker, name: str, head_dir: str):
 
     from peagle.tracking.registry import TAG_FILES, head_file_manifest
 
-    files = json.dumps(head_file_manifest(Path(head_dir)), sort_keys=True)
+    def served_files(manifest: dict) -> dict:  # the model card is documentation, not the head
+        return {path: meta for path, meta in manifest.items() if path != "README.md"}
+
+    files = served_files(head_file_manifest(Path(head_dir)))
     try:
         versions = tracker.client.search_model_versions(f"name='{name}'")
     except MlflowException:
         return None
-    return next((v for v in versions if v.tags.get(TAG_FILES) == files), None)
+    return next((v for v in versions if served_files(json.loads(v.tags.get(TAG_FILES, "{}"))) == files), None)
 
 
 @task(name="publish", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)

@@ -68,7 +68,7 @@ def test_flow_tracks_and_registers_in_mlflow(pipeline_result):
     assert {c.info.run_name for c in children} >= {"target", "data", "train", "export", "evaluate", "publish"}
     assert result.model_version == "1" and result.promotion.promoted  # first head: champion
     champion = client.get_model_version_by_alias("peagle-embedded", "champion")
-    assert champion.version == "1"
+    assert str(champion.version) == "1"
 
 
 def test_trained_head_accepts_more_than_a_random_head(pipeline_result):
