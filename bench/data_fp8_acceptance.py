@@ -14,20 +14,20 @@ hidden states.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import load_result, report, started  # noqa: E402
+from train_common import (  # noqa: E402
+    OFFLINE_NOTE, head_parser, offline_acceptance, setup_head_bench, target_info, train_fresh, train_note,
+    train_settings,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 NAME = "data_fp8_acceptance"
 SPLITS = ("train", "eval")
 
@@ -63,16 +63,6 @@ def split_bytes(data_dir: Path) -> int:
     return sum(json.loads((data_dir / "splits" / s / "manifest.json").read_text())["bytes"] for s in SPLITS)
 
 
-def train(cfg, target, data_dir: Path) -> tuple[Path, float]:
-    """A fresh training run (old checkpoints removed so nothing resumes); the last checkpoint."""
-    from peagle.pipeline import checkpoint_dir, train_head
-
-    shutil.rmtree(checkpoint_dir(cfg, cfg.train.method), ignore_errors=True)
-    start = time.perf_counter()
-    result = train_head(cfg, target, data_dir)
-    return Path(result.last_checkpoint), time.perf_counter() - start
-
-
 def tables(result: dict) -> list:
     ks = result["ks"]
     rows = [[row["trained_on"], row["evaluated_on"], *[f"{row['acceptance_length'][str(k)]:.3f}" for k in ks]]
@@ -95,19 +85,14 @@ def notes(result: dict) -> list[str]:
         f"float8 relative RMS error of the stored hidden states vs bfloat16: {err}",
         f"dataset bytes (train + eval): bfloat16 {b['bfloat16']}, float8 {b['float8']} "
         f"(x{b['float8'] / b['bfloat16']:.3f})",
-        f"training: peagle.pipeline.train_head, lr {t['lr']}, micro batch {t['micro_batch_size']} x accum "
-        f"{t['grad_accum']}, {t.get('threads')} torch thread(s); last checkpoint of each run; wall s {', '.join(f'{k} {v:.0f}' for k, v in t['seconds'].items())}",
-        "offline acceptance: peagle.pipeline.evaluate_offline (reference = the stored target tokens)",
+        f"{train_note(t)}, seed {t['seed']}; last checkpoint of each run; "
+        f"wall s {', '.join(f'{k} {v:.0f}' for k, v in t['seconds'].items())}",
+        OFFLINE_NOTE,
     ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
-    parser.add_argument("--data-dir", default=None, help="a built bfloat16 dataset (default: the config's run dir / data)")
-    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs (default: the config's)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="OMP_NUM_THREADS for the training processes (1: fastest on shared, busy cores)")
+    parser = head_parser(__doc__)
     parser.add_argument("--render-only", action="store_true", help="re-print results/data_fp8_acceptance.json")
     args = parser.parse_args()
     if args.render_only:
@@ -116,13 +101,10 @@ def main() -> None:
         return
 
     from peagle.config import load_config
-    from peagle.paths import configure_environment, peagle_home
-    from peagle.pipeline import TargetInfo, evaluate_offline
-    from peagle.facts import HeadSpec
+    from peagle.paths import peagle_home
     from peagle.target import resolve_target
 
-    configure_environment()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by the training launcher's processes
+    setup_head_bench(args.threads)
     base = load_config(args.config)
     bf16_data = Path(args.data_dir) if args.data_dir else base.run_dir / "data"
     if json.loads((bf16_data / "splits" / "train" / "manifest.json").read_text())["storage_dtype"] != "bfloat16":
@@ -131,7 +113,7 @@ def main() -> None:
     ks = list(range(1, base.train.k_train + 1))
     overrides = {"eval.ks": ks, **({"train.epochs": args.epochs} if args.epochs else {})}
     cfgs = {d: load_config(args.config, {**overrides, "workdir": str(work / d)}) for d in ("bfloat16", "float8")}
-    target = TargetInfo(path=resolve_target(base.target), spec=HeadSpec.load(bf16_data / "head_spec.json"))
+    target = target_info(resolve_target(base.target), bf16_data)
 
     stamp = started()
     fp8_data = work / "float8" / "data"
@@ -139,26 +121,23 @@ def main() -> None:
     data = {"bfloat16": bf16_data, "float8": fp8_data}
     checkpoints, train_s = {}, {}
     for dtype, cfg in cfgs.items():
-        checkpoints[dtype], train_s[dtype] = train(cfg, target, data[dtype])
+        trained, train_s[dtype] = train_fresh(cfg, target, data[dtype])
+        checkpoints[dtype] = Path(trained.last_checkpoint)
 
     rows, num_anchors = [], None
     for trained in ("bfloat16", "float8"):
         for evaluated in ("bfloat16", "float8"):
-            off = evaluate_offline(cfgs[trained], target, data[evaluated], checkpoints[trained])
-            num_anchors = off.num_anchors
-            rows.append({"trained_on": trained, "evaluated_on": evaluated,
-                         "acceptance_length": {str(k): v for k, v in off.acceptance_length.items()},
-                         "per_position": off.per_position, "num_anchors": off.num_anchors})
+            off = offline_acceptance(cfgs[trained], target, data[evaluated], checkpoints[trained])
+            num_anchors = off["num_anchors"]
+            rows.append({"trained_on": trained, "evaluated_on": evaluated, **off})
     acc = {(r["trained_on"], r["evaluated_on"]): r["acceptance_length"] for r in rows}
-    t = cfgs["bfloat16"].train
     result = {
         "benchmark": NAME,
         **stamp,
         "config": str(args.config),
         "bf16_data_dir": str(bf16_data),
         "ks": ks,
-        "train": {"threads": args.threads, "epochs": t.epochs, "seed": t.seed, "k_train": t.k_train, "lr": t.learning_rate,
-                  "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum, "seconds": train_s},
+        "train": {**train_settings(cfgs["bfloat16"].train, args.threads), "seconds": train_s},
         "checkpoints": {k: str(v) for k, v in checkpoints.items()},
         "num_eval_anchors": num_anchors,
         "rows": rows,

@@ -99,13 +99,22 @@ class Run:
         self.meta["args"] = args
         self.sections: list[dict] = []
 
+    @classmethod
+    def restore(cls, name: str) -> Run:
+        """A saved run (results/<name>.json) without its tables, to re-render them from its numbers."""
+        saved = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+        run = cls.__new__(cls)
+        run.name, run.meta, run.sections = name, saved["meta"], []
+        run.args = run.meta["args"]
+        return run
+
     def add_table(self, title: str, columns: list[str], rows: list[list], note: str = "") -> None:
         self.sections.append({"title": title, "columns": columns, "rows": rows, "note": note})
 
     def finish(self, notes: list[str] | None = None) -> None:
         """Print every table and write results/<name>.json and .md atomically."""
-        self.meta["load_average_end"] = load_average()
-        self.meta["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.meta.setdefault("load_average_end", load_average())  # set already in a restored run
+        self.meta.setdefault("finished_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         self.meta["notes"] = notes or []
         console = Console(width=200)
         for s in self.sections:
@@ -152,3 +161,119 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- heads trained on a real dataset
+# data_fp8_acceptance and train_loss_weighting train whole heads with the pipeline's own
+# stages (peagle.pipeline.train_head: the launcher, DeepSpeed, one rank) and measure them
+# with its offline acceptance on the held-out split.
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+OFFLINE_NOTE = ("offline acceptance: peagle.pipeline.evaluate_offline of each run's last checkpoint "
+                "(reference = the stored target tokens)")
+
+
+def head_parser(doc: str):
+    """An argument parser with the options of every head-training benchmark (``doc``: the script's docstring)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    parser.add_argument("--data-dir", default=None, help="a built dataset (default: the config's run dir / data)")
+    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs (default: the config's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads here and OMP_NUM_THREADS of the training processes "
+                             "(1: fastest on shared, busy cores)")
+    return parser
+
+
+def setup_head_bench(threads: int) -> None:
+    from peagle.paths import configure_environment
+
+    configure_environment()
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the training launcher's processes
+    torch.set_num_threads(threads)
+
+
+def target_info(target_path: str | Path, data_dir: Path):
+    """The ``TargetInfo`` the pipeline stages take: the target's directory and the dataset's head spec."""
+    from peagle.pipeline import TargetInfo
+
+    return TargetInfo(path=str(target_path), spec=HeadSpec.load(Path(data_dir) / "head_spec.json"))
+
+
+def train_fresh(cfg, target, data_dir: Path):
+    """A fresh training run (old checkpoints removed so nothing resumes): (TrainResult, wall seconds)."""
+    import shutil
+
+    from peagle.pipeline import checkpoint_dir, train_head
+
+    shutil.rmtree(checkpoint_dir(cfg, cfg.train.method), ignore_errors=True)
+    start = time.perf_counter()
+    result = train_head(cfg, target, data_dir)
+    return result, time.perf_counter() - start
+
+
+def offline_acceptance(cfg, target, data_dir: Path, checkpoint: Path) -> dict:
+    """``peagle.pipeline.evaluate_offline`` of a checkpoint on ``data_dir``'s eval split, as JSON-ready numbers."""
+    from peagle.pipeline import evaluate_offline
+
+    off = evaluate_offline(cfg, target, data_dir, Path(checkpoint))
+    return {"acceptance_length": {str(k): v for k, v in off.acceptance_length.items()},
+            "per_position": off.per_position, "num_anchors": off.num_anchors}
+
+
+def train_settings(train, threads: int) -> dict:
+    """What a head-training result records about its training budget."""
+    return {"threads": threads, "epochs": train.epochs, "max_steps": train.max_steps, "seed": train.seed,
+            "k_train": train.k_train, "lr": train.learning_rate, "micro_batch_size": train.micro_batch_size,
+            "grad_accum": train.grad_accum}
+
+
+def train_note(t: dict) -> str:
+    """The training line of a head benchmark's notes, from ``train_settings``."""
+    return (f"training: peagle.pipeline.train_head, {t['epochs']} epoch(s), lr {t['lr']}, micro batch "
+            f"{t['micro_batch_size']} x accum {t['grad_accum']}, K_train {t['k_train']}, "
+            f"OMP_NUM_THREADS={t.get('threads')}")
+
+
+def tiny_head_dataset(root: Path, num_train: int = 12, num_eval: int = 4, draft_vocab: int = 96,
+                      prompt_len: int = 8, response_len: int = 40, seed: int = 0) -> tuple[Path, Path]:
+    """(data_dir, target_dir): a tiny random Llama and a dataset of its own greedy continuations.
+
+    For ``--quick`` runs and smoke tests on a clean checkout (no built demo dataset, no
+    embedded target): 8 layers x 64, random prompt tokens (unsupervised), the target's
+    greedy response (supervised), float32 hidden states of the stored layers from
+    transformers, a draft vocabulary of the most frequent train-response tokens.
+    """
+    from transformers import LlamaForCausalLM
+
+    from peagle.data.store import ShardWriter
+    from peagle.data.vocab import VOCAB_FILE, build_draft_vocab
+    from peagle.export.selftest import build_tiny_target, tiny_head_spec
+    from peagle.serving.tiny import SPECIAL_TOKENS
+
+    target = build_tiny_target(root / "target", num_layers=8, hidden_size=64, seed=seed)
+    spec = tiny_head_spec(target, draft_vocab_size=draft_vocab, num_layers=1)
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
+    data = root / "data"
+    for split, count in (("train", num_train), ("eval", num_eval)):
+        with ShardWriter(data / "splits" / split, spec.stored_layer_ids, spec.target_hidden_size, "float32",
+                         1 << 16) as writer:
+            for i in range(count):
+                prompt = torch.randint(len(SPECIAL_TOKENS), spec.vocab_size, (1, prompt_len), generator=g)
+                with torch.no_grad():
+                    ids = model.generate(prompt, max_new_tokens=response_len, min_new_tokens=response_len,
+                                         do_sample=False)
+                    states = model(ids, output_hidden_states=True).hidden_states
+                mask = torch.arange(ids.shape[1]) >= prompt_len
+                writer.add(f"{split}-{i}", ids[0], mask, torch.stack([states[k][0] for k in spec.stored_layer_ids], 1))
+                if split == "train":
+                    counts += torch.bincount(ids[0][mask], minlength=spec.vocab_size)
+    build_draft_vocab(counts, draft_vocab).save(data / VOCAB_FILE)
+    spec.save(data / "head_spec.json")
+    return data, target

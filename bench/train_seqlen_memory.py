@@ -2,8 +2,9 @@
 
 Each cell (length L, segments S) runs in a FRESH subprocess doing exactly what the
 trainer's micro-batch does (``peagle.train.trainer.run_micro_batch`` without DeepSpeed):
-``build_peagle_example`` -> ``collate`` with the ``PrecomputedMask`` -> for S > 1
-``partition_batch`` -> ``peagle_loss`` + ``backward`` per segment. Peak memory is the
+``build_peagle_example`` -> for S > 1 ``segment_batches`` (partition the example, then
+collate each segment with the ``PrecomputedMask`` only when it runs) -> ``peagle_loss`` +
+``backward`` per segment. Peak memory is the
 process's peak RSS (``getrusage`` maxrss) minus its RSS after set-up (drafter, target
 head, the sample). A watchdog kills a cell above the memory cap or the time cap; a
 length is skipped for an S once a shorter length already hit a cap.
@@ -42,7 +43,7 @@ def run_cell(length: int, segments: int) -> dict:
     from peagle.train.batch import build_peagle_example, collate
     from peagle.train.loss import TargetHead, peagle_loss
     from peagle.train.masks import PrecomputedMask
-    from peagle.train.partition import partition_batch
+    from peagle.train.partition import examples_denominator, segment_batches
 
     torch.set_num_threads(int(os.environ.get("PEAGLE_BENCH_THREADS", "1")))
     torch.manual_seed(0)
@@ -55,10 +56,16 @@ def run_cell(length: int, segments: int) -> dict:
     base = maxrss_bytes()
     t0 = time.perf_counter()
     example = build_peagle_example(sample, spec, K, COD_RATIO, COD_FLOOR, length, torch.Generator().manual_seed(0))
-    batch = collate([example], mask)
-    t_data = time.perf_counter() - t0
-    denominator = batch.num_supervised
-    parts = partition_batch(batch, segments) if segments > 1 else [batch]
+    denominator = examples_denominator([example], "uniform", K)
+    t_data = [time.perf_counter() - t0]
+
+    def collate_fn(examples):  # timed: collation (mask building) is data time, wherever it runs
+        start = time.perf_counter()
+        batch = collate(examples, mask)
+        t_data[0] += time.perf_counter() - start
+        return batch
+
+    parts = segment_batches([example], segments, collate_fn) if segments > 1 else iter([collate_fn([example])])
     largest = 0
     for part in parts:
         largest = max(largest, part.input_ids.shape[1])
@@ -71,7 +78,7 @@ def run_cell(length: int, segments: int) -> dict:
         "largest_segment": largest,
         "peak_gib": (maxrss_bytes() - base) / 2**30,
         "step_s": step,
-        "data_s": t_data,
+        "data_s": t_data[0],
     }
 
 

@@ -65,8 +65,15 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
             stages.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
             head_dir = str(export_task(cfg, target, str(data.data_dir), trained.best_checkpoint, cfg.train.method))
+        head_key, baseline_dir = f"{trained.cache_key}/{cfg.train.method}", None
+        if cfg.train.eagle3_baseline:  # the same data, trained autoregressively: the comparison users ask for
+            with timer.stage("train_eagle3"), tracker.stage("train-eagle3") as run:
+                baseline = train_flow(cfg, str(data.data_dir), target=target, method="eagle3")
+                stages.record_training(run, baseline)
+                stages.record_offline(run, baseline.offline)
+            baseline_dir, head_key = baseline.head_dir, f"{head_key}+{baseline.cache_key}/eagle3"
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
-            online = evaluate_flow(cfg, head_dir, target=target, head_key=f"{trained.cache_key}/{cfg.train.method}")
+            online = evaluate_flow(cfg, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
             plot = stages.record_online(run, online, cfg.run_dir / "eval")
             card = stages.model_card(cfg, target, data, online, trained.offline)
             stages.write_card(head_dir, card, data)

@@ -61,12 +61,15 @@ def registry_state(cfg: PipelineConfig, current: dict[str, str]):
 
 @flow(name="peagle-retrain")
 def retrain_flow(config_path: str = "configs/demo.yaml", overrides: dict | None = None,
-                 force: bool = False) -> RetrainResult:
+                 force: bool = False, warm_start: bool = False) -> RetrainResult:
     """Retrain a custom model's head when its prompt data, target or config changed since the
-    champion was trained; promote through the registry gate. ``force`` retrains regardless."""
+    champion was trained; promote through the registry gate. ``force`` retrains regardless;
+    ``warm_start`` starts from the champion's weights (``train.init_from: champion``)."""
     from prefect.artifacts import create_markdown_artifact
 
     configure_environment()
+    if warm_start:
+        overrides = {**(overrides or {}), "train.init_from": stages.INIT_FROM_CHAMPION}
     cfg = load_config(config_path, overrides)
     log = get_run_logger()
     target = target_task(cfg)

@@ -119,8 +119,8 @@ def train_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, ke
 
 
 @task(name="evaluate-offline", cache_policy=NO_CACHE)
-def offline_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str):
-    return stages.evaluate_offline(cfg, target, Path(data_dir), Path(checkpoint))
+def offline_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str, method: str):
+    return stages.evaluate_offline(cfg, target, Path(data_dir), Path(checkpoint), method=method)
 
 
 @task(name="export", cache_policy=NO_CACHE)
@@ -133,7 +133,7 @@ def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overri
                method: str | None = None, target: stages.TargetInfo | None = None, export: bool = True) -> TrainOutcome:
     """DeepSpeed training (cached on the dataset's manifests and the training config), offline
     acceptance of the best checkpoint, and the exported head directory."""
-    cfg = resolve_config(config, overrides)
+    cfg = stages.resolve_init_from(resolve_config(config, overrides))  # before the key: it names the champion
     target = target or target_task(cfg)
     method = method or cfg.train.method
     data_dir = str(data_dir or cfg.run_dir / "data")
@@ -141,7 +141,7 @@ def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overri
     refresh = not path_exists(ckpt_dir / "best")
     key = training_key(cfg, Path(data_dir), method)
     trained = train_task.with_options(refresh_cache=refresh)(cfg, target, data_dir, key, method)
-    offline = offline_task(cfg, target, data_dir, str(trained.best_checkpoint))
+    offline = offline_task(cfg, target, data_dir, str(trained.best_checkpoint), method)
     head_dir = export_task(cfg, target, data_dir, str(trained.best_checkpoint), method) if export else None
     return TrainOutcome(str(ckpt_dir), str(trained.best_checkpoint), head_dir and str(head_dir),
                         trained.metrics_history, offline, key)
@@ -167,14 +167,25 @@ def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str,
 
 @flow(name="peagle-evaluate")
 def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, overrides: dict | None = None,
-                  target: stages.TargetInfo | None = None, head_key: str | None = None):
-    """Acceptance per K and tokens/s in vLLM (cached on the head's training key, or its file
-    hashes); publishes the acceptance table as a Prefect markdown artifact."""
+                  target: stages.TargetInfo | None = None, head_key: str | None = None,
+                  baseline_dir: str | None = None):
+    """Acceptance per K and tokens/s in vLLM (cached on the heads' training keys, or their file
+    hashes); publishes the acceptance table as a Prefect markdown artifact.
+
+    ``baseline_dir``: an EAGLE-3 head trained on the same data, served alongside (without
+    parallel drafting); by default the run's ``heads/eagle3`` when ``train.eagle3_baseline``.
+    """
     cfg = resolve_config(config, overrides)
     target = target or target_task(cfg)
     heads = {stages.PEAGLE_LABEL: str(head_dir or cfg.run_dir / "heads" / "peagle")}
-    if not path_exists(Path(heads[stages.PEAGLE_LABEL]) / "config.json"):
-        raise FileNotFoundError(f"no exported head at {heads[stages.PEAGLE_LABEL]}: run the train flow first")
+    if baseline_dir is None and cfg.train.eagle3_baseline:
+        baseline_dir = str(cfg.run_dir / "heads" / "eagle3")
+    if baseline_dir is not None:
+        heads[stages.EAGLE3_LABEL] = baseline_dir
+    for label, directory in heads.items():
+        if not path_exists(Path(directory) / "config.json"):
+            raise FileNotFoundError(f"no exported {label} head at {directory}: run the train flow first"
+                                    + (" (method eagle3)" if label == stages.EAGLE3_LABEL else ""))
     online = online_task(cfg, target, heads, evaluation_key(cfg, target, heads, head_key))
     publish_acceptance_artifact(online, cfg.name)
     return online

@@ -167,13 +167,15 @@ def deploy_cmd(
 
 @app.command("retrain")
 def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
-                force: bool = typer.Option(False, help="Retrain even when nothing changed")):
+                force: bool = typer.Option(False, help="Retrain even when nothing changed"),
+                warm_start: bool = typer.Option(False, help="Start from the champion's weights (train.init_from)")):
     """Retrain only if the prompts, target or config changed since the champion; promote if better."""
     _load(config, set_)
     configure_environment()
     from flows.retrain import retrain_flow
 
-    result = retrain_flow(config_path=str(config), overrides=_parse_overrides(set_), force=force)
+    result = retrain_flow(config_path=str(config), overrides=_parse_overrides(set_), force=force,
+                          warm_start=warm_start)
     console.print(result.message)
     if result.pipeline is not None:
         print_summary(result.pipeline)

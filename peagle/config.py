@@ -183,6 +183,9 @@ class TrainConfig(Strict):
     save_every: int | None = Field(None, ge=1)
     keep_last: int = Field(2, ge=1)
     seed: int = 0
+    # Start from an exported head instead of the target's weights: a head directory, or
+    # "champion" (the registry champion for this target, downloaded into the run dir).
+    init_from: str | None = None
     # EAGLE-3 baseline trained on the same data (training-time-test steps).
     eagle3_baseline: bool = False
     eagle3_ttt_steps: int = Field(7, ge=1)

@@ -75,6 +75,35 @@ def checkpoint_dir(cfg: PipelineConfig, method: str) -> Path:
     return cfg.run_dir / "checkpoints" / method
 
 
+INIT_FROM_CHAMPION = "champion"
+
+
+def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
+    """``train.init_from: champion`` -> the registry champion's head, downloaded into the run dir.
+
+    The directory is named after the champion's version, so the training cache key (which
+    hashes the train config) changes when the champion does. No champion yet (a first
+    scheduled run): train from the target's weights, and say so.
+    """
+    if cfg.train.init_from != INIT_FROM_CHAMPION:
+        return cfg
+    from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
+    from peagle.tracking.registry import champion_version, download_champion
+
+    client = make_client(resolve_tracking_uri(cfg.tracking))
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    champion = champion_version(client, name)
+    if champion is None:
+        print(f"train.init_from: {name!r} has no champion yet; training from the target's weights")
+        head = None
+    else:
+        head = cfg.run_dir / "warm_start" / f"v{champion.version}"
+        if not (head / "model.safetensors").exists():
+            download_champion(client, name, head, overwrite=True)
+        head = str(head)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": head})})
+
+
 def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: str | None = None):
     """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
@@ -85,7 +114,7 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
     method = method or cfg.train.method
     return launch_training(
-        with_method(cfg, method),
+        with_method(resolve_init_from(cfg), method),
         Path(data_dir),
         target.path,
         checkpoint_dir(cfg, method),
@@ -117,8 +146,8 @@ def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpo
     from peagle.export.head import export_from_checkpoint
 
     out_dir = cfg.run_dir / "heads" / method
-    return export_from_checkpoint(Path(checkpoint), Path(data_dir), out_dir, card,
-                                  target_path=target.path, overwrite=True)
+    return export_from_checkpoint(Path(checkpoint), Path(data_dir), out_dir, card, target_path=target.path,
+                                  overwrite=True, parallel_drafting=method == "peagle")
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
@@ -312,7 +341,10 @@ def lineage(cfg: PipelineConfig, target: TargetInfo) -> dict[str, str]:
     """What a head is trained on, known before any work: the keys retraining compares."""
     return {
         "data_config_hash": cfg.section_hash("target", "data"),
-        "train_config_hash": cfg.section_hash("drafter", "train"),
+        # Where training starts (train.init_from) is not what the head is trained on: a warm
+        # start alone is no reason to retrain.
+        "train_config_hash": cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": None})})
+        .section_hash("drafter", "train"),
         "target_revision": target_revision(cfg, target),
         "prompt_files": json.dumps(prompt_file_hashes(cfg), sort_keys=True),
     }

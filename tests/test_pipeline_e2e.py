@@ -5,6 +5,7 @@ parallel drafting, MLflow records and registers it. The head must beat a random 
 of the same shape served the same way.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ def small_demo_overrides(tmp_path: Path) -> dict:
         "data.heldout_samples": 16,
         "data.regenerate.max_tokens": 128,
         "train.epochs": 1,
+        "train.eagle3_baseline": True,
+        "train.eagle3_ttt_steps": 3,
         "eval.ks": [3],
         "eval.num_prompts": 8,
         "eval.max_tokens": 64,
@@ -56,6 +59,17 @@ def test_flow_exports_a_head_vllm_serves(pipeline_result):
     assert Path(result.plot).stat().st_size > 0
 
 
+def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_result):
+    """train.eagle3_baseline: an EAGLE-3 head on the same dataset, served autoregressively beside P-EAGLE."""
+    result, _ = pipeline_result
+    baseline = Path(result.head_dir).parent / "eagle3"
+    assert json.loads((baseline / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    rows = [r for r in result.online.rows if r.method == "eagle-3"]
+    assert [r.k for r in rows] == [3] and rows[0].num_draft_tokens > 0 and rows[0].acceptance_length > 1.0
+    card = (Path(result.head_dir) / "README.md").read_text()
+    assert "| K | P-EAGLE | EAGLE-3 |" in card  # the acceptance table has the baseline column
+
+
 def test_flow_tracks_and_registers_in_mlflow(pipeline_result):
     from mlflow import MlflowClient
 
@@ -65,7 +79,8 @@ def test_flow_tracks_and_registers_in_mlflow(pipeline_result):
     assert run.data.params["train.k_train"] == "6"
     assert "seconds_train" in run.data.metrics
     children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
-    assert {c.info.run_name for c in children} >= {"target", "data", "train", "export", "evaluate", "publish"}
+    assert {c.info.run_name for c in children} >= {"target", "data", "train", "train-eagle3", "export", "evaluate",
+                                                   "publish"}
     assert result.model_version == "1" and result.promotion.promoted  # first head: champion
     champion = client.get_model_version_by_alias("peagle-embedded", "champion")
     assert str(champion.version) == "1"

@@ -21,6 +21,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from peagle.config import VllmConfig, resolve_repo_path
+from peagle.export.contract import speculative_config
 
 log = logging.getLogger(__name__)
 
@@ -239,15 +240,6 @@ def head_has_mask_hidden(head_dir: Path) -> bool:
         return "mask_hidden" in f.keys()
 
 
-def speculative_config(head_dir: Path, k: int, parallel_drafting: bool) -> dict:
-    return {
-        "model": str(Path(head_dir).resolve()),
-        "method": "eagle3",
-        "num_speculative_tokens": k,
-        "parallel_drafting": parallel_drafting,
-    }
-
-
 def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, vllm_cfg: VllmConfig) -> None:
     """Fail before any engine starts: missing heads, bad levels, too small an engine."""
     for label, head in heads.items():
@@ -369,7 +361,8 @@ def evaluate_online(
     if include_baseline:
         runs.append((BASELINE, 0, None, None))
     for label, head in heads.items():
-        runs += [(label, k, speculative_config(head, k, parallel[label]), parallel[label]) for k in ks]
+        runs += [(label, k, speculative_config(str(Path(head).resolve()), k, parallel_drafting=parallel[label]),
+                  parallel[label]) for k in ks]
 
     for method, k, spec_cfg, par in runs:
         log.info("online eval: starting engine for %s K=%d", method, k)

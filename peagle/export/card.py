@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from peagle.export.contract import draft_vocab_size
+from peagle.export.contract import draft_vocab_size, speculative_config
 from peagle.facts import HeadSpec
 
 
@@ -32,15 +32,17 @@ class ModelCardInfo:
     recommended_k: int | None = None
     license: str = "apache-2.0"
     notes: str = ""
+    parallel_drafting: bool = True  # False: an EAGLE-3 head (one draft token per forward pass)
+
+    @property
+    def method(self) -> str:
+        return "P-EAGLE" if self.parallel_drafting else "EAGLE-3"
 
 
-def speculative_config(head_ref: str, k: int) -> dict:
-    return {"model": head_ref, "method": "eagle3", "num_speculative_tokens": k, "parallel_drafting": True}
-
-
-def serve_command(target_ref: str, head_ref: str, k: int) -> str:
+def serve_command(target_ref: str, head_ref: str, k: int, parallel_drafting: bool = True) -> str:
     """The one line a user runs: ``vllm serve <target> --speculative-config '<json>'``."""
-    return f"vllm serve {target_ref} --speculative-config '{json.dumps(speculative_config(head_ref, k))}'"
+    spec = speculative_config(head_ref, k, parallel_drafting=parallel_drafting)
+    return f"vllm serve {target_ref} --speculative-config '{json.dumps(spec)}'"
 
 
 def recommended_k(info: ModelCardInfo) -> int:
@@ -54,7 +56,8 @@ def recommended_k(info: ModelCardInfo) -> int:
 
 def _front_matter(info: ModelCardInfo, target_ref: str) -> str:
     lines = ["---", f"license: {info.license}", f"base_model: {target_ref}", "library_name: vllm", "tags:"]
-    lines += [f"  - {t}" for t in ("speculative-decoding", "eagle3", "p-eagle", "parallel-drafting")]
+    tags = ("speculative-decoding", "eagle3") + (("p-eagle", "parallel-drafting") if info.parallel_drafting else ())
+    lines += [f"  - {t}" for t in tags]
     return "\n".join([*lines, "---"])
 
 
@@ -70,7 +73,7 @@ def _acceptance_table(info: ModelCardInfo) -> list[str]:
         return [*lines, "Not measured yet (run `peagle eval` and re-export).", ""]
     ks = sorted(set(info.acceptance) | set(info.baseline_acceptance))
     with_base = bool(info.baseline_acceptance)
-    header = "| K | P-EAGLE |" + (f" {info.baseline_label} |" if with_base else "")
+    header = f"| K | {info.method} |" + (f" {info.baseline_label} |" if with_base else "")
     rule = "|---|---|" + ("---|" if with_base else "")
     lines += [header, rule]
     for k in ks:
@@ -90,7 +93,7 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
     target_ref = info.target_ref or spec.target
     head_ref = info.head_ref or default_head_ref
     k = recommended_k(info)
-    title = info.name or f"P-EAGLE head for {target_ref}"
+    title = info.name or f"{info.method} head for {target_ref}"
     architecture = {
         "target": f"{target_ref}" + (f" (revision {spec.target_revision})" if spec.target_revision else ""),
         "drafter": f"{spec.num_layers} Llama decoder layers, hidden {spec.hidden_size}, "
@@ -106,15 +109,18 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
         f"# {title}",
         "",
         "A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
-        "tokens in one forward pass. Trained with peagle.",
+        "tokens in one forward pass. Trained with peagle." if info.parallel_drafting else
+        "An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with peagle "
+        "on the same data as its P-EAGLE sibling for comparison. Serve it WITHOUT parallel drafting.",
         "",
         "## Serve it with vLLM",
         "",
         "```bash",
-        serve_command(target_ref, head_ref, k),
+        serve_command(target_ref, head_ref, k, info.parallel_drafting),
         "```",
         "",
-        "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially).",
+        "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially)." if info.parallel_drafting else
+        "No mask_hidden is shipped: parallel drafting is not available for this head.",
         "",
         *_key_values("Architecture", architecture),
         *_key_values("Training data", info.data_lineage),

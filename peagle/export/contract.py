@@ -130,6 +130,11 @@ def head_config(spec: HeadSpec, dtype: torch.dtype) -> dict:
     return config
 
 
+def speculative_config(head_ref: str, k: int, *, parallel_drafting: bool = True) -> dict:
+    """vLLM's ``--speculative-config`` for a head: P-EAGLE is EAGLE-3 with parallel drafting."""
+    return {"model": head_ref, "method": "eagle3", "num_speculative_tokens": k, "parallel_drafting": parallel_drafting}
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     for dtype, dname in DTYPE_NAMES.items():
         if dname == name:

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -108,10 +108,17 @@ def _float_dtype(state_dict: Mapping[str, torch.Tensor], dtype) -> torch.dtype:
 
 
 def head_tensors(
-    state_dict: Mapping[str, torch.Tensor], spec: HeadSpec, vocab: VocabMaps, dtype: torch.dtype
+    state_dict: Mapping[str, torch.Tensor], spec: HeadSpec, vocab: VocabMaps, dtype: torch.dtype,
+    *, parallel_drafting: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The drafter's state dict renamed to nothing, checked, cast, plus the vocab maps."""
-    rules = expected_tensors(spec)
+    """The drafter's state dict renamed to nothing, checked, cast, plus the vocab maps.
+
+    Without ``parallel_drafting`` (an EAGLE-3 head) the untrained ``mask_hidden`` is left
+    out, so nothing can serve the head with parallel drafting by mistake.
+    """
+    rules = expected_tensors(spec, parallel_drafting=parallel_drafting)
+    if not parallel_drafting:
+        state_dict = {k: v for k, v in state_dict.items() if k != "mask_hidden"}
     from_vocab = {"d2t": vocab.d2t, "t2d": vocab.t2d}
     for name, maps_tensor in from_vocab.items():
         if name in state_dict and state_dict[name].shape == maps_tensor.shape:
@@ -182,8 +189,12 @@ def export_head(
     load_in_vllm: bool = False,
     vllm_cfg=None,
     overwrite: bool = False,
+    parallel_drafting: bool = True,
 ) -> Path:
     """Write the head directory for ``spec``'s target and return its path.
+
+    ``parallel_drafting`` False exports an EAGLE-3 head (no ``mask_hidden``; the card's
+    serve line drafts sequentially).
 
     ``vocab`` is a ``VocabMaps`` or anything with ``draft_ids``/``d2t``/``t2d``. Float
     tensors are cast to ``dtype`` (default: the state dict's). The head is validated
@@ -196,7 +207,8 @@ def export_head(
         spec = spec.with_draft_vocab(len(_as_vocab_maps(vocab).draft_ids))
     maps = check_vocab(vocab, spec)
     float_dtype = _float_dtype(state_dict, dtype)
-    tensors = head_tensors(state_dict, spec, maps, float_dtype)
+    tensors = head_tensors(state_dict, spec, maps, float_dtype, parallel_drafting=parallel_drafting)
+    card = replace(card or ModelCardInfo(), parallel_drafting=parallel_drafting)
     target, target_ref = _target_for_checks(spec, target_path, target_embed)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -206,8 +218,9 @@ def export_head(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(head_config(spec, float_dtype), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "peagle_format": str(FORMAT_VERSION)})
-        (tmp / CARD_FILE).write_text(render_model_card(card or ModelCardInfo(), spec, str(out_dir)))
-        validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg)
+        (tmp / CARD_FILE).write_text(render_model_card(card, spec, str(out_dir)))
+        validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg,
+                        parallel_drafting=parallel_drafting)
         _publish(tmp, out_dir, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -215,14 +228,16 @@ def export_head(
 
 
 def validate_export(
-    tmp: Path, target: TargetFacts, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg
+    tmp: Path, target: TargetFacts, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg,
+    parallel_drafting: bool = True,
 ) -> ValidationReport:
     """Static checks always; the vLLM round trip only when asked and the target is a path."""
     if load_in_vllm and not target_ref:
         raise ExportError("load_in_vllm needs target_path (the target model's directory)")
     if load_in_vllm:
-        return validate_head(tmp, target_ref, vllm_cfg=vllm_cfg, load_in_vllm=True, target_embed=target.embed)
-    return validate_head(tmp, target, load_in_vllm=False)
+        return validate_head(tmp, target_ref, vllm_cfg=vllm_cfg, load_in_vllm=True, target_embed=target.embed,
+                             parallel_drafting=parallel_drafting)
+    return validate_head(tmp, target, load_in_vllm=False, parallel_drafting=parallel_drafting)
 
 
 def _resolve_checkpoint(checkpoint_dir: Path) -> Path:

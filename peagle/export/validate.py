@@ -27,6 +27,7 @@ from peagle.export.contract import (
     TensorRule,
     dtype_from_name,
     expected_tensors,
+    speculative_config,
 )
 from peagle.facts import HeadSpec
 
@@ -490,12 +491,8 @@ def check_in_vllm(
 
     config = json.loads((Path(head_dir) / CONFIG_FILE).read_text())
     prompts = _probe_prompts(config["vocab_size"], config.get("mask_token_id", config.get("ptd_token_id")))
-    spec_cfg = {
-        "model": str(Path(head_dir).resolve()),
-        "method": "eagle3",
-        "num_speculative_tokens": num_speculative_tokens,
-        "parallel_drafting": parallel_drafting,
-    }
+    spec_cfg = speculative_config(str(Path(head_dir).resolve()), num_speculative_tokens,
+                                  parallel_drafting=parallel_drafting)
     with open_llm(
         str(target_path),
         vllm_cfg,

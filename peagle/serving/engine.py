@@ -74,31 +74,14 @@ def engine_kwargs(
 
 
 @contextmanager
-def open_llm(
-    model: str,
-    vllm_cfg: VllmConfig,
-    *,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    dtype: str = "auto",
-    speculative_config: dict | None = None,
-    kv_transfer_config: dict | None = None,
-    max_model_len: int | None = None,
-) -> Iterator:
+def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
     """Yield a started ``vllm.LLM``; shut it down and free its memory on exit.
 
-    Raises ``EngineStartError`` when the engine fails to start.
+    ``options`` are ``engine_kwargs``'s (revision, trust_remote_code, dtype,
+    speculative_config, kv_transfer_config, max_model_len). Raises ``EngineStartError``
+    when the engine fails to start.
     """
-    kwargs = engine_kwargs(
-        model,
-        vllm_cfg,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        dtype=dtype,
-        speculative_config=speculative_config,
-        kv_transfer_config=kv_transfer_config,
-        max_model_len=max_model_len,
-    )
+    kwargs = engine_kwargs(model, vllm_cfg, **options)
     configure_environment()
     if is_cpu_platform():
         # vLLM reads it while building the engine config: set it per engine, before LLM().

@@ -18,6 +18,14 @@ recomputed with the same inputs, which gives the same values as cached keys/valu
 Loss: the P-EAGLE objective's KL and weighting over all charged (anchor, step) elements.
 The exported head uses the same weight names; ``mask_hidden`` stays untrained (served
 WITHOUT ``parallel_drafting``).
+
+Reading the metrics: ``acc/depth_j`` (j >= 1) averages over EVERY anchor, including those
+whose step j-1 was wrong; acceptance at draft position j+1 is the accuracy over the anchors
+whose steps 0..j-1 were right (on those, drafting feeds exactly these inputs:
+``tests/eval/test_offline.py``). The two differ a lot early in training: the fed-back
+hidden state is layer 0's residual, so a barely trained head repeats its parent's draft
+(the 24-step demo head: ~85% of steps >= 1), which scores at depth j mostly where step j-1
+was wrong. Such a head logs acc/depth_1 ~0.16 yet accepts ~0.01 at position 2.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from peagle.model.drafter import DrafterOutput
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
 from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss
 from peagle.train.masks import PrecomputedMask
-from peagle.train.partition import partition_batch, select_elements
+from peagle.train.partition import select_elements
 
 
 # ----------------------------------------------------------------------------- examples
@@ -203,11 +211,6 @@ def objective(train, spec: HeadSpec, target_head: TargetHead):
     def make_example(sample, generator):
         return build_eagle3_example(sample, spec, steps, train.max_len)
 
-    def denominator(batch: Batch):
-        if train.loss_depth_weighting == "uniform":
-            return int((batch.supervised & (batch.depth < steps)).sum())
-        return torch.bincount(batch.depth[batch.supervised], minlength=steps).float()
-
     def loss(model, batch: Batch, denom) -> LossOutput:
         return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denom, k=steps)
 
@@ -216,6 +219,6 @@ def objective(train, spec: HeadSpec, target_head: TargetHead):
         make_example=make_example,
         collate=partial(collate, mask=PrecomputedMask(train.max_len, steps)),
         loss=loss,
-        denominator=denominator,
-        split=partition_batch if train.segments > 1 else None,
+        depths=steps,
+        weighting=train.loss_depth_weighting,
     )

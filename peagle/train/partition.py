@@ -19,8 +19,9 @@ to (L + deeper elements of one segment)^2.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -174,6 +175,22 @@ def loss_denominator(supervised: torch.Tensor, depth: torch.Tensor, weighting: W
     return torch.bincount(depth[supervised], minlength=k).float()
 
 
+def segment_batches(examples: list[Example], segments: int, collate_fn: Callable[[list[Example]], Batch]) -> Iterator[Batch]:
+    """Segment s of every example, collated (its mask built) only when the segment is reached.
+
+    The whole micro-batch is never collated: the largest mask alive is one segment's, so a
+    16K-token example trains in the memory of its largest segment (Algorithm 1's point).
+    """
+    per_example = [partition_example(e, segments) for e in examples]
+    for s in range(segments):
+        yield collate_fn([segs[s].example for segs in per_example])
+
+
+def examples_denominator(examples: list[Example], weighting: Weighting, k: int):
+    """``loss_denominator`` of a micro-batch given as examples (before any collation)."""
+    return loss_denominator(torch.cat([e.supervised for e in examples]), torch.cat([e.depth for e in examples]), weighting, k)
+
+
 def _as_examples(data: Example | list[Example] | Batch) -> list[Example] | None:
     if isinstance(data, Example):
         return [data]
@@ -203,18 +220,15 @@ def partitioned_loss_backward(
     """
     examples = _as_examples(data)
     if examples is not None:
-        depth = torch.cat([e.depth for e in examples])
-        supervised = torch.cat([e.supervised for e in examples])
-        k = k or int(depth.max()) + 1
+        k = k or max(int(e.depth.max()) for e in examples) + 1
         if mask is None:
             mask = PrecomputedMask(max(int(e.anchor.max()) + 1 for e in examples), k)
-        per_example = [partition_example(e, segments) for e in examples]
-        parts = (collate([segs[s].example for segs in per_example], mask) for s in range(segments))
+        denominator = examples_denominator(examples, weighting, k)
+        parts = segment_batches(examples, segments, partial(collate, mask=mask))
     else:
-        depth, supervised = data.depth, data.supervised
-        k = k or int(depth.max()) + 1
+        k = k or int(data.depth.max()) + 1
+        denominator = loss_denominator(data.supervised, data.depth, weighting, k)
         parts = iter(partition_batch(data, segments))
-    denominator = loss_denominator(supervised, depth, weighting, k)
     total = None
     for part in parts:
         out = peagle_loss(drafter, target_head, part, weighting, denominator, k=k)

@@ -48,6 +48,7 @@ class TrainResult:
     last_checkpoint: Path | None
     best_checkpoint: Path | None  # highest offline acceptance; None when nothing was evaluated
     metrics_history: list[dict] = field(default_factory=list)
+    warm_start: dict | None = None  # train.init_from: what was loaded (peagle.train.warm_start)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -62,6 +63,7 @@ class TrainResult:
             last_checkpoint=Path(data["last_checkpoint"]) if data["last_checkpoint"] else None,
             best_checkpoint=Path(data["best_checkpoint"]) if data["best_checkpoint"] else None,
             metrics_history=data["metrics_history"],
+            warm_start=data.get("warm_start"),
         )
 
 
@@ -70,14 +72,33 @@ class TrainResult:
 
 @dataclass
 class Objective:
-    """What ``train.method`` trains: how examples are built, batched, split and scored."""
+    """What ``train.method`` trains: how examples are built, batched and scored.
+
+    A micro-batch stays a list of examples until it runs: with ``train.segments`` > 1 each
+    segment is collated (its mask built) only when it is reached, so the whole
+    micro-batch's [N, N] mask never exists (``peagle.train.partition.segment_batches``).
+    """
 
     name: str
-    make_example: Callable[[Any, torch.Generator], Any]  # (sample, generator) -> example
-    collate: Callable[[list], Any]  # examples -> batch
+    make_example: Callable[[Any, torch.Generator], Any]  # (sample, generator) -> Example
+    collate: Callable[[list], Any]  # examples -> Batch (padded, with its attention mask)
     loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
-    denominator: Callable[[Any], Any]  # the whole micro-batch's normaliser (for segments)
-    split: Callable[[Any, int], list] | None = None  # (batch, segments) -> segment batches
+    depths: int  # K the loss is normalised over (train.k_train, or the EAGLE-3 TTT steps)
+    weighting: str  # train.loss_depth_weighting
+
+    def denominator(self, examples: list) -> Any:
+        """The whole micro-batch's normaliser: every segment's loss is divided by it."""
+        from peagle.train.partition import examples_denominator
+
+        return examples_denominator(examples, self.weighting, self.depths)
+
+    def batches(self, examples: list, segments: int):
+        """The micro-batch as ``segments`` batches (Algorithm 1), built one at a time."""
+        if segments == 1:
+            return iter([self.collate(examples)])
+        from peagle.train.partition import segment_batches
+
+        return segment_batches(examples, segments, self.collate)
 
 
 def peagle_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
@@ -90,12 +111,6 @@ def peagle_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objecti
             sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator
         )
 
-    def denominator(batch):
-        if train.loss_depth_weighting == "uniform":
-            return batch.num_supervised
-        depths = batch.depth[batch.supervised]
-        return torch.bincount(depths, minlength=train.k_train).float()
-
     def loss(model, batch, denom):
         return peagle_loss(model, target_head, batch, train.loss_depth_weighting, denom, k=train.k_train)
 
@@ -104,20 +119,9 @@ def peagle_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objecti
         make_example=make_example,
         collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
         loss=loss,
-        denominator=denominator,
-        split=_partition_split() if train.segments > 1 else None,
+        depths=train.k_train,
+        weighting=train.loss_depth_weighting,
     )
-
-
-def _partition_split():
-    """Sequence partitioning (paper, Algorithm 1) from ``peagle.train.partition``."""
-    try:
-        from peagle.train.partition import partition_batch
-    except ImportError as err:
-        raise RuntimeError(
-            f"train.segments > 1 needs peagle.train.partition.partition_batch ({err}); set train.segments: 1"
-        ) from None
-    return partition_batch
 
 
 def eagle3_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
@@ -240,8 +244,8 @@ class StepStats:
 # ----------------------------------------------------------------------------- one step
 
 
-def run_micro_batch(engine, objective: Objective, batch, segments: int, grad_accum: int, stats: StepStats) -> None:
-    """Forward+backward of one micro-batch, ``segments`` DeepSpeed micro-steps long.
+def run_micro_batch(engine, objective: Objective, examples: list, segments: int, grad_accum: int, stats: StepStats) -> None:
+    """Forward+backward of one micro-batch (a list of examples), ``segments`` DeepSpeed micro-steps long.
 
     Each segment's loss is already divided by the whole micro-batch's normaliser (the
     objective's ``denominator``), so the segments' gradients sum to the unpartitioned
@@ -249,16 +253,17 @@ def run_micro_batch(engine, objective: Objective, batch, segments: int, grad_acc
     too) averages micro-batches. DeepSpeed steps only at its accumulation boundary, which
     falls after the last segment of the last micro-batch.
     """
-    batch = batch.to(engine.device)
-    denominator = objective.denominator(batch)
-    parts = objective.split(batch, segments) if segments > 1 else [batch]
-    if len(parts) != segments:
-        raise RuntimeError(f"sequence partitioning returned {len(parts)} segments, expected train.segments={segments}")
-    for part in parts:
-        out = objective.loss(engine, part, denominator)
+    denominator = objective.denominator(examples)
+    ran = 0
+    for part in objective.batches(examples, segments):
+        out = objective.loss(engine, part.to(engine.device), denominator)
         engine.backward(out.loss / grad_accum, scale_wrt_gas=False)
         engine.step()
         stats.add_segment(out)
+        ran += 1
+        del out, part
+    if ran != segments:
+        raise RuntimeError(f"sequence partitioning ran {ran} segments, expected train.segments={segments}")
     stats.micro_batches += 1
 
 
@@ -325,6 +330,11 @@ def train_drafter(
 
     train = cfg.train
     out_dir = Path(out_dir)
+    if train.init_from == "champion":
+        raise ValueError(
+            "train.init_from 'champion' is resolved by the pipeline (peagle run / the train flow), which "
+            "downloads the registry champion first; here give an exported head directory"
+        )
     inputs = inputs or load_training_inputs(data_dir)
     target_config(target_path)  # a missing target fails here, before DeepSpeed starts
     spec = inputs.spec
@@ -340,6 +350,14 @@ def train_drafter(
 
     torch.manual_seed(train.seed)
     drafter = PEagleDrafter.from_target(spec, target_path, inputs.draft_ids)
+    warm = None
+    if train.init_from:  # a resumed run then loads its checkpoint over these weights
+        from peagle.train.warm_start import warm_start
+
+        warm = asdict(warm_start(drafter, train.init_from, inputs.draft_ids))
+        if dist_info.is_main:
+            tqdm.write(f"warm start from {warm['head_dir']}: {warm['lm_head_rows_copied']} lm_head rows kept, "
+                       f"{warm['lm_head_rows_new']} new draft tokens from the target")
     engine = build_engine(drafter, train, total_steps, dist_info.world_size)
     engine.train()
     target_head = TargetHead.from_target(target_path, spec, inputs.draft_ids).to(engine.device)
@@ -398,14 +416,14 @@ def train_drafter(
     depths = max(train.k_train, train.eagle3_ttt_steps)  # per-depth statistics of either objective
     while step < total_steps:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-        batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, objective.collate, in_epoch * plan.grad_accum))
+        batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, list, in_epoch * plan.grad_accum))
         for _ in range(plan.steps_per_epoch - in_epoch):
             start = time.perf_counter()
             stats = StepStats(depths, engine.device)
             for _ in range(plan.grad_accum):
-                batch, tokens = next(batches)
+                examples, tokens = next(batches)
                 stats.tokens += tokens
-                run_micro_batch(engine, objective, batch, train.segments, train.grad_accum, stats)
+                run_micro_batch(engine, objective, examples, train.segments, train.grad_accum, stats)
             if engine.global_steps != step + 1 or engine.micro_steps % gas:
                 raise RuntimeError(f"DeepSpeed is at step {engine.global_steps}, expected {step + 1}: accumulation is off")
             step += 1
@@ -432,6 +450,7 @@ def train_drafter(
         last_checkpoint=ckpt.latest_checkpoint(out_dir),
         best_checkpoint=ckpt.best_checkpoint(out_dir),
         metrics_history=log.history,
+        warm_start=warm,
     )
     if dist_info.is_main:
         tmp = out_dir / (RESULT_FILE + ".tmp")

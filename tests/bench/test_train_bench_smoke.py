@@ -17,6 +17,7 @@ SCRIPTS = {
     "train_seqlen_memory": 8,  # 2 lengths x 2 segment counts, 8 columns
     "train_dataloading": 6,
     "train_forward_latency": 6,
+    "train_loss_weighting": 6,  # weighting, seed, K=1..3 (quick K_train 3), train s
 }
 
 
@@ -38,3 +39,7 @@ def test_bench_quick_writes_results(name, tmp_path):
     if name == "train_seqlen_memory":  # every quick cell fits: S=1 is the ratio's reference
         assert all(r[4] != "-" for r in table["rows"]), table["rows"]
         assert [r[5] for r in table["rows"] if r[1] == 1] == [1.0, 1.0]
+    if name == "train_loss_weighting":  # one quick run per weighting (tiny random target), then their delta
+        assert [r[0] for r in table["rows"]] == ["uniform", "per_depth_mean", "per_depth_mean - uniform"]
+        assert all(1.0 <= float(v) <= 4.0 for r in table["rows"][:2] for v in r[2:5])
+        assert [r["weighting"] for r in result["meta"]["runs"]] == ["uniform", "per_depth_mean"]

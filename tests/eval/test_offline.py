@@ -21,6 +21,8 @@ from peagle.eval.offline import (  # noqa: E402
     evaluate_offline,
     reference_tokens,
 )
+from peagle.train import PrecomputedMask, collate  # noqa: E402
+from peagle.train.eagle3 import build_eagle3_example, ttt_passes  # noqa: E402
 
 K = 4
 
@@ -154,6 +156,44 @@ def test_one_pass_drafts_equal_per_anchor_inference(method):
     assert (data_counts >= 1).float().mean() > 0.8  # first drafts generated the data
     if method == "peagle":
         assert (data_counts >= 2).any()
+
+
+@torch.no_grad()
+def test_eagle3_drafts_equal_the_training_time_test_wherever_the_earlier_drafts_were_right():
+    """Training (TTT, ground-truth tokens) and drafting see the same inputs once drafts 1..j are right.
+
+    Then draft j+1 is the training forward's step-j argmax, so P(draft j+1 accepted | drafts
+    1..j accepted) over the offline anchors IS the training-mode accuracy at depth j over the
+    anchors whose steps 0..j-1 were right. (The logged ``acc/depth_j`` averages over every
+    anchor instead; an undertrained head that repeats its parent's draft scores there mostly
+    where step j-1 was wrong, so it overstates acceptance at positions >= 2.)
+    """
+    spec, drafter, head, vocab = setup(seed=3)
+    sample = self_consistent_sample(spec, drafter, vocab, n=48)  # every first draft is right
+    anchors = drafting_anchors(sample.loss_mask)
+    drafts = draft_tokens(drafter, sample, spec, vocab, anchors, K, "eagle3", chunk_anchors=9)
+    batch = collate([build_eagle3_example(sample, spec, K, 64)], PrecomputedMask(64, K))
+    trained = {}
+    for st in ttt_passes(drafter, batch, K):  # training mode: ground-truth tokens at steps >= 1
+        ids = to_target(vocab, st.output.logits)
+        for a, t in zip(st.batch.anchor[st.logits_mask].tolist(), ids.tolist()):
+            trained[(a, st.step)] = t
+    tokens, mask = sample.token_ids, sample.loss_mask
+    compared, right = [0] * K, [0] * K
+    for row, p in enumerate(anchors.tolist()):
+        for j in range(K):
+            pos = p + 2 + j
+            if pos >= tokens.numel() or not mask[pos]:
+                break
+            assert int(drafts[row, j]) == trained[(p, j)], (p, j)
+            compared[j] += 1
+            if int(drafts[row, j]) != int(tokens[pos]):
+                break
+            right[j] += 1
+    counts = accepted_counts(drafts, anchors, tokens, mask)
+    assert [int((counts > j).sum()) for j in range(K)] == right
+    assert compared[1] >= 20 and compared[2] >= 5, compared  # the deep steps were really compared
+    assert right[0] == compared[0]  # the sample was built from the first drafts
 
 
 def test_evaluate_offline_from_a_shard_store(tmp_path):

@@ -64,7 +64,8 @@ def test_champion_download_is_the_exported_head(exported_head, champion_dir):
 def test_champion_download_is_served_by_vllm_with_parallel_drafting(champion_dir, embedded_target):
     from transformers import AutoTokenizer
 
-    from peagle.eval.online import speculative_config, tokenize_prompts
+    from peagle.eval.online import tokenize_prompts
+    from peagle.export.contract import speculative_config
     from peagle.serving.engine import open_llm
     from peagle.serving.generation import generate_from_token_ids
     from peagle.serving.metrics import delta, read_spec_decode_stats
@@ -74,7 +75,7 @@ def test_champion_download_is_served_by_vllm_with_parallel_drafting(champion_dir
                                 "def fibonacci(n):"], tokenizer)
     cfg = VllmConfig(max_model_len=256, max_num_seqs=4, cpu_kvcache_space_gib=1)
     with open_llm(str(embedded_target), cfg,
-                  speculative_config=speculative_config(champion_dir, K, parallel_drafting=True)) as llm:
+                  speculative_config=speculative_config(str(champion_dir), K, parallel_drafting=True)) as llm:
         assert llm.llm_engine.vllm_config.speculative_config.parallel_drafting
         before = read_spec_decode_stats(llm)
         outputs = generate_from_token_ids(llm, prompts, max_tokens=[24, 24])

@@ -123,6 +123,23 @@ def test_model_card_says_how_to_serve_and_what_was_measured(tmp_path, state, spe
     assert "aux layers [2, 4, 5]" in text and "draft 128 of target" in text
 
 
+def test_eagle3_head_ships_no_mask_hidden_and_says_to_draft_sequentially(tmp_path, state, spec, vocab, tiny_target):
+    """An EAGLE-3 head's mask_hidden is untrained: served in parallel it accepts ~0 after position 1."""
+    from peagle.export.validate import static_check, target_facts_from_spec
+
+    head = export_head(state, spec, vocab, tmp_path / "eagle3", ModelCardInfo(acceptance={3: 2.0}),
+                       target_path=tiny_target, parallel_drafting=False)
+    assert "mask_hidden" not in read_tensors(head)
+    assert set(read_tensors(head)) == set(read_tensors(export_head(state, spec, vocab, tmp_path / "p",
+                                                                    target_path=tiny_target))) - {"mask_hidden"}
+    text = (head / "README.md").read_text()
+    assert '"parallel_drafting": false' in text and '"parallel_drafting": true' not in text
+    assert "# EAGLE-3 head for" in text and "| K | EAGLE-3 |" in text and "p-eagle" not in text
+    target = target_facts_from_spec(spec)
+    assert static_check(head, target, parallel_drafting=False).ok
+    assert not static_check(head, target, parallel_drafting=True).ok  # refused for parallel drafting
+
+
 def test_card_defaults_to_the_exported_directory(head):
     text = (head / "README.md").read_text()
     assert f'"model": "{head}"' in text

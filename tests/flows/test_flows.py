@@ -161,10 +161,10 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
         fh.write("\n".join(prompt_lines()[FIRST_PROMPTS:FIRST_PROMPTS + NEW_PROMPTS]) + "\n")
     capfd.readouterr()
     start = time.perf_counter()
-    result = retrain_flow(str(REPO / "configs" / "demo.yaml"), overrides)
+    result = retrain_flow(str(REPO / "configs" / "demo.yaml"), overrides, warm_start=True)
     seconds = time.perf_counter() - start
     out = "".join(capfd.readouterr())
-    print(f"\nretrain on {NEW_PROMPTS} new prompts: {seconds:.1f} s; {result.message}")
+    print(f"\nretrain on {NEW_PROMPTS} new prompts (warm start): {seconds:.1f} s; {result.message}")
 
     assert result.retrained and any("prompt file" in c for c in result.changes)
     after = samples(tmp / "run")
@@ -189,6 +189,17 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     assert champion.version == (new.version if better else champion_before.version)
     assert json.loads(new.tags["peagle.lineage.prompt_files"]) != json.loads(
         champion_before.tags["peagle.lineage.prompt_files"])
+
+    # warm-started from the champion it replaces: its first steps start from the champion's loss
+    revision = Path(result.pipeline.checkpoint_dir).parent
+    warm = json.loads((revision / "train_result.json").read_text())["warm_start"]
+    assert Path(warm["head_dir"]).name == f"v{champion_before.version}"
+    assert warm["lm_head_rows_copied"] > 0
+    first_loss = [r["loss"] for r in map(json.loads, (tmp / "run" / "checkpoints" / "peagle" / "metrics.jsonl")
+                                         .read_text().splitlines()) if "loss" in r][0]
+    warm_loss = [r["loss"] for r in map(json.loads, (revision / "metrics.jsonl").read_text().splitlines())
+                 if "loss" in r][0]
+    assert warm_loss < 0.8 * first_loss, (warm_loss, first_loss)
 
 
 def test_retraining_again_on_the_same_inputs_does_nothing(two_runs, setup):

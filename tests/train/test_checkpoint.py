@@ -72,7 +72,7 @@ def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path):
     inputs = load_training_inputs(data_dir)
     objective = make_objective(cfg.train, inputs.spec, TargetHead.from_target(str(target), inputs.spec, inputs.draft_ids))
     samples = EpochSamples(inputs.samples, objective.make_example, seed=0)
-    batches = [objective.collate([samples[i][0]]) for i in range(3)]
+    batches = [[samples[i][0]] for i in range(3)]  # micro-batches: lists of examples
 
     def fresh_engine(seed):
         torch.manual_seed(seed)

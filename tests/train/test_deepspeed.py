@@ -88,7 +88,8 @@ def tiny_config(**train) -> "PipelineConfig":  # noqa: F821
     return parse_config(
         {
             "name": "tiny",
-            "data": {"sources": [{"kind": "jsonl", "path": "unused.jsonl"}], "max_seq_len": 64},
+            "data": {"sources": [{"kind": "jsonl", "path": "unused.jsonl"}], "max_seq_len": max(64, base["max_len"])},
+            "vllm": {"max_model_len": max(1024, 2 * base["max_len"])},
             "train": base,
         }
     )

@@ -165,14 +165,15 @@ def test_objective_plugs_into_the_trainer():
     drafter, head = make_models(spec, seed=2)
     train = TrainConfig(method="eagle3", eagle3_ttt_steps=3, max_len=64, segments=2, k_train=4)
     obj = objective(train, spec, head)
-    assert obj.name == "eagle3" and obj.split is not None
+    assert obj.name == "eagle3" and obj.depths == 3
     g = torch.Generator().manual_seed(0)
-    batch = obj.collate([obj.make_example(random_sample(spec, n, n), g) for n in (30, 45)])
-    denom = obj.denominator(batch)
-    whole = obj.loss(drafter, batch, denom)
+    examples = [obj.make_example(random_sample(spec, n, n), g) for n in (30, 45)]
+    denom = obj.denominator(examples)
+    whole = obj.loss(drafter, obj.collate(examples), denom)
     whole.loss.backward()
     ref = grads(drafter)
-    parts = obj.split(batch, train.segments)
+    parts = list(obj.batches(examples, train.segments))
+    assert len(parts) == train.segments
     total = 0.0
     for part in parts:
         out = obj.loss(drafter, part, denom)

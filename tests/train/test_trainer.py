@@ -97,6 +97,70 @@ def test_segments_accumulate_inside_the_sequence(tiny_run, tmp_path):
     assert [r["acc"] for r in runs[3]] == pytest.approx([r["acc"] for r in runs[1]], abs=1e-9)
 
 
+def collated_sizes(monkeypatch) -> list[int]:
+    """Record the element count of every batch the trainer collates (a spy on ``collate``)."""
+    from peagle.train import batch as batch_module
+
+    sizes, real = [], batch_module.collate
+
+    def spy(examples, mask):
+        sizes.append(max(len(e) for e in examples))
+        return real(examples, mask)
+
+    monkeypatch.setattr(batch_module, "collate", spy)
+    return sizes
+
+
+def long_inputs(data_dir, n: int):
+    """The tiny dataset's spec and vocabulary with one n-token sample (random hidden states)."""
+    from test_partition import random_sample
+
+    from peagle.train.trainer import TrainingInputs, load_training_inputs
+
+    inputs = load_training_inputs(data_dir)
+    return TrainingInputs(spec=inputs.spec, samples=[random_sample(inputs.spec, n, 0)], draft_ids=inputs.draft_ids)
+
+
+def test_segments_never_collate_the_whole_micro_batch(tiny_run, tmp_path, monkeypatch):
+    """With S > 1 only segments are collated: the whole example's [N, N] mask is never built."""
+    from peagle.train.batch import build_peagle_example
+    from peagle.train.partition import partition_example
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    n, segments = 400, 4
+    inputs = long_inputs(data_dir, n)
+    cfg = tiny_config(max_steps=1, max_len=n, segments=segments)
+    t = cfg.train
+    example = build_peagle_example(inputs.samples[0], inputs.spec, t.k_train, t.cod_ratio, t.cod_floor, n,
+                                   example_generator(t.seed, 0, 0))  # what the trainer builds for sample 0
+    sizes = collated_sizes(monkeypatch)
+    result = train_drafter(cfg, data_dir, str(target), tmp_path / "out", progress=False, inputs=inputs)
+    assert sizes == [len(seg.example) for seg in partition_example(example, segments)]
+    assert max(sizes) < len(example)  # each segment: its anchors' context plus its own deeper elements
+    assert torch.isfinite(torch.tensor(result.metrics_history[-1]["loss"]))
+
+
+@pytest.mark.slow
+def test_16k_token_sequence_trains_through_train_drafter(tiny_run, tmp_path, monkeypatch):
+    """The issue's bar: a 16K-token sequence trains on this machine, through the real trainer."""
+    import resource
+
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    n, segments = 16384, 8
+    sizes = collated_sizes(monkeypatch)
+    cfg = tiny_config(max_steps=1, max_len=n, segments=segments, k_train=4)
+    result = train_drafter(cfg, data_dir, str(target), tmp_path / "out", progress=False, inputs=long_inputs(data_dir, n))
+    record = result.metrics_history[0]
+    assert torch.isfinite(torch.tensor(record["loss"])) and record["tokens"] == n
+    assert len(sizes) == segments and result.last_checkpoint is not None
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"16K tokens, S={segments}: largest segment {max(sizes)} elements, {record['step_time_s']:.1f} s, "
+          f"process peak RSS {peak_gib:.2f} GiB")
+
+
 def test_method_eagle3_swaps_the_objective(tiny_run, tmp_path):
     from peagle.train.trainer import train_drafter
 
