@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cell (1: no OpenMP contention)")
     parser.add_argument("--segments", type=int, nargs="*", help="segment counts (default 1 2 4 8)")
     parser.add_argument("--time-cap-s", type=float, default=TIME_CAP_S, help="per-cell time cap")
+    parser.add_argument("--mem-cap-gib", type=float, default=MEM_CAP_GIB, help="per-cell RSS cap")
     parser.add_argument("--name", default="train_seqlen_memory", help="result file name (bench/results/<name>.json)")
     args = parser.parse_args()
     if args.cell:
@@ -148,7 +149,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # so the recorded thread count is the cells'
     lengths = args.lengths or ([256, 512] if args.quick else [2048, 4096, 8192, 16384])
     seg_counts = args.segments or ([1, 2] if args.quick else [1, 2, 4, 8])
-    mem_cap, time_cap = MEM_CAP_GIB, args.time_cap_s
+    mem_cap, time_cap = args.mem_cap_gib, args.time_cap_s
     run = Run(args.name, {"lengths": lengths, "segments": seg_counts, "K": K, "cod_ratio": COD_RATIO,
                                       "cod_floor": COD_FLOOR, "H": HIDDEN, "layers": LAYERS, "mem_cap_gib": mem_cap,
                                       "time_cap_s": time_cap, "budget_s": args.budget_s, "quick": args.quick,
@@ -189,7 +190,8 @@ def main() -> None:
     run.finish([
         f"CPU, fp32, drafter H={HIDDEN} x {LAYERS} layers, K={K}, COD ratio {COD_RATIO} floor {COD_FLOOR}, "
         "synthetic 2048-vocab draft head, 10% prompt / 90% response",
-        "path = the trainer's: build_peagle_example -> collate (whole [N,N] mask) -> partition_batch -> peagle_loss+backward per segment",
+        "path = the trainer's: build_peagle_example -> segment_batches (partition the example, collate each segment "
+        "when it runs; S=1: collate the whole example) -> peagle_loss+backward per segment",
         "each cell is a fresh subprocess; peak = getrusage maxrss minus RSS after set-up",
     ])
 

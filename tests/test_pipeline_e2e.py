@@ -68,6 +68,9 @@ def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_res
     assert [r.k for r in rows] == [3] and rows[0].num_draft_tokens > 0 and rows[0].acceptance_length > 1.0
     card = (Path(result.head_dir) / "README.md").read_text()
     assert "| K | P-EAGLE | EAGLE-3 |" in card  # the acceptance table has the baseline column
+    eagle3_card = (baseline / "README.md").read_text()
+    assert f"vllm serve {result.target_path}" in eagle3_card and '"parallel_drafting": false' in eagle3_card
+    assert "| K | EAGLE-3 | P-EAGLE |" in eagle3_card
 
 
 def test_flow_tracks_and_registers_in_mlflow(pipeline_result):

@@ -36,8 +36,9 @@ METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "train_result.json"
 TRAIN_SPLIT = "train"
 STAT_KEYS = ("kl_sum", "correct", "count")
-# Fields that may change between a run and its resume without changing what is trained.
-RESUMABLE_FIELDS = {"eval_every", "save_every", "keep_last", "world_size"}
+# Fields that may change between a run and its resume without changing what is trained
+# (eagle3_baseline only asks the pipeline for a second head).
+RESUMABLE_FIELDS = {"eval_every", "save_every", "keep_last", "world_size", "eagle3_baseline"}
 
 EvalFn = Callable[[torch.nn.Module], float]
 MetricsCallback = Callable[[int, dict], None]
@@ -175,6 +176,8 @@ def train_config_hash(train: TrainConfig) -> str:
     import hashlib
 
     data = {k: v for k, v in train.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS}
+    if train.method == "peagle":
+        data.pop("eagle3_ttt_steps")  # the EAGLE-3 objective's only
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

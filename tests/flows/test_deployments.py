@@ -34,7 +34,9 @@ def test_every_deployment_loads_its_flow_and_parameters():
 def test_a_bad_parameter_is_refused(tmp_path):
     from flows.deploy import load_prefect_file
 
-    text = (REPO / "prefect.yaml").read_text().replace("force: false}", "force: false, epochs: 3}", 1)
+    original = (REPO / "prefect.yaml").read_text()
+    text = original.replace("warm_start: false}", "warm_start: false, epochs: 3}", 1)
+    assert text != original  # the retrain-demo deployment's inline parameters got the bad key
     bad = tmp_path / "prefect.yaml"
     bad.write_text(text)
     with pytest.raises(Exception, match="epochs"):
