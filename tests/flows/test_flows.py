@@ -32,6 +32,7 @@ def tiny_overrides(tmp: Path) -> dict:
         "data.regenerate.max_tokens": 64,
         "drafter.num_layers": 1,
         "train.epochs": 1,
+        "train.eagle3_baseline": False,  # one trained head per run (tests/test_pipeline_e2e.py covers the baseline)
         "eval.ks": [2],
         "eval.num_prompts": 4,
         "eval.max_tokens": 32,
