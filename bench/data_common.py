@@ -81,3 +81,9 @@ def report(name: str, result: dict, tables: list[Table], notes: list[str]) -> No
 def load_result(name: str) -> dict:
     """A previous run's numbers (to re-render its tables without measuring again)."""
     return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def render_saved(name: str, tables, notes) -> None:
+    """``--render-only``: re-print and re-write a saved run's tables from its numbers."""
+    result = load_result(name)
+    report(name, result, tables(result), notes(result))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_common import load_result, report, started  # noqa: E402
+from data_common import render_saved, report, started  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "data_extraction"
@@ -156,8 +156,7 @@ def main() -> None:
     parser.add_argument("--render-only", action="store_true", help="re-print results/data_extraction.json")
     args = parser.parse_args()
     if args.render_only:
-        result = load_result(NAME)
-        report(NAME, result, tables(result), notes(result))
+        render_saved(NAME, tables, notes)
         return
 
     from peagle.config import load_config

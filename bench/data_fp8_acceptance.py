@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_common import load_result, report, started  # noqa: E402
+from data_common import render_saved, report, started  # noqa: E402
 from train_common import (  # noqa: E402
     OFFLINE_NOTE, head_parser, offline_acceptance, setup_head_bench, target_info, train_fresh, train_note,
     train_settings,
@@ -96,8 +96,7 @@ def main() -> None:
     parser.add_argument("--render-only", action="store_true", help="re-print results/data_fp8_acceptance.json")
     args = parser.parse_args()
     if args.render_only:
-        result = load_result(NAME)
-        report(NAME, result, tables(result), notes(result))
+        render_saved(NAME, tables, notes)
         return
 
     from peagle.config import load_config

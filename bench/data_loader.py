@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_common import load_result, report, started  # noqa: E402
+from data_common import render_saved, report, started  # noqa: E402
 
 NAME = "data_loader"
 DTYPES = ("float32", "bfloat16", "float16", "float8")
@@ -192,8 +192,7 @@ def main() -> None:
     parser.add_argument("--render-only", action="store_true", help="re-print results/data_loader.json")
     args = parser.parse_args()
     if args.render_only:
-        result = load_result(NAME)
-        report(NAME, result, tables(result), notes(result))
+        render_saved(NAME, tables, notes)
         return
 
     from peagle.paths import configure_environment, peagle_home

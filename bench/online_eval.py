@@ -64,9 +64,11 @@ def dataset_dir(cfg, target) -> Path:
 
 def eagle3_config(cfg, epochs: int | None, ttt_steps: int | None, max_steps: int | None):
     """The demo config with a smaller EAGLE-3 training budget (TTT costs ~ttt_steps passes per step)."""
+    from peagle.pipeline import with_train
+
     train = {k: v for k, v in (("epochs", epochs), ("eagle3_ttt_steps", ttt_steps), ("max_steps", max_steps))
              if v is not None}
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train)}) if train else cfg
+    return with_train(cfg, **train) if train else cfg
 
 
 def training_budget(cfg, method: str) -> dict:

@@ -19,7 +19,7 @@ from flows.common import artifact_key
 from flows.pipeline import PipelineResult, run_pipeline
 from flows.stages import target_task
 from peagle import pipeline as stages
-from peagle.config import ConfigError, PipelineConfig, load_config
+from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
 from peagle.paths import configure_environment
 
 
@@ -69,7 +69,7 @@ def retrain_flow(config_path: str = "configs/demo.yaml", overrides: dict | None 
 
     configure_environment()
     if warm_start:
-        overrides = {**(overrides or {}), "train.init_from": stages.INIT_FROM_CHAMPION}
+        overrides = {**(overrides or {}), "train.init_from": INIT_FROM_CHAMPION}
     cfg = load_config(config_path, overrides)
     log = get_run_logger()
     target = target_task(cfg)

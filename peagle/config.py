@@ -159,6 +159,10 @@ class DrafterConfig(Strict):
     intermediate_size: int | None = Field(None, ge=16)
 
 
+# train.init_from value meaning "the registry champion for this target" (resolved by the pipeline).
+INIT_FROM_CHAMPION = "champion"
+
+
 class TrainConfig(Strict):
     method: Literal["peagle", "eagle3"] = "peagle"
     k_train: int = Field(8, ge=1)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from peagle.config import PipelineConfig
+from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, head_spec_from_target
 from peagle.fileio import sha256_file as file_digest
 from peagle.paths import configure_environment
@@ -65,17 +65,18 @@ def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = Fals
     return build_dataset(cfg, target.path, target.spec, progress=True, force=force)
 
 
+def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
+    """The same config with some ``train`` fields changed."""
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=changes)})
+
+
 def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
-    if method == cfg.train.method:
-        return cfg
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"method": method})})
+    return cfg if method == cfg.train.method else with_train(cfg, method=method)
 
 
 def checkpoint_dir(cfg: PipelineConfig, method: str) -> Path:
     return cfg.run_dir / "checkpoints" / method
 
-
-INIT_FROM_CHAMPION = "champion"
 
 
 def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
@@ -101,7 +102,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
         if not (head / "model.safetensors").exists():
             download_champion(client, name, head, overwrite=True)
         head = str(head)
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": head})})
+    return with_train(cfg, init_from=head)
 
 
 def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: str | None = None):
@@ -349,8 +350,7 @@ def lineage(cfg: PipelineConfig, target: TargetInfo) -> dict[str, str]:
         "data_config_hash": cfg.section_hash("target", "data"),
         # Where training starts (train.init_from) is not what the head is trained on: a warm
         # start alone is no reason to retrain.
-        "train_config_hash": cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": None})})
-        .section_hash("drafter", "train"),
+        "train_config_hash": with_train(cfg, init_from=None).section_hash("drafter", "train"),
         "target_revision": target_revision(cfg, target),
         "prompt_files": json.dumps(prompt_file_hashes(cfg), sort_keys=True),
     }

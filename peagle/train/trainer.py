@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from peagle.config import PipelineConfig, TrainConfig
+from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
 from peagle.train import checkpoint as ckpt
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
@@ -333,7 +333,7 @@ def train_drafter(
 
     train = cfg.train
     out_dir = Path(out_dir)
-    if train.init_from == "champion":
+    if train.init_from == INIT_FROM_CHAMPION:
         raise ValueError(
             "train.init_from 'champion' is resolved by the pipeline (peagle run / the train flow), which "
             "downloads the registry champion first; here give an exported head directory"
