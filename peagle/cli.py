@@ -50,6 +50,15 @@ def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     console.print(f"[green]{config}: valid[/green] (run directory {cfg.run_dir})")
 
 
+@config_app.command("env")
+def config_env():
+    """Show where this process reads and writes: peagle's home, the HF cache and token, the Prefect API."""
+    from flows import prefect_settings
+    from peagle.paths import library_homes
+
+    console.print_json(json.dumps({**library_homes(), "prefect": prefect_settings()}))
+
+
 @target_app.command("build")
 def target_build(
     config: Path = typer.Option(Path("configs/demo.yaml"), help="Config whose target.embedded recipe to build"),
