@@ -20,7 +20,6 @@ from flows.pipeline import PipelineResult, run_pipeline
 from flows.stages import target_task
 from peagle import pipeline as stages
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
-from peagle.paths import configure_environment
 
 
 @dataclass
@@ -67,7 +66,6 @@ def retrain_flow(config_path: str = "configs/demo.yaml", overrides: dict | None 
     ``warm_start`` starts from the champion's weights (``train.init_from: champion``)."""
     from prefect.artifacts import create_markdown_artifact
 
-    configure_environment()
     if warm_start:
         overrides = {**(overrides or {}), "train.init_from": INIT_FROM_CHAMPION}
     cfg = load_config(config_path, overrides)

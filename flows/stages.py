@@ -26,7 +26,6 @@ from flows.common import (
 )
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
-from peagle.paths import configure_environment
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -36,7 +35,6 @@ def resolve_config(config: PipelineConfig | str, overrides: dict | None = None) 
     """A config model as given, or loaded from a YAML path (what deployments pass)."""
     if isinstance(config, PipelineConfig):
         return load_overrides(config, overrides) if overrides else config
-    configure_environment()
     return load_config(config, overrides)
 
 

@@ -66,7 +66,6 @@ def target_build(
 ):
     """Build (or reuse) the embedded default target: a small code LM trained offline."""
     cfg = _load(config)
-    configure_environment()
     from peagle.target import build_embedded_target
 
     path = build_embedded_target(cfg.target.embedded, force=force)
@@ -146,7 +145,6 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
 def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Run the whole pipeline as a Prefect flow and print acceptance per K."""
     cfg = _load(config, set_)  # fail on a bad config before Prefect starts
-    configure_environment()
     from flows.pipeline import pipeline_flow
 
     result = pipeline_flow(config_path=str(config), overrides=_parse_overrides(set_))
@@ -161,7 +159,6 @@ def deploy_cmd(
     check: bool = typer.Option(False, help="Only validate the file and the flows' parameters; register nothing"),
 ):
     """Register the Prefect deployments (and create their work pools) on PREFECT_API_URL's server."""
-    configure_environment()
     from flows.deploy import deploy, load_prefect_file
 
     if check:
@@ -180,7 +177,6 @@ def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
                 warm_start: bool = typer.Option(False, help="Start from the champion's weights (train.init_from)")):
     """Retrain only if the prompts, target or config changed since the champion; promote if better."""
     _load(config, set_)
-    configure_environment()
     from flows.retrain import retrain_flow
 
     result = retrain_flow(config_path=str(config), overrides=_parse_overrides(set_), force=force,
@@ -209,6 +205,7 @@ def print_summary(result) -> None:
 
 
 def main() -> None:
+    configure_environment()  # once, before any library the commands import reads its settings
     try:
         app()
     except ConfigError as err:

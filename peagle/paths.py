@@ -25,7 +25,6 @@ QUIET_DEFAULTS = {
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB of KV cache per CPU engine (vLLM would size it itself)
 }
 
 
