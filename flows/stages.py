@@ -25,7 +25,7 @@ from flows.common import (
     retry_if_transient,
 )
 from peagle import pipeline as stages
-from peagle.config import PipelineConfig, load_config
+from peagle.config import PipelineConfig, load_config, with_overrides
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -34,21 +34,8 @@ TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, ret
 def resolve_config(config: PipelineConfig | str, overrides: dict | None = None) -> PipelineConfig:
     """A config model as given, or loaded from a YAML path (what deployments pass)."""
     if isinstance(config, PipelineConfig):
-        return load_overrides(config, overrides) if overrides else config
+        return with_overrides(config, overrides)
     return load_config(config, overrides)
-
-
-def load_overrides(cfg: PipelineConfig, overrides: dict) -> PipelineConfig:
-    from peagle.config import parse_config
-
-    data = cfg.model_dump(mode="json", by_alias=True)
-    for dotted, value in overrides.items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return parse_config(data)
 
 
 # ----------------------------------------------------------------------------- data

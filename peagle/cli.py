@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
-from peagle.config import ConfigError, load_config
+from peagle.config import ConfigError, load_config, parse_overrides
 from peagle.paths import configure_environment
 
 app = typer.Typer(help="Train P-EAGLE drafter heads and publish them ready for vLLM.", no_args_is_help=True)
@@ -25,19 +24,9 @@ ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")
 
 
-def _parse_overrides(pairs: list[str] | None) -> dict:
-    overrides = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise typer.BadParameter(f"--set {pair!r}: expected KEY=VALUE, e.g. train.epochs=3")
-        key, value = pair.split("=", 1)
-        overrides[key.strip()] = yaml.safe_load(value)
-    return overrides
-
-
 def _load(config: Path, overrides: list[str] | None = None):
     try:
-        return load_config(config, _parse_overrides(overrides))
+        return load_config(config, parse_overrides(overrides))
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -147,7 +136,7 @@ def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     cfg = _load(config, set_)  # fail on a bad config before Prefect starts
     from flows.pipeline import pipeline_flow
 
-    result = pipeline_flow(config_path=str(config), overrides=_parse_overrides(set_))
+    result = pipeline_flow(config_path=str(config), overrides=parse_overrides(set_))
     print_summary(result)
     del cfg
 
@@ -179,7 +168,7 @@ def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
     _load(config, set_)
     from flows.retrain import retrain_flow
 
-    result = retrain_flow(config_path=str(config), overrides=_parse_overrides(set_), force=force,
+    result = retrain_flow(config_path=str(config), overrides=parse_overrides(set_), force=force,
                           warm_start=warm_start)
     console.print(result.message)
     if result.pipeline is not None:

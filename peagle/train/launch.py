@@ -39,7 +39,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peagle.config import ConfigError, PipelineConfig, load_config, parse_config
+from peagle.config import ConfigError, PipelineConfig, load_config, parse_config, parse_overrides
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
 LAUNCH_CONFIG = "launch_config.json"
@@ -141,7 +141,7 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None) -> None:
 
 def _load_cfg(args) -> PipelineConfig:
     if args.config:
-        return load_config(args.config, _overrides(args.set))
+        return load_config(args.config, parse_overrides(args.set))
     text = args.config_json
     if not text.lstrip().startswith("{"):
         path = Path(text)
@@ -149,18 +149,6 @@ def _load_cfg(args) -> PipelineConfig:
             raise ConfigError(f"--config-json {text!r}: neither inline JSON nor an existing file")
         text = path.read_text()
     return parse_config(json.loads(text), "--config-json")
-
-
-def _overrides(pairs: list[str] | None) -> dict:
-    import yaml
-
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. train.epochs=3")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
 
 
 def _eval_fn(factory: str | None, cfg: PipelineConfig, data_dir: Path, target_path: str):
