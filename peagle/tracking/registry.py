@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -20,7 +19,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from peagle.tracking.mlflow_run import Tracker, file_sha256  # first: it configures MLflow's environment
+from peagle.fileio import publish_dir
+from peagle.tracking.mlflow_run import Tracker, file_sha256
 from peagle.tracking.scrub import scrub_text
 
 import mlflow.artifacts  # noqa: E402  isort: skip
@@ -256,9 +256,7 @@ def download_champion(client: MlflowClient | Tracker, name: str, dst: str | Path
             tracking_uri=client.tracking_uri,
         ))
         verify_head_files(local, json.loads(champion.tags.get(TAG_FILES, "{}")))
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(local, dst)
+        publish_dir(local, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dst

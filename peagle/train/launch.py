@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig, load_config, parse_config, parse_overrides
+from peagle.fileio import write_text_atomic
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
 LAUNCH_CONFIG = "launch_config.json"
@@ -95,9 +96,7 @@ def launch_training(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_json = out_dir / LAUNCH_CONFIG
-    tmp = cfg_json.with_name(cfg_json.name + ".tmp")
-    tmp.write_text(cfg.model_dump_json(by_alias=True, indent=1))
-    tmp.replace(cfg_json)
+    write_text_atomic(cfg_json, cfg.model_dump_json(by_alias=True, indent=1))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
     cmd = training_command(
         cfg_json, Path(data_dir), target_path, out_dir, cfg.train.world_size, hostfile, eval_factory, progress
