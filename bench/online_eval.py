@@ -19,13 +19,17 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from peagle.paths import configure_environment
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_files import result_path, write_results  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from peagle.paths import configure_environment  # noqa: E402
+
+NAME = "online_eval"
 CONFIG = "configs/demo.yaml"
 HEADS = {"p-eagle": "peagle", "eagle-3": "eagle3"}  # online label -> training method
 
@@ -42,7 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eagle3-max-steps", type=int, default=None, help="cap EAGLE-3 optimizer steps")
     p.add_argument("--heads", type=lambda s: s.split(","), default=list(HEADS), help="heads to measure now")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-speculation engine")
-    p.add_argument("--out", type=Path, default=RESULTS / "online_eval")
+    p.add_argument("--out", type=Path, default=result_path(NAME, ""),
+                   help="path stem of the result files (.json, .md, .online.json, .png)")
     return p.parse_args()
 
 
@@ -221,9 +226,10 @@ def main() -> None:
                                        f"AL={r.acceptance_length} {r.output_tokens_per_s:.1f} tok/s"),
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    online = merge_online(online, args.out.with_suffix(".online.json"))
-    offline = merge_offline(offline, args.out.with_suffix(".json"))
-    online.save(args.out.with_suffix(".online.json"))
+    out = lambda suffix: result_path(args.out.name, suffix, args.out.parent)  # noqa: E731
+    online = merge_online(online, out(".online.json"))
+    offline = merge_offline(offline, out(".json"))
+    online.save(out(".online.json"))
     console.print(online.to_table(title="Online evaluation in vLLM (embedded target, CPU)"))
     console.print(offline_rich_table(offline, online, args.ks))
 
@@ -235,12 +241,8 @@ def main() -> None:
                          if (pipeline.checkpoint_dir(cfg, method) / "train_result.json").exists()}, "total_s": round(time.perf_counter() - started, 1)}
     payload = {"meta": meta, "online": online.to_records(), "offline": offline_table(offline),
                "offline_raw": {label: asdict(res) for label, res in offline.items()}}
-    for suffix, text in ((".json", json.dumps(payload, indent=2, default=str)),
-                         (".md", markdown(online, offline, args.ks, meta))):
-        tmp = args.out.with_suffix(suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out.with_suffix(suffix))
-    png = plot_online(online, args.out.with_suffix(".png"), title="P-EAGLE vs EAGLE-3 vs baseline (embedded target, vLLM CPU)")
+    write_results(args.out.name, payload, markdown(online, offline, args.ks, meta), args.out.parent)
+    png = plot_online(online, out(".png"), title="P-EAGLE vs EAGLE-3 vs baseline (embedded target, vLLM CPU)")
     console.print(f"wrote {args.out}.json/.md and {png} in {meta['total_s']:.0f} s")
 
 

@@ -18,9 +18,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from result_files import load_average, load_results, markdown_table, write_results
+
 from peagle.facts import HeadSpec
 
-RESULTS_DIR = Path(os.environ.get("PEAGLE_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 MASK_TOKEN_ID = 3
 
 
@@ -73,10 +74,6 @@ def synthetic_sample(length: int, spec: HeadSpec, seed: int, prompt_fraction: fl
     return SyntheticSample(tokens, loss_mask, hidden)
 
 
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def machine_info() -> dict:
     return {
         "platform": platform.platform(),
@@ -102,7 +99,7 @@ class Run:
     @classmethod
     def restore(cls, name: str) -> Run:
         """A saved run (results/<name>.json) without its tables, to re-render them from its numbers."""
-        saved = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+        saved = load_results(name)
         run = cls.__new__(cls)
         run.name, run.meta, run.sections = name, saved["meta"], []
         run.args = run.meta["args"]
@@ -129,9 +126,7 @@ class Run:
         console.print(escape(self._meta_line()))
         for n in self.meta["notes"]:
             console.print(escape(f"- {n}"))
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        _write_atomic(RESULTS_DIR / f"{self.name}.json", json.dumps({"meta": self.meta, "tables": self.sections}, indent=2))
-        _write_atomic(RESULTS_DIR / f"{self.name}.md", self._markdown())
+        write_results(self.name, {"meta": self.meta, "tables": self.sections}, self._markdown())
 
     def _meta_line(self) -> str:
         m = self.meta
@@ -143,9 +138,7 @@ class Run:
     def _markdown(self) -> str:
         lines = [f"# {self.name}", "", self._meta_line(), "", f"args: `{json.dumps(self.args)}`", ""]
         for s in self.sections:
-            lines += [f"## {s['title']}", "", "| " + " | ".join(s["columns"]) + " |"]
-            lines.append("|" + "---:|" * len(s["columns"]))
-            lines += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in s["rows"]]
+            lines += [f"## {s['title']}", "", *markdown_table(s["columns"], [[_fmt(v) for v in r] for r in s["rows"]])]
             lines += ["", s["note"], ""] if s["note"] else [""]
         lines += [f"- {n}" for n in self.meta["notes"]]
         return "\n".join(lines) + "\n"
@@ -155,12 +148,6 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- heads trained on a real dataset

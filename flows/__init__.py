@@ -1,9 +1,19 @@
 """Prefect flows and deployments: the only place that imports prefect.
 
-Prefect reads its settings once, at import: point every cache and store at the project
-home (``peagle.paths.configure_environment``) before prefect loads.
+Prefect reads its settings once, at import: the process environment is set up
+(``peagle.paths.configure_environment``) before prefect loads. Prefect's home, profile and
+API stay the user's: with no API configured, Prefect starts its own ephemeral server.
 """
 
 from peagle.paths import configure_environment as _configure_environment
 
 _configure_environment()
+
+
+def prefect_settings() -> dict:
+    """The Prefect profile, API and home this process resolved; ``api_url`` None means
+    Prefect's ephemeral server."""
+    from prefect.context import get_settings_context
+
+    ctx = get_settings_context()
+    return {"profile": ctx.profile.name, "api_url": ctx.settings.api.url, "home": str(ctx.settings.home)}

@@ -16,7 +16,6 @@ from flows.common import publish_mlflow_artifact
 from flows.stages import data_flow, evaluate_flow, export_task, publish_flow, target_task, train_flow
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
-from peagle.paths import configure_environment
 
 
 @dataclass
@@ -40,7 +39,6 @@ class PipelineResult:
 @flow(name="peagle-pipeline")
 def pipeline_flow(config_path: str = "configs/demo.yaml", overrides: dict | None = None) -> PipelineResult:
     """Run every stage on one config; returns paths, measured acceptance and the MLflow run."""
-    configure_environment()
     return run_pipeline(load_config(config_path, overrides))
 
 

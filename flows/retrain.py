@@ -20,7 +20,6 @@ from flows.pipeline import PipelineResult, run_pipeline
 from flows.stages import target_task
 from peagle import pipeline as stages
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
-from peagle.paths import configure_environment
 
 
 @dataclass
@@ -40,22 +39,10 @@ def revision_config(cfg: PipelineConfig, lineage: dict[str, str]) -> PipelineCon
 
 def registry_state(cfg: PipelineConfig, current: dict[str, str]):
     """(champion, its lineage, a version already trained on exactly ``current`` or None)."""
-    from mlflow.exceptions import MlflowException
+    from peagle.tracking.registry import champion_and_match
 
-    from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
-    from peagle.tracking.registry import champion_version
-
-    client = make_client(resolve_tracking_uri(cfg.tracking))
-    name = registered_model_name(cfg.tracking, cfg.target.model)
-    champion = champion_version(client, name)
-    if champion is None:
-        return None, {}, None
-    try:
-        versions = client.search_model_versions(f"name='{name}'")
-    except MlflowException:
-        versions = []
-    same = [v for v in versions if not stages.changes_since(stages.recorded_lineage(v), current)]
-    latest = max(same, key=lambda v: int(v.version)) if same else None
+    champion, latest = champion_and_match(
+        cfg.tracking, cfg.target.model, lambda v: not stages.changes_since(stages.recorded_lineage(v), current))
     return champion, stages.recorded_lineage(champion), latest
 
 
@@ -67,7 +54,6 @@ def retrain_flow(config_path: str = "configs/demo.yaml", overrides: dict | None 
     ``warm_start`` starts from the champion's weights (``train.init_from: champion``)."""
     from prefect.artifacts import create_markdown_artifact
 
-    configure_environment()
     if warm_start:
         overrides = {**(overrides or {}), "train.init_from": INIT_FROM_CHAMPION}
     cfg = load_config(config_path, overrides)

@@ -25,8 +25,7 @@ from flows.common import (
     retry_if_transient,
 )
 from peagle import pipeline as stages
-from peagle.config import PipelineConfig, load_config
-from peagle.paths import configure_environment
+from peagle.config import PipelineConfig, load_config, with_overrides
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -35,22 +34,8 @@ TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, ret
 def resolve_config(config: PipelineConfig | str, overrides: dict | None = None) -> PipelineConfig:
     """A config model as given, or loaded from a YAML path (what deployments pass)."""
     if isinstance(config, PipelineConfig):
-        return load_overrides(config, overrides) if overrides else config
-    configure_environment()
+        return with_overrides(config, overrides)
     return load_config(config, overrides)
-
-
-def load_overrides(cfg: PipelineConfig, overrides: dict) -> PipelineConfig:
-    from peagle.config import parse_config
-
-    data = cfg.model_dump(mode="json", by_alias=True)
-    for dotted, value in overrides.items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return parse_config(data)
 
 
 # ----------------------------------------------------------------------------- data
@@ -201,48 +186,13 @@ class PublishOutcome:
     reused: bool  # an identical head was already registered: nothing new registered
 
 
-def registered_twin(tracker, name: str, head_dir: str):
-    """An already registered version with exactly this head's files (publishing is idempotent)."""
-    from mlflow.exceptions import MlflowException
-
-    files = head_content_digest(Path(head_dir))
-    try:
-        versions = tracker.client.search_model_versions(f"name='{name}'")
-    except MlflowException:
-        return None
-    return next((v for v in versions if v.tags.get(TAG_CONTENT) == files), None)
-
-
-TAG_CONTENT = "peagle.content_sha256"
-
-
-def head_content_digest(head_dir: Path) -> str:
-    """What a head serves: config.json plus every tensor's name, dtype, shape and bytes.
-
-    Not the file bytes: safetensors writes its metadata map in a per-process order, so two
-    exports of the same checkpoint can differ byte-wise; nor the model card (documentation).
-    """
-    import hashlib
-
-    import torch
-    from safetensors import safe_open
-
-    h = hashlib.sha256((head_dir / "config.json").read_bytes())
-    with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f:
-        for key in sorted(f.keys()):
-            t = f.get_tensor(key).contiguous()
-            h.update(f"{key}:{t.dtype}:{list(t.shape)}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 @task(name="publish", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
 def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict):
     from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import PromotionDecision, champion_version
+    from peagle.tracking.registry import PromotionDecision, champion_version, registered_twin, tag_head_content
 
     name = registered_model_name(cfg.tracking, cfg.target.model)
-    twin = registered_twin(tracker, name, head_dir)
+    twin = registered_twin(tracker, name, Path(head_dir))
     if twin is not None:
         champion = champion_version(tracker, name)
         before = str(champion.version) if champion else None
@@ -250,7 +200,7 @@ def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated:
         return PublishOutcome(str(twin.version), PromotionDecision(False, reason, before, before), True)
     version, decision = stages.publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
     stages.tag_lineage(tracker, name, version.version, lineage)
-    tracker.client.set_model_version_tag(name, str(version.version), TAG_CONTENT, head_content_digest(Path(head_dir)))
+    tag_head_content(tracker, name, version.version, Path(head_dir))
     return PublishOutcome(str(version.version), decision, False)
 
 

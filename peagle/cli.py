@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
-from peagle.config import ConfigError, load_config
+from peagle.config import ConfigError, load_config, parse_overrides
 from peagle.paths import configure_environment
 
 app = typer.Typer(help="Train P-EAGLE drafter heads and publish them ready for vLLM.", no_args_is_help=True)
@@ -25,19 +24,9 @@ ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")
 
 
-def _parse_overrides(pairs: list[str] | None) -> dict:
-    overrides = {}
-    for pair in pairs or []:
-        if "=" not in pair:
-            raise typer.BadParameter(f"--set {pair!r}: expected KEY=VALUE, e.g. train.epochs=3")
-        key, value = pair.split("=", 1)
-        overrides[key.strip()] = yaml.safe_load(value)
-    return overrides
-
-
 def _load(config: Path, overrides: list[str] | None = None):
     try:
-        return load_config(config, _parse_overrides(overrides))
+        return load_config(config, parse_overrides(overrides))
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -50,6 +39,15 @@ def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     console.print(f"[green]{config}: valid[/green] (run directory {cfg.run_dir})")
 
 
+@config_app.command("env")
+def config_env():
+    """Show where this process reads and writes: peagle's home, the HF cache and token, the Prefect API."""
+    from flows import prefect_settings
+    from peagle.paths import library_homes
+
+    console.print_json(json.dumps({**library_homes(), "prefect": prefect_settings()}))
+
+
 @target_app.command("build")
 def target_build(
     config: Path = typer.Option(Path("configs/demo.yaml"), help="Config whose target.embedded recipe to build"),
@@ -57,7 +55,6 @@ def target_build(
 ):
     """Build (or reuse) the embedded default target: a small code LM trained offline."""
     cfg = _load(config)
-    configure_environment()
     from peagle.target import build_embedded_target
 
     path = build_embedded_target(cfg.target.embedded, force=force)
@@ -137,10 +134,9 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
 def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Run the whole pipeline as a Prefect flow and print acceptance per K."""
     cfg = _load(config, set_)  # fail on a bad config before Prefect starts
-    configure_environment()
     from flows.pipeline import pipeline_flow
 
-    result = pipeline_flow(config_path=str(config), overrides=_parse_overrides(set_))
+    result = pipeline_flow(config_path=str(config), overrides=parse_overrides(set_))
     print_summary(result)
     del cfg
 
@@ -152,7 +148,6 @@ def deploy_cmd(
     check: bool = typer.Option(False, help="Only validate the file and the flows' parameters; register nothing"),
 ):
     """Register the Prefect deployments (and create their work pools) on PREFECT_API_URL's server."""
-    configure_environment()
     from flows.deploy import deploy, load_prefect_file
 
     if check:
@@ -171,10 +166,9 @@ def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
                 warm_start: bool = typer.Option(False, help="Start from the champion's weights (train.init_from)")):
     """Retrain only if the prompts, target or config changed since the champion; promote if better."""
     _load(config, set_)
-    configure_environment()
     from flows.retrain import retrain_flow
 
-    result = retrain_flow(config_path=str(config), overrides=_parse_overrides(set_), force=force,
+    result = retrain_flow(config_path=str(config), overrides=parse_overrides(set_), force=force,
                           warm_start=warm_start)
     console.print(result.message)
     if result.pipeline is not None:
@@ -200,6 +194,7 @@ def print_summary(result) -> None:
 
 
 def main() -> None:
+    configure_environment()  # once, before any library the commands import reads its settings
     try:
         app()
     except ConfigError as err:

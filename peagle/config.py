@@ -8,10 +8,12 @@ them before any heavy work starts.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -313,13 +315,52 @@ def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConf
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return parse_config(apply_overrides(data, overrides), path)
+
+
+def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
+    """``["train.epochs=3", ...]`` (what ``--set`` collects) -> ``{"train.epochs": 3}``;
+    each value is read as a YAML scalar (``3`` an int, ``true`` a bool, ``null`` None)."""
+    overrides = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.epochs=3")
+        try:
+            overrides[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--set {key.strip()}: the value is not valid YAML ({err})") from None
+    return overrides
+
+
+def apply_overrides(data: dict, overrides: Mapping[str, Any] | None) -> dict:
+    """A copy of the config mapping ``data`` with each dotted key (``train.epochs``) set to its
+    value; the one place overrides are applied (``load_config``, ``with_overrides``, the CLI)."""
+    data = copy.deepcopy(data)
     for dotted, value in (overrides or {}).items():
+        *parents, leaf = parts = str(dotted).split(".")
+        if not all(parts):
+            raise ConfigError(f"override {dotted!r}: empty key segment; write dotted keys like train.epochs")
         node = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
+        for depth, part in enumerate(parents):
+            if node.get(part) is None:  # a missing or empty section
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                parent = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {dotted!r}: {parent} is a value, not a section; "
+                                  f"set {parent} itself or a key of a section")
         node[leaf] = value
-    return parse_config(data, path)
+    return data
+
+
+def with_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any] | None) -> PipelineConfig:
+    """``cfg`` with dotted overrides applied and validated again (what a flow given a config
+    model plus overrides runs on)."""
+    if not overrides:
+        return cfg
+    data = cfg.model_dump(mode="json", by_alias=True)
+    return parse_config(apply_overrides(data, overrides), "overrides")
 
 
 def resolve_repo_path(p: str) -> Path:

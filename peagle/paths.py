@@ -1,8 +1,10 @@
-"""Where everything lives: one project-local, git-ignored home for caches and outputs.
+"""Where peagle's own outputs live, and the process environment every entry point sets up.
 
-Every cache (HF, vLLM, Prefect, MLflow, torch extensions) and every output (targets,
-datasets, checkpoints, heads) goes under ``PEAGLE_HOME`` (default ``<repo>/.peagle``)
-unless a config says otherwise, so a clone never writes to ``~``.
+Only peagle's outputs (targets, runs, the default MLflow SQLite store) default to
+``PEAGLE_HOME`` (``<repo>/.peagle``). Libraries keep their own homes and settings
+(``~/.cache/huggingface`` with its ``hf auth login`` token, the Prefect profile in
+``~/.prefect``, ``~/.cache/vllm``, ...) unless the user moves them, so a cached 16 GB
+target or a configured Prefect API is found as the user left it.
 """
 
 from __future__ import annotations
@@ -12,50 +14,44 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# Telemetry and noise switches only: none moves a library's home or changes where runs go,
+# and each is a default the user's own environment overrides.
+QUIET_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    "DISABLE_MLFLOW_INTEGRATION": "TRUE",  # transformers' auto-logging would open MLflow runs of its own
+    "WANDB_ERROR_REPORTING": "false",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
 
 def peagle_home() -> Path:
-    """The root for caches and outputs; ``PEAGLE_HOME`` overrides the repo-local default."""
+    """The root of peagle's own outputs; ``PEAGLE_HOME`` overrides the repo-local default."""
     return Path(os.environ.get("PEAGLE_HOME", REPO_ROOT / ".peagle")).resolve()
 
 
-def cache_dir(name: str) -> Path:
-    path = peagle_home() / "cache" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def configure_environment() -> None:
-    """Point every library cache at the project home and keep libraries offline-friendly.
+    """Set the quiet defaults above; called once by each entry point, before libraries load.
 
-    Only sets variables the user has not set, so a real deployment's settings win.
+    Only fills variables the user has not set; library homes and Prefect's API and log
+    level are left to the user's environment and profiles.
     """
-    home = peagle_home()
-    defaults = {
-        "HF_HOME": home / "cache" / "hf",
-        "VLLM_CACHE_ROOT": home / "cache" / "vllm",
-        "PREFECT_HOME": home / "prefect",
-        "PREFECT_MEMO_STORE_PATH": home / "prefect" / "memo_store.toml",
-        # Prefect 3.7 keeps cached task results in ~/.prefect/storage even when PREFECT_HOME is set.
-        "PREFECT_LOCAL_STORAGE_PATH": home / "prefect" / "storage",
-        "TORCH_EXTENSIONS_DIR": home / "cache" / "torch_extensions",
-        "TRITON_CACHE_DIR": home / "cache" / "triton",
-        "MPLCONFIGDIR": home / "cache" / "matplotlib",
-        "WANDB_DIR": home / "wandb",
-        "WANDB_CONFIG_DIR": home / "wandb" / "config",
-        "WANDB_CACHE_DIR": home / "wandb" / "cache",
-        "WANDB_DATA_DIR": home / "wandb" / "data",
-        "WANDB_ARTIFACT_DIR": home / "wandb" / "artifacts",
+    for key, value in QUIET_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def library_homes() -> dict:
+    """Where the libraries peagle drives keep their caches and login, as this process resolves
+    them; ``hf_token_found`` says whether a Hugging Face token is available (never the token)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    return {
+        "peagle_home": str(peagle_home()),
+        "hf_home": constants.HF_HOME,
+        "hf_token_found": huggingface_hub.get_token() is not None,
+        "vllm_cache_root": os.environ.get("VLLM_CACHE_ROOT"),  # None: vLLM's own default (~/.cache/vllm)
     }
-    for key, value in defaults.items():
-        if key not in os.environ:
-            Path(value).parent.mkdir(parents=True, exist_ok=True)
-            os.environ[key] = str(value)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")

@@ -17,7 +17,6 @@ from pathlib import Path
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, head_spec_from_target
 from peagle.fileio import sha256_file as file_digest
-from peagle.paths import configure_environment
 
 PEAGLE_LABEL = "p-eagle"
 EAGLE3_LABEL = "eagle-3"
@@ -49,7 +48,6 @@ class StageTimer:
 
 def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     """Resolve (or build) the target and check the config against it before heavy work."""
-    configure_environment()
     from peagle.target import load_target_config_and_tokenizer, resolve_target
 
     path = resolve_target(cfg.target)
@@ -59,7 +57,6 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
 
 def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False):
     """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary."""
-    configure_environment()
     from peagle.data.pipeline import build_dataset
 
     return build_dataset(cfg, target.path, target.spec, progress=True, force=force)
@@ -110,7 +107,6 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
     Checkpoints are chosen by offline acceptance on the held-out split, not by loss.
     """
-    configure_environment()
     from peagle.train.launch import launch_training
 
     method = method or cfg.train.method
@@ -143,7 +139,6 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
                 *, method: str = "peagle", card=None) -> Path:
     """Write the vLLM head directory from a checkpoint; refuses a head that fails validation."""
-    configure_environment()
     from peagle.export.head import export_from_checkpoint
 
     out_dir = cfg.run_dir / "heads" / method
@@ -162,7 +157,6 @@ def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
 
 def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Path]):
     """Acceptance per K and output tokens/s in vLLM, against the no-speculation baseline."""
-    configure_environment()
     from peagle.eval.online import evaluate_online as run_online
 
     return run_online(

@@ -28,3 +28,12 @@ def test_unknown_key_in_a_file(tmp_path):
     result = runner.invoke(app, ["data", str(bad)])
     assert result.exit_code == 2
     assert "learning_rate" in result.output and "unknown key" in result.output
+
+
+def test_set_is_parsed_once_for_every_command():
+    ok = runner.invoke(app, ["config", "check", str(REPO / "configs" / "demo.yaml"), "--set", "workdir=/tmp/peagle-x"])
+    assert ok.exit_code == 0 and "/tmp/peagle-x" in ok.output, ok.output
+    bad = runner.invoke(app, ["config", "check", str(REPO / "configs" / "demo.yaml"), "--set", "train.epochs"])
+    assert bad.exit_code == 2 and "expected KEY=VALUE" in bad.output
+    deep = runner.invoke(app, ["config", "check", str(REPO / "configs" / "demo.yaml"), "--set", "train.epochs.x=1"])
+    assert deep.exit_code == 2 and "train.epochs is a value" in deep.output

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from transformers import LlamaConfig
 
-from peagle.config import ConfigError, load_config, parse_config
+from peagle.config import ConfigError, apply_overrides, load_config, parse_config, parse_overrides, with_overrides
 from peagle.facts import default_aux_layer_ids, head_spec_from_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,6 +89,43 @@ def test_overrides_apply_and_are_validated():
     assert cfg.train.epochs == 5
     with pytest.raises(ConfigError, match="train.epochs"):
         load_config(REPO / "configs" / "demo.yaml", {"train.epochs": 0})
+
+
+def test_set_values_are_yaml_scalars():
+    assert parse_overrides(["train.epochs=3", "train.learning_rate=3e-4", "train.eagle3_baseline=false",
+                            "workdir=null", "name=demo=2", " tracking.wandb.project = p "]) == {
+        "train.epochs": 3, "train.learning_rate": "3e-4", "train.eagle3_baseline": False, "workdir": None,
+        "name": "demo=2", "tracking.wandb.project": "p"}
+    cfg = load_config(REPO / "configs" / "demo.yaml", parse_overrides(["train.learning_rate=3.0e-4", "train.epochs=3"]))
+    assert cfg.train.learning_rate == 3.0e-4 and cfg.train.epochs == 3
+
+
+@pytest.mark.parametrize("pair", ["train.epochs", "=3", "train.epochs=[unclosed"])
+def test_a_malformed_set_names_itself(pair):
+    with pytest.raises(ConfigError, match="--set"):
+        parse_overrides([pair])
+
+
+@pytest.mark.parametrize(("key", "named"), [
+    ("train.epochs.max", "train.epochs is a value"),
+    ("train..epochs", "empty key segment"),
+    ("train.epochz", "train.epochz: unknown key"),
+    ("trian.epochs", "trian: unknown key"),
+])
+def test_a_bad_key_path_names_the_key(key, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(REPO / "configs" / "demo.yaml", {key: 3})
+
+
+def test_overrides_on_a_loaded_config_and_on_a_mapping():
+    base = load_config(REPO / "configs" / "demo.yaml")
+    cfg = with_overrides(base, {"train.epochs": 4, "tracking.wandb": {"enabled": False}})
+    assert cfg.train.epochs == 4 and base.train.epochs != 4 and cfg.drafter == base.drafter
+    with pytest.raises(ConfigError, match="train.k_train"):
+        with_overrides(base, {"train.k_train": 0})
+    data = {"train": None}
+    assert apply_overrides(data, {"train.epochs": 2}) == {"train": {"epochs": 2}}
+    assert data == {"train": None}  # the caller's mapping is not changed
 
 
 class _Tok:

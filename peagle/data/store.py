@@ -20,7 +20,6 @@ import bisect
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import struct
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from peagle.fileio import fsync_dir, sha256_file
+from peagle.fileio import atomic_open, is_temp_name, sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -128,7 +127,7 @@ def _write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metad
     """Write chunked tensors (concatenated along dim 0) as one safetensors file; return sha256.
 
     Writing the chunks straight to the file avoids ``torch.cat``, so peak memory stays at
-    one shard instead of two. The file goes to ``<path>.tmp`` and is renamed when complete.
+    one shard instead of two. The file appears at ``path`` only when complete (``atomic_open``).
     """
     header, offset = {}, 0
     for name, chunks in tensors.items():
@@ -144,8 +143,7 @@ def _write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metad
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors writes it
     digest = hashlib.sha256()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
+    with atomic_open(path, "wb") as fh:
         for piece in (struct.pack("<Q", len(blob)), blob):
             fh.write(piece)
             digest.update(piece)
@@ -154,20 +152,7 @@ def _write_safetensors(path: Path, tensors: dict[str, list[torch.Tensor]], metad
                 data = _to_bytes(c)
                 fh.write(data)
                 digest.update(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
     return digest.hexdigest()
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _shard_sample_ids(path: Path) -> list[str]:
@@ -282,7 +267,7 @@ class ShardWriter:
         """Temp files and shards a killed writer renamed but never listed: not trusted, not kept."""
         listed = {s["file"] for s in self._manifest["shards"]}
         for p in self.split_dir.iterdir():
-            if p.name.endswith(".tmp") or (p.name.startswith("shard-") and p.name not in listed):
+            if is_temp_name(p.name) or (p.name.startswith("shard-") and p.name not in listed):
                 p.unlink()
 
     # -- writing
@@ -346,7 +331,7 @@ class ShardWriter:
         m["num_samples"] += len(ids)
         m["num_tokens"] += int(lengths.sum())
         m["bytes"] += size
-        _write_json_atomic(self.split_dir / MANIFEST, m)
+        write_json_atomic(self.split_dir / MANIFEST, m, indent=1)
         self._done.update(ids)
         self._buffer, self._buffer_ids, self._buffered_tokens = [], set(), 0
 
@@ -354,7 +339,7 @@ class ShardWriter:
         """Flush the rest and mark the split complete; returns the manifest."""
         self.flush()
         self._manifest["complete"] = True
-        _write_json_atomic(self.split_dir / MANIFEST, self._manifest)
+        write_json_atomic(self.split_dir / MANIFEST, self._manifest, indent=1)
         if self._lock is not None:
             self._lock.close()
             self._lock = None

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from peagle.fileio import atomic_path
+
 VOCAB_FILE = "vocab.safetensors"
 
 
@@ -44,10 +46,8 @@ class DraftVocab:
         return index[target_ids]
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({"draft_ids": self.draft_ids, "d2t": self.d2t, "t2d": self.t2d}, str(tmp))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            save_file({"draft_ids": self.draft_ids, "d2t": self.d2t, "t2d": self.t2d}, str(tmp))
 
     @classmethod
     def load(cls, path: str | Path) -> DraftVocab:

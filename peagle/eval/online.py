@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from peagle.config import VllmConfig, resolve_repo_path
 from peagle.export.contract import speculative_config
+from peagle.fileio import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -219,11 +220,7 @@ class OnlineResult:
         return table
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({**asdict(self), "rows": [asdict(r) for r in self.rows]}, indent=2))
-        tmp.replace(path)
-        return path
+        return write_json_atomic(path, {**asdict(self), "rows": [asdict(r) for r in self.rows]}, indent=2)
 
     @classmethod
     def load(cls, path: str | Path) -> OnlineResult:

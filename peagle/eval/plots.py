@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from peagle.eval.online import BASELINE, OnlineResult
+from peagle.fileio import atomic_path
 
 LINESTYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D"]
@@ -65,8 +65,7 @@ def plot_online(result: OnlineResult, out_path: str | Path, *, title: str | None
     fig.suptitle(title or f"{Path(result.target).name}: {prompts}, {result.max_tokens} new tokens, greedy")
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(out_path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    tmp.replace(out_path)
     return out_path

@@ -30,6 +30,7 @@ from peagle.export.contract import (
     speculative_config,
 )
 from peagle.facts import HeadSpec
+from peagle.model.target_weights import read_target_tensor
 
 log = logging.getLogger(__name__)
 
@@ -115,21 +116,7 @@ def _text_config(config: dict) -> dict:
 
 def load_target_embedding(target_dir: Path) -> torch.Tensor | None:
     """The target's input embedding table, read from its safetensors without loading the rest."""
-    target_dir = Path(target_dir)
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        candidates = {name: target_dir / file for name, file in weight_map.items()}
-    else:
-        candidates = {}
-        for file in sorted(target_dir.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as f:
-                candidates |= {name: file for name in f.keys()}
-    names = sorted((n for n in candidates if n.endswith("embed_tokens.weight")), key=len)
-    if not names:
-        return None
-    with safe_open(str(candidates[names[0]]), "pt") as f:
-        return f.get_tensor(names[0])
+    return read_target_tensor(target_dir, "embed_tokens.weight")
 
 
 def read_target(target_path: str | Path, *, revision: str | None = None, with_embed: bool = True) -> TargetFacts:

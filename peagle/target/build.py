@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from peagle.config import EmbeddedTargetRecipe
+from peagle.fileio import staged_dir
 from peagle.paths import peagle_home
 from peagle.target.corpus import Corpus, chat_examples, load_corpus, stdlib_root
 from peagle.target.tokenizer import END, render_chat, train_bpe, wrap_tokenizer
@@ -65,12 +66,8 @@ def build_embedded_target(recipe: EmbeddedTargetRecipe, force: bool = False, pro
             return final  # another process built it while we waited
         for stale in final.parent.glob(f".{final.name}.*"):  # left by a killed build; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        try:
+        with staged_dir(final) as tmp:
             _build_into(tmp, recipe, progress)
-            _replace_dir(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -82,15 +79,6 @@ def _exclusive(lock_path: Path):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished build into place; an older build is moved aside first, then deleted."""
-    old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- the build
@@ -114,7 +102,7 @@ def _build_into(out: Path, recipe: EmbeddedTargetRecipe, progress: bool) -> None
     with phases("evaluate_trained"):
         trained_metrics = evaluate(model, data, recipe)
 
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     generation_config(tokenizer).save_pretrained(out)

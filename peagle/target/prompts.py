@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Literal
 
 from peagle.config import EmbeddedTargetRecipe
+from peagle.fileio import atomic_open
 from peagle.paths import REPO_ROOT
 from peagle.target.corpus import _hash_unit, chat_examples, load_corpus
 
@@ -45,11 +45,9 @@ def write_prompt_files(out_dir: Path = PROMPTS_DIR, counts: dict[str, int] | Non
     written = {}
     for split, name in FILE_NAMES.items():
         path = out_dir / name
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w") as fh:
+        with atomic_open(path, "w") as fh:
             for record in embedded_prompt_messages(split, counts[split]):
                 fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
         written[split] = path
     return written
 

@@ -29,34 +29,28 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import yaml
-
-from peagle.fileio import sha256_file as file_sha256
-from peagle.config import PipelineConfig, TrackingConfig
-from peagle.paths import REPO_ROOT, configure_environment, peagle_home
-from peagle.tracking.scrub import scrub, scrub_text
-from peagle.tracking.wandb_mirror import WandbMirror, check_wandb_credentials
-
-configure_environment()
-# MLflow otherwise writes an installation id under ~/.config and phones home; the lead may
-# move this into configure_environment.
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.entities import Metric, Param, RunStatus, RunTag  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
-from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode  # noqa: E402
-from mlflow.utils.mlflow_tags import (  # noqa: E402
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.utils.mlflow_tags import (
     MLFLOW_GIT_COMMIT,
     MLFLOW_PARENT_RUN_ID,
     MLFLOW_SOURCE_NAME,
 )
-from mlflow.utils.validation import (  # noqa: E402
+from mlflow.utils.validation import (
     MAX_ENTITY_KEY_LENGTH,
     MAX_METRICS_PER_BATCH,
     MAX_PARAM_VAL_LENGTH,
     MAX_PARAMS_TAGS_PER_BATCH,
     MAX_TAG_VAL_LENGTH,
 )
+
+from peagle.fileio import sha256_file as file_sha256
+from peagle.config import PipelineConfig, TrackingConfig
+from peagle.paths import REPO_ROOT, peagle_home
+from peagle.tracking.scrub import scrub, scrub_text
+from peagle.tracking.wandb_mirror import WandbMirror, check_wandb_credentials
 
 TAG_TARGET = "peagle.target"
 TAG_GIT_COMMIT = "peagle.git.commit"

@@ -9,34 +9,34 @@ itself explains why a head is or is not serving.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow.artifacts
+import torch
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST, ErrorCode
 from safetensors import safe_open
 
-from peagle.tracking.mlflow_run import Tracker, file_sha256  # first: it configures MLflow's environment
+from peagle.config import TrackingConfig
+from peagle.fileio import publish_dir
+from peagle.tracking.mlflow_run import Tracker, file_sha256, make_client, registered_model_name, resolve_tracking_uri
 from peagle.tracking.scrub import scrub_text
-
-import mlflow.artifacts  # noqa: E402  isort: skip
-from mlflow import MlflowClient  # noqa: E402  isort: skip
-from mlflow.entities.model_registry import ModelVersion  # noqa: E402  isort: skip
-from mlflow.exceptions import MlflowException  # noqa: E402  isort: skip
-from mlflow.protos.databricks_pb2 import (  # noqa: E402  isort: skip
-    RESOURCE_ALREADY_EXISTS,
-    RESOURCE_DOES_NOT_EXIST,
-    ErrorCode,
-)
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 HEAD_FILES = ("config.json", "model.safetensors")  # what vLLM needs from a head directory
 
+TAG_CONTENT = "peagle.content_sha256"  # head_content_digest of the registered head
 TAG_FILES = "peagle.files"  # {relative path: {"bytes": n, "sha256": hex}} of the uploaded head
 TAG_SCORE = "peagle.score"
 TAG_VALIDATED = "peagle.validated"
@@ -159,6 +159,55 @@ def register_head(
 # Promote
 
 
+def head_content_digest(head_dir: Path) -> str:
+    """What a head serves: config.json plus every tensor's name, dtype, shape and bytes.
+
+    Not the file bytes: safetensors writes its metadata map in a per-process order, so two
+    exports of the same checkpoint can differ byte-wise; nor the model card (documentation).
+    """
+    head_dir = Path(head_dir)
+    h = hashlib.sha256((head_dir / "config.json").read_bytes())
+    with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f:
+        for key in sorted(f.keys()):
+            t = f.get_tensor(key).contiguous()
+            h.update(f"{key}:{t.dtype}:{list(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def tag_head_content(client: MlflowClient | Tracker, name: str, version: str, head_dir: Path) -> None:
+    """Record what the version serves, so publishing the same head again finds it (``registered_twin``)."""
+    _client(client).set_model_version_tag(name, str(version), TAG_CONTENT, head_content_digest(head_dir))
+
+
+def model_versions(client: MlflowClient | Tracker, name: str) -> list[ModelVersion]:
+    """Every version of the registered model ``name``; none when it does not exist yet."""
+    try:
+        return list(_client(client).search_model_versions(f"name='{name}'"))
+    except MlflowException:
+        return []
+
+
+def registered_twin(client: MlflowClient | Tracker, name: str, head_dir: Path) -> ModelVersion | None:
+    """An already registered version serving exactly this head (publishing is idempotent)."""
+    content = head_content_digest(head_dir)
+    return next((v for v in model_versions(client, name) if v.tags.get(TAG_CONTENT) == content), None)
+
+
+def champion_and_match(
+    tracking: TrackingConfig, target_model: str, matches: Callable[[ModelVersion], bool]
+) -> tuple[ModelVersion | None, ModelVersion | None]:
+    """The target's champion, and the newest version for which ``matches`` holds (e.g. trained on
+    the current inputs); (None, None) while there is no champion."""
+    client = make_client(resolve_tracking_uri(tracking))
+    name = registered_model_name(tracking, target_model)
+    champion = champion_version(client, name)
+    if champion is None:
+        return None, None
+    same = [v for v in model_versions(client, name) if matches(v)]
+    return champion, max(same, key=lambda v: int(v.version)) if same else None
+
+
 def champion_version(client: MlflowClient | Tracker, name: str) -> ModelVersion | None:
     """The version holding the ``champion`` alias, or None when there is none yet."""
     client = _client(client)
@@ -256,9 +305,7 @@ def download_champion(client: MlflowClient | Tracker, name: str, dst: str | Path
             tracking_uri=client.tracking_uri,
         ))
         verify_head_files(local, json.loads(champion.tags.get(TAG_FILES, "{}")))
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(local, dst)
+        publish_dir(local, dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dst

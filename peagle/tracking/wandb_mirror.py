@@ -3,7 +3,8 @@
 MLflow stays the system of record (registry, artifacts); wandb gets the same params and
 metrics for teams that live there. Offline mode works without a network (``wandb sync``
 uploads later). The API key is read by wandb from ``WANDB_API_KEY`` only: never from a
-config file, never written by us. Every wandb directory lives under the project home.
+config file, never written by us. The run files are peagle outputs (under ``PEAGLE_HOME/wandb``
+unless ``WANDB_DIR`` is set); wandb's settings, login and caches stay where wandb keeps them.
 """
 
 from __future__ import annotations
@@ -16,23 +17,8 @@ from peagle.paths import peagle_home
 
 
 def wandb_home() -> Path:
-    return peagle_home() / "wandb"
-
-
-def _keep_wandb_files_home() -> None:
-    """wandb otherwise writes settings, caches and artifacts under ``~``."""
-    home = wandb_home()
-    for var, sub in {
-        "WANDB_DIR": "",
-        "WANDB_CONFIG_DIR": "config",
-        "WANDB_CACHE_DIR": "cache",
-        "WANDB_DATA_DIR": "data",
-        "WANDB_ARTIFACT_DIR": "artifacts",
-    }.items():
-        if var not in os.environ:
-            (home / sub).mkdir(parents=True, exist_ok=True)
-            os.environ[var] = str(home / sub)
-    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+    """Where wandb run directories go: ``WANDB_DIR`` when the user set it, else the peagle home."""
+    return Path(os.environ["WANDB_DIR"]) if os.environ.get("WANDB_DIR") else peagle_home() / "wandb"
 
 
 def check_wandb_credentials(cfg: WandbConfig) -> None:
@@ -58,7 +44,7 @@ class WandbMirror:
     @classmethod
     def start(cls, cfg: WandbConfig, *, name: str | None, group: str, tags: list[str], meta: dict) -> WandbMirror:
         check_wandb_credentials(cfg)
-        _keep_wandb_files_home()
+        wandb_home().mkdir(parents=True, exist_ok=True)
         import wandb
 
         run = wandb.init(

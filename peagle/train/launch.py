@@ -39,7 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peagle.config import ConfigError, PipelineConfig, load_config, parse_config
+from peagle.config import ConfigError, PipelineConfig, load_config, parse_config, parse_overrides
+from peagle.fileio import write_text_atomic
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
 LAUNCH_CONFIG = "launch_config.json"
@@ -95,9 +96,7 @@ def launch_training(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_json = out_dir / LAUNCH_CONFIG
-    tmp = cfg_json.with_name(cfg_json.name + ".tmp")
-    tmp.write_text(cfg.model_dump_json(by_alias=True, indent=1))
-    tmp.replace(cfg_json)
+    write_text_atomic(cfg_json, cfg.model_dump_json(by_alias=True, indent=1))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
     cmd = training_command(
         cfg_json, Path(data_dir), target_path, out_dir, cfg.train.world_size, hostfile, eval_factory, progress
@@ -141,7 +140,7 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None) -> None:
 
 def _load_cfg(args) -> PipelineConfig:
     if args.config:
-        return load_config(args.config, _overrides(args.set))
+        return load_config(args.config, parse_overrides(args.set))
     text = args.config_json
     if not text.lstrip().startswith("{"):
         path = Path(text)
@@ -149,18 +148,6 @@ def _load_cfg(args) -> PipelineConfig:
             raise ConfigError(f"--config-json {text!r}: neither inline JSON nor an existing file")
         text = path.read_text()
     return parse_config(json.loads(text), "--config-json")
-
-
-def _overrides(pairs: list[str] | None) -> dict:
-    import yaml
-
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. train.epochs=3")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
 
 
 def _eval_fn(factory: str | None, cfg: PipelineConfig, data_dir: Path, target_path: str):

@@ -21,6 +21,7 @@ from peagle.data.store import (
     check_free_space,
     estimate_bytes,
 )
+from peagle.fileio import temp_sibling
 
 LAYERS = [2, 4, 5, 8]
 
@@ -141,10 +142,12 @@ def test_leftovers_of_a_killed_writer_are_ignored_then_removed(tmp_path):
     listed = {e["file"] for e in json.loads((tmp_path / "manifest.json").read_text())["shards"]}
     orphan = tmp_path / f"shard-{len(listed):05d}.safetensors"
     orphan.write_bytes(b"half a shard")
-    (tmp_path / "manifest.json.tmp").write_text("{")
+    (tmp_path / "manifest.json.tmp").write_text("{")  # an older writer's temp name
+    half = temp_sibling(tmp_path / orphan.name)
+    half.write_bytes(b"half a shard")
     assert len(ShardReader(tmp_path)) == 10
     with ShardWriter(tmp_path, LAYERS, 64, "bfloat16", 1000, {"config_hash": "h1"}) as w:
-        assert not orphan.exists() and not (tmp_path / "manifest.json.tmp").exists()
+        assert not orphan.exists() and not (tmp_path / "manifest.json.tmp").exists() and not half.exists()
         w.add(*make_sample(10))
     assert ShardReader(tmp_path).sample_ids() == [make_sample(i)[0] for i in range(11)]
 

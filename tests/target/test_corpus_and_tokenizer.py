@@ -102,17 +102,6 @@ def test_recipe_hash_keys_the_cache(monkeypatch, in_home):
     assert recipe_hash(base) != before
 
 
-def test_replace_dir_swaps_whole_directories(tmp_path):
-    old, new = tmp_path / "target", tmp_path / ".target.tmp"
-    old.mkdir()
-    (old / "stale.txt").write_text("old")
-    new.mkdir()
-    (new / "build_report.json").write_text("{}")
-    build_mod._replace_dir(new, old)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
-    assert [p.name for p in old.iterdir()] == ["build_report.json"]
-
-
 def test_resolve_local_path_and_missing_path(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert resolve_target(TargetConfig(model=str(tmp_path))) == str(tmp_path.resolve())

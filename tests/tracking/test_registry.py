@@ -16,9 +16,13 @@ from peagle.tracking.registry import (
     TAG_DECISION,
     TAG_SCORE,
     TAG_SUPERSEDED_BY,
+    champion_and_match,
     download_champion,
+    head_content_digest,
     promote_if_better,
     register_head,
+    registered_twin,
+    tag_head_content,
     weighted_score,
 )
 
@@ -145,3 +149,31 @@ def test_weighted_score():
         weighted_score({"code": 0.6}, {"code": 1.0, "math": 1.0})
     with pytest.raises(ValueError, match="positive sum"):
         weighted_score({"code": 0.6}, {"code": 0.0})
+
+
+def test_content_digest_ignores_the_card_and_sees_every_tensor(tmp_path, make_head_dir):
+    a = make_head_dir(tmp_path / "a", seed=1)
+    b = make_head_dir(tmp_path / "b", seed=1)
+    (b / "README.md").write_text("# another card\n")
+    assert head_content_digest(a) == head_content_digest(b)
+    assert head_content_digest(a) != head_content_digest(make_head_dir(tmp_path / "c", seed=2))
+
+
+def test_a_republished_head_finds_its_registered_twin(tracker, register, tmp_path, make_head_dir, model_name):
+    assert registered_twin(tracker, model_name, make_head_dir(tmp_path / "none", seed=3)) is None  # no model yet
+    v1 = register(model_name, seed=3)
+    tag_head_content(tracker, model_name, v1.version, tmp_path / f"{model_name}-head-3")
+    again = make_head_dir(tmp_path / "again", seed=3)  # a second export of the same weights
+    assert registered_twin(tracker, model_name, again).version == v1.version
+    assert registered_twin(tracker, model_name, make_head_dir(tmp_path / "other", seed=4)) is None
+
+
+def test_champion_and_the_newest_version_trained_on_the_same_inputs(tracking, tracker, register, model_name):
+    named = tracking.model_copy(update={"registered_model": model_name})
+    assert champion_and_match(named, "any-target", lambda v: True) == (None, None)  # no model yet
+    v1, v2, _ = (register(model_name, seed=s) for s in (1, 2, 3))
+    assert champion_and_match(named, "any-target", lambda v: True) == (None, None)  # nothing promoted yet
+    promote_if_better(tracker, model_name, v1.version, score=0.5, margin=0.05, validated=True)
+    champion, match = champion_and_match(named, "any-target", lambda v: v.version in (v1.version, v2.version))
+    assert (champion.version, match.version) == (v1.version, v2.version)
+    assert champion_and_match(named, "any-target", lambda v: False) == (champion, None)

@@ -1,0 +1,50 @@
+"""The one place benchmark results are written: ``bench/results/<name>.{json,md}`` (+ plots).
+
+Every bench script writes its numbers as JSON (``--render-only`` re-renders the tables
+from it without measuring again) and the same tables as Markdown (what README tables
+quote), atomically through ``peagle.fileio``. ``PEAGLE_BENCH_RESULTS`` moves the folder
+(the smoke tests write into a temporary one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from peagle.fileio import write_json_atomic, write_text_atomic
+
+RESULTS_DIR = Path(os.environ.get("PEAGLE_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
+
+
+def load_average() -> list[float]:
+    """1/5/15-minute load: the cores are shared, so every result records how busy they were."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def result_path(name: str, suffix: str, out_dir: Path | None = None) -> Path:
+    """``<results>/<name><suffix>``, e.g. ``result_path("online_eval", ".png")``."""
+    return Path(out_dir or RESULTS_DIR) / f"{name}{suffix}"
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table (right-aligned columns) from already formatted cells."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---:|" * len(columns)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:
+    """Write ``<name>.json`` (``payload``) and ``<name>.md`` (``markdown``); return both paths."""
+    json_path, md_path = result_path(name, ".json", out_dir), result_path(name, ".md", out_dir)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(json_path, payload, indent=2, default=str)
+    write_text_atomic(md_path, markdown)
+    return json_path, md_path
+
+
+def load_results(name: str, out_dir: Path | None = None) -> dict:
+    """A previous run's saved numbers."""
+    path = result_path(name, ".json", out_dir)
+    if not path.exists():
+        raise SystemExit(f"{path}: no saved results to render; run the benchmark without --render-only first")
+    return json.loads(path.read_text())
