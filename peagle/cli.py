@@ -95,17 +95,23 @@ def export_cmd(
     config: Path = ConfigArg,
     set_: list[str] = SetOpt,
     method: str = typer.Option("peagle", help="peagle or eagle3: which trained head to export"),
-    checkpoint: Path = typer.Option(None, help="A checkpoint dir (default: the best by offline acceptance)"),
+    checkpoint: Path = typer.Option(None, help="A step dir or a latest/best pointer (default: the best by offline acceptance)"),
     vllm_check: bool = typer.Option(True, help="Also load the head in vLLM and draft before publishing"),
 ):
     """Export a checkpoint as a head directory vLLM serves; refuses a head that fails validation."""
     from peagle import pipeline as stages
+    from peagle.export.head import ExportError
     from peagle.export.validate import validate_head
+    from peagle.train.checkpoint import BEST
 
     cfg = _load(config, set_)
     target = stages.prepare_target(cfg)
-    ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / "best"
-    head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt, method=method)
+    ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / BEST
+    try:
+        head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt, method=method)
+    except ExportError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
     if vllm_check:
         validate_head(head, target.path, vllm_cfg=cfg.vllm, parallel_drafting=method == "peagle")
     console.print(f"head: {head}")

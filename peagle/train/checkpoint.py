@@ -196,6 +196,29 @@ def _pointer(root: Path, name: str) -> Path | None:
     return target if target.is_dir() else None
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory as given; a ``latest``/``best`` pointer file -> the step it names.
+
+    The one reader of pointers for callers handed a path (``peagle export --checkpoint``),
+    so a pointer is never mistaken for a directory name.
+    """
+    path = Path(path)
+    if path.name in (LATEST, BEST) and not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: no {path.name!r} checkpoint yet (the trainer writes it); train first "
+                "(peagle train) or pass a step directory (--checkpoint .../step-NNNNNN)"
+            )
+        step = _pointer(path.parent, path.name)
+        if step is None:
+            raise FileNotFoundError(
+                f"{path} names {json.loads(path.read_text())['checkpoint']!r}, which is not in {path.parent}; "
+                "retrain or pass an existing step directory"
+            )
+        return step.resolve()
+    return path.resolve()
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint (what a resume continues from)."""
     return _pointer(root, LATEST)
