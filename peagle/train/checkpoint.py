@@ -188,6 +188,11 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def write_pointer(root: Path, name: str, checkpoint: str, **fields) -> None:
+    """Point ``<root>/<name>`` (``latest`` or ``best``) at step directory ``checkpoint``, atomically."""
+    _write_text_atomic(Path(root) / name, json.dumps({"checkpoint": checkpoint, **fields}))
+
+
 def _pointer(root: Path, name: str) -> Path | None:
     path = Path(root) / name
     if not path.is_file():
@@ -319,7 +324,7 @@ def save_checkpoint(
     if rank == 0:
         _fsync_tree(tmp)
         _publish(tmp, final)
-        _write_text_atomic(root / LATEST, json.dumps({"checkpoint": name, "step": state.step}))
+        write_pointer(root, LATEST, name, step=state.step)
         _update_best(root, name, state.acceptance)
         prune_checkpoints(root, keep_last)
     _barrier()
@@ -345,7 +350,7 @@ def _update_best(root: Path, name: str, acceptance: float | None) -> None:
         return
     current = best_acceptance(root)
     if current is None or acceptance > current:
-        _write_text_atomic(root / BEST, json.dumps({"checkpoint": name, "acceptance": acceptance}))
+        write_pointer(root, BEST, name, acceptance=acceptance)
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
