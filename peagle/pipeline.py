@@ -192,7 +192,6 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
         "TTT steps": str(cfg.train.eagle3_ttt_steps)}
     return ModelCardInfo(
         name=f"peagle-{cfg.name}" + ("" if peagle else "-eagle3"),
-        target_ref=cfg.target.model if not cfg.target.is_embedded else target.path,
         data_lineage={
             "prompts": ", ".join(s.path for s in cfg.data.sources),
             "samples (train/eval)": f"{data.num_train}/{data.num_eval}",
@@ -205,7 +204,7 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
             **depth,
             "epochs": str(cfg.train.epochs),
             "drafter layers": str(target.spec.num_layers),
-            "offline acceptance (held-out)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
+            "offline acceptance (simulated on held-out states; vLLM's is below)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },
         acceptance=online.acceptance_by_k(label),
         baseline_label="EAGLE-3" if peagle else "P-EAGLE",
@@ -222,7 +221,7 @@ def write_card(head_dir: Path, card, data) -> None:
     spec = HeadSpec.load(Path(data.spec_path))  # carries the draft vocabulary size
     path = Path(head_dir) / "README.md"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(render_model_card(card, spec, str(head_dir)))
+    tmp.write_text(render_model_card(card, spec))
     tmp.replace(path)
 
 

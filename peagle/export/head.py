@@ -218,7 +218,7 @@ def export_head(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(head_config(spec, float_dtype), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "peagle_format": str(FORMAT_VERSION)})
-        (tmp / CARD_FILE).write_text(render_model_card(card, spec, str(out_dir)))
+        (tmp / CARD_FILE).write_text(render_model_card(card, spec))
         validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg,
                         parallel_drafting=parallel_drafting)
         _publish(tmp, out_dir, overwrite)
