@@ -244,14 +244,14 @@ def promotion_score(cfg: PipelineConfig, online, label: str = PEAGLE_LABEL) -> f
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
     """Register the head as a model version (alias challenger); promote it only if it wins."""
     from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import promote_if_better, register_head
+    from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
 
     name = registered_model_name(cfg.tracking, cfg.target.model)
     score = promotion_score(cfg, online)
     acceptance = online.acceptance_by_k(PEAGLE_LABEL)
     version = register_head(
         tracker, tracker.run_id, head_dir, name,
-        tags={"target": cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
+        tags={TAG_TARGET: cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
               "method": "p-eagle", "config": cfg.name},
         metrics={"score": score, **{f"acceptance_length_k{k}": v for k, v in acceptance.items()}},
     )

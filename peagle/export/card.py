@@ -70,6 +70,9 @@ class ServeLine:
     k: int
     parallel_drafting: bool
 
+    def command(self) -> str:
+        return serve_command(self.target_ref, self.head_ref, self.k, self.parallel_drafting)
+
 
 def read_serve_line(card_text: str) -> ServeLine | None:
     """The card's ``vllm serve`` line (as ``serve_command`` writes it), or None when it has none."""
