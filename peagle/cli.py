@@ -157,7 +157,7 @@ def pull_cmd(
     out_dir: Path = typer.Argument(..., help="Where the head goes (must be empty or absent)"),
     target: str = typer.Option(None, help="The target's hub id or local path for the card's serve line "
                                           "(default: the hub id recorded with the version)"),
-    tracking_uri: str = typer.Option(None, help="MLflow tracking server (default: MLFLOW_TRACKING_URI)"),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking server (default: MLFLOW_TRACKING_URI, else the local store)"),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR"),
 ):
     """Download a registered head, verified against its registered file hashes, ready to serve."""
@@ -169,10 +169,10 @@ def pull_cmd(
     try:
         pulled = pull_head(client, model_uri, out_dir, target=target, overwrite=overwrite)
     except (ValueError, LookupError, FileExistsError) as err:
-        console.print(f"[red]{err}[/red]")
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
-    console.print(f"pulled {pulled.name} version {pulled.version} into {pulled.path}")
-    console.print(f"serve it: peagle serve {pulled.path}")
+    console.print(f"pulled {pulled.name} version {pulled.version} into {pulled.path}", soft_wrap=True)
+    console.print(f"serve it: peagle serve {pulled.path}", soft_wrap=True)
     if pulled.serve_line:
         console.print(f"or:       {pulled.serve_line}", soft_wrap=True)
 
@@ -192,7 +192,7 @@ def serve_cmd(
     try:
         serving = plan_serving(head_dir, target=target, k=k)
     except ValueError as err:
-        console.print(f"[red]{err}[/red]")
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     server = VllmServer(api_server_argv(serving, host=host, port=port, extra_args=ctx.args), host=host, port=port)
     mode = "in parallel (P-EAGLE)" if serving.parallel_drafting else "one token per pass (EAGLE-3)"

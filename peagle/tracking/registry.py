@@ -349,7 +349,7 @@ def pull_head(client: MlflowClient | Tracker, uri: str, dst: str | Path, *, targ
 
     def localize(local: Path) -> None:
         card = local / CARD_FILE
-        if card.is_file():
+        if card.is_file() and read_serve_line(card.read_text()):  # a card without one stays as written
             card.write_text(localize_card(card.read_text(), target_ref=target_ref, head_ref=str(dst)))
 
     path = download_version(client, version, dst, overwrite=overwrite, finish=localize)

@@ -28,7 +28,7 @@ from peagle.tracking.mlflow_run import Tracker
 from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
 
 pytestmark = pytest.mark.slow
-K = 3
+K = 5  # what the exported card advertises (no acceptance measured: the paper's serving K)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -40,7 +40,7 @@ def champion(mlflow_server, tmp_path_factory):
     tracking = TrackingConfig(tracking_uri=mlflow_server, registered_model="peagle-golden")
     with Tracker(tracking, str(target), run_name="consumer") as tracker:
         name = tracker.registered_model_name
-        version = register_head(tracker, tracker.run_id, head, name, tags={TAG_TARGET: str(target), "K": str(K)},
+        version = register_head(tracker, tracker.run_id, head, name, tags={TAG_TARGET: str(target)},
                                 metrics={"score": K + 1.0})
         assert promote_if_better(tracker, name, version.version, K + 1.0, 0.0, validated=True).promoted
     return name, target
@@ -101,12 +101,12 @@ def test_pull_the_champion_and_serve_it_with_vllm(champion, mlflow_server, tmp_p
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
     assert f"peagle serve {head_dir}" in pulled.stdout
     line = read_serve_line((head_dir / "README.md").read_text())
-    assert (line.target_ref, line.head_ref, line.parallel_drafting) == (str(target), str(head_dir), True)
+    assert (line.target_ref, line.head_ref, line.k, line.parallel_drafting) == (str(target), str(head_dir), K, True)
 
     log = tmp_path / "serve.log"
     url = f"http://127.0.0.1:{free_port}"
     with open(log, "wb") as out:
-        server = peagle("serve", str(head_dir), "-K", str(K), "--port", str(free_port), "--",
+        server = peagle("serve", str(head_dir), "--port", str(free_port), "--",
                         "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager",
                         env=env, background=True, stdout=out, stderr=subprocess.STDOUT)
     try:
