@@ -92,17 +92,23 @@ def export_cmd(
     config: Path = ConfigArg,
     set_: list[str] = SetOpt,
     method: str = typer.Option("peagle", help="peagle or eagle3: which trained head to export"),
-    checkpoint: Path = typer.Option(None, help="A checkpoint dir (default: the best by offline acceptance)"),
+    checkpoint: Path = typer.Option(None, help="A step dir or a latest/best pointer (default: the best by offline acceptance)"),
     vllm_check: bool = typer.Option(True, help="Also load the head in vLLM and draft before publishing"),
 ):
     """Export a checkpoint as a head directory vLLM serves; refuses a head that fails validation."""
     from peagle import pipeline as stages
+    from peagle.export.head import ExportError
     from peagle.export.validate import validate_head
+    from peagle.train.checkpoint import BEST
 
     cfg = _load(config, set_)
     target = stages.prepare_target(cfg)
-    ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / "best"
-    head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt, method=method)
+    ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / BEST
+    try:
+        head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt, method=method)
+    except ExportError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
     if vllm_check:
         validate_head(head, target.path, vllm_cfg=cfg.vllm, parallel_drafting=method == "peagle")
     console.print(f"head: {head}")
@@ -139,6 +145,61 @@ def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     result = pipeline_flow(config_path=str(config), overrides=parse_overrides(set_))
     print_summary(result)
     del cfg
+
+
+@app.command("pull")
+def pull_cmd(
+    model_uri: str = typer.Argument(..., help="models:/<name>@<alias> (e.g. @champion) or models:/<name>/<version>"),
+    out_dir: Path = typer.Argument(..., help="Where the head goes (must be empty or absent)"),
+    target: str = typer.Option(None, help="The target's hub id or local path for the card's serve line "
+                                          "(default: the hub id recorded with the version)"),
+    tracking_uri: str = typer.Option(None, help="MLflow tracking server (default: MLFLOW_TRACKING_URI, else the local store)"),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR"),
+):
+    """Download a registered head, verified against its registered file hashes, ready to serve."""
+    from peagle.config import TrackingConfig
+    from peagle.tracking.mlflow_run import make_client, resolve_tracking_uri
+    from peagle.tracking.registry import pull_head
+
+    client = make_client(resolve_tracking_uri(TrackingConfig(tracking_uri=tracking_uri)))
+    try:
+        pulled = pull_head(client, model_uri, out_dir, target=target, overwrite=overwrite)
+    except (ValueError, LookupError, FileExistsError) as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    console.print(f"pulled {pulled.name} version {pulled.version} into {pulled.path}", soft_wrap=True)
+    console.print(f"serve it: peagle serve {pulled.path}", soft_wrap=True)
+    if pulled.serve_line:
+        console.print(f"or:       {pulled.serve_line}", soft_wrap=True)
+
+
+@app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve_cmd(
+    ctx: typer.Context,
+    head_dir: Path = typer.Argument(..., help="A head directory (e.g. from `peagle pull`)"),
+    target: str = typer.Option(None, help="The target's hub id or local path (default: the head card's)"),
+    k: int = typer.Option(None, "-K", "--num-speculative-tokens", help="Draft tokens per step (default: the card's)"),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
+    port: int = typer.Option(8000, help="Port of the OpenAI-compatible API"),
+):
+    """Start `vllm serve` for the target with this head drafting; arguments after `--` go to vLLM."""
+    from peagle.serving.server import ServerStartError, VllmServer, api_server_argv, plan_serving
+
+    try:
+        serving = plan_serving(head_dir, target=target, k=k)
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    server = VllmServer(api_server_argv(serving, host=host, port=port, extra_args=ctx.args), host=host, port=port)
+    mode = "in parallel (P-EAGLE)" if serving.parallel_drafting else "one token per pass (EAGLE-3)"
+    console.print(f"vllm serve {serving.target}: {serving.head_dir} drafts K={serving.k} {mode}", soft_wrap=True)
+    try:
+        status = server.run(lambda: console.print(f"ready: {server.url}/v1 (OpenAI API), metrics at "
+                                                  f"{server.url}/metrics", soft_wrap=True))
+    except ServerStartError as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(status)
 
 
 @app.command("deploy")

@@ -186,7 +186,6 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
         "TTT steps": str(cfg.train.eagle3_ttt_steps)}
     return ModelCardInfo(
         name=f"peagle-{cfg.name}" + ("" if peagle else "-eagle3"),
-        target_ref=cfg.target.model if not cfg.target.is_embedded else target.path,
         data_lineage={
             "prompts": ", ".join(s.path for s in cfg.data.sources),
             "samples (train/eval)": f"{data.num_train}/{data.num_eval}",
@@ -199,7 +198,7 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
             **depth,
             "epochs": str(cfg.train.epochs),
             "drafter layers": str(target.spec.num_layers),
-            "offline acceptance (held-out)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
+            "offline acceptance (simulated on held-out states; vLLM's is below)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },
         acceptance=online.acceptance_by_k(label),
         baseline_label="EAGLE-3" if peagle else "P-EAGLE",
@@ -216,7 +215,7 @@ def write_card(head_dir: Path, card, data) -> None:
     spec = HeadSpec.load(Path(data.spec_path))  # carries the draft vocabulary size
     path = Path(head_dir) / "README.md"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(render_model_card(card, spec, str(head_dir)))
+    tmp.write_text(render_model_card(card, spec))
     tmp.replace(path)
 
 
@@ -239,14 +238,14 @@ def promotion_score(cfg: PipelineConfig, online, label: str = PEAGLE_LABEL) -> f
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
     """Register the head as a model version (alias challenger); promote it only if it wins."""
     from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import promote_if_better, register_head
+    from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
 
     name = registered_model_name(cfg.tracking, cfg.target.model)
     score = promotion_score(cfg, online)
     acceptance = online.acceptance_by_k(PEAGLE_LABEL)
     version = register_head(
         tracker, tracker.run_id, head_dir, name,
-        tags={"target": cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
+        tags={TAG_TARGET: cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
               "method": "p-eagle", "config": cfg.name},
         metrics={"score": score, **{f"acceptance_length_k{k}": v for k, v in acceptance.items()}},
     )

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from peagle.config import EMBEDDED_TARGET
 from peagle.export.contract import draft_vocab_size, speculative_config
 from peagle.facts import HeadSpec
+
+# What the exported card names until `peagle pull` writes the puller's own paths: a path
+# of the training machine would be wrong everywhere else.
+HEAD_PLACEHOLDER = "<head-dir>"
+TARGET_PLACEHOLDER = "<target>"
+PLACEHOLDER_NOTE = (
+    f"`{HEAD_PLACEHOLDER}` is this directory and `{TARGET_PLACEHOLDER}` the target model (hub id or local "
+    "path): `peagle pull MODEL_URI DIR --target TARGET` writes them in for you."
+)
 
 
 @dataclass
@@ -14,8 +29,9 @@ class ModelCardInfo:
     """What the exporter cannot know from the weights: names, lineage and measured acceptance.
 
     ``target_ref`` is what users pass to ``vllm serve`` (a hub id or a path; default
-    ``spec.target``); ``head_ref`` is what goes under ``"model"`` in the speculative config
-    (a hub id; default the exported directory). ``acceptance`` maps K to the acceptance
+    ``spec.target`` when it is a hub id, else a placeholder); ``head_ref`` is what goes under
+    ``"model"`` in the speculative config (default a placeholder: the card travels with the
+    head, so no path of the exporting machine belongs in it). ``acceptance`` maps K to the acceptance
     length measured online in vLLM, ``baseline_acceptance`` the same for a comparison head
     (e.g. EAGLE-3 trained on the same data).
     """
@@ -42,7 +58,81 @@ class ModelCardInfo:
 def serve_command(target_ref: str, head_ref: str, k: int, parallel_drafting: bool = True) -> str:
     """The one line a user runs: ``vllm serve <target> --speculative-config '<json>'``."""
     spec = speculative_config(head_ref, k, parallel_drafting=parallel_drafting)
-    return f"vllm serve {target_ref} --speculative-config '{json.dumps(spec)}'"
+    return f"vllm serve {shlex.quote(target_ref)} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+@dataclass(frozen=True)
+class ServeLine:
+    """The serve line of a card, read back: what ``peagle serve`` and ``peagle pull`` need."""
+
+    target_ref: str
+    head_ref: str
+    k: int
+    parallel_drafting: bool
+
+    def command(self) -> str:
+        return serve_command(self.target_ref, self.head_ref, self.k, self.parallel_drafting)
+
+
+def read_serve_line(card_text: str) -> ServeLine | None:
+    """The card's ``vllm serve`` line (as ``serve_command`` writes it), or None when it has none."""
+    for line in card_text.splitlines():
+        if line.startswith("vllm serve "):
+            return _parse_serve_line(line)
+    return None
+
+
+def _parse_serve_line(line: str) -> ServeLine:
+    words = shlex.split(line)
+    try:
+        spec = json.loads(words[words.index("--speculative-config") + 1])
+        return ServeLine(words[2], spec["model"], int(spec["num_speculative_tokens"]),
+                         bool(spec.get("parallel_drafting", False)))
+    except (ValueError, IndexError, KeyError, TypeError) as err:
+        raise ValueError(f"the card's serve line {line!r} is not what peagle writes ({err}); re-export the head") from None
+
+
+def localize_card(card_text: str, *, target_ref: str, head_ref: str) -> str:
+    """The card with its serve line naming ``target_ref`` and ``head_ref`` (where the head now is).
+
+    K and parallel drafting stay as exported. ``base_model`` is filled in from a hub id
+    when the exported card had none (a head trained for a local or embedded target).
+    """
+    lines = card_text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("vllm serve "):
+            old = _parse_serve_line(line)
+            lines[i] = serve_command(target_ref, head_ref, old.k, old.parallel_drafting)
+            break
+    else:
+        raise ValueError("the card has no `vllm serve` line to rewrite; re-export the head")
+    lines = [line for line in lines if line != PLACEHOLDER_NOTE]
+    base = hub_id(target_ref)
+    if base and lines and lines[0] == "---" and not any(line.startswith("base_model:") for line in lines[: lines.index("---", 1)]):
+        lines.insert(1, f"base_model: {base}")
+    return "\n".join(lines) + ("\n" if card_text.endswith("\n") else "")
+
+
+def hub_id(ref: str | None) -> str | None:
+    """``ref`` when it names a hub repository (``org/name``); None for a path, ``embedded`` or nothing."""
+    if not ref or ref == EMBEDDED_TARGET or ref.startswith(("/", ".", "~")) or ref.count("/") > 1:
+        return None
+    if Path(ref).expanduser().exists():
+        return None
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        return None
+    return ref
+
+
+def describe_target(target: str) -> str:
+    """How the card names the target in prose: its hub id, or what it is when it has none."""
+    if hub_id(target):
+        return target
+    if target == EMBEDDED_TARGET:
+        return "the embedded code LM (`peagle target build`)"
+    return f"the local model `{Path(target).name}`"
 
 
 def recommended_k(info: ModelCardInfo) -> int:
@@ -54,8 +144,9 @@ def recommended_k(info: ModelCardInfo) -> int:
     return 5
 
 
-def _front_matter(info: ModelCardInfo, target_ref: str) -> str:
-    lines = ["---", f"license: {info.license}", f"base_model: {target_ref}", "library_name: vllm", "tags:"]
+def _front_matter(info: ModelCardInfo, base_model: str | None) -> str:
+    lines = ["---", f"license: {info.license}", *([f"base_model: {base_model}"] if base_model else []),
+             "library_name: vllm", "tags:"]
     tags = ("speculative-decoding", "eagle3") + (("p-eagle", "parallel-drafting") if info.parallel_drafting else ())
     lines += [f"  - {t}" for t in tags]
     return "\n".join([*lines, "---"])
@@ -70,7 +161,7 @@ def _key_values(title: str, values: dict[str, str]) -> list[str]:
 def _acceptance_table(info: ModelCardInfo) -> list[str]:
     lines = ["## Acceptance length", ""]
     if not info.acceptance:
-        return [*lines, "Not measured yet (run `peagle eval` and re-export).", ""]
+        return [*lines, "Not measured yet (`peagle evaluate CONFIG` measures it in vLLM).", ""]
     ks = sorted(set(info.acceptance) | set(info.baseline_acceptance))
     with_base = bool(info.baseline_acceptance)
     header = f"| K | {info.method} |" + (f" {info.baseline_label} |" if with_base else "")
@@ -88,14 +179,15 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str) -> str:
+def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str = HEAD_PLACEHOLDER) -> str:
     """README.md text for the head; every number comes from ``info`` or ``spec``."""
-    target_ref = info.target_ref or spec.target
+    target_ref = info.target_ref or hub_id(spec.target) or TARGET_PLACEHOLDER
     head_ref = info.head_ref or default_head_ref
     k = recommended_k(info)
-    title = info.name or f"{info.method} head for {target_ref}"
+    target_name = hub_id(info.target_ref) or describe_target(spec.target)
+    title = info.name or f"{info.method} head for {target_name}"
     architecture = {
-        "target": f"{target_ref}" + (f" (revision {spec.target_revision})" if spec.target_revision else ""),
+        "target": target_name + (f" (revision {spec.target_revision})" if spec.target_revision else ""),
         "drafter": f"{spec.num_layers} Llama decoder layers, hidden {spec.hidden_size}, "
         f"{spec.num_heads} heads ({spec.num_kv_heads} KV), intermediate {spec.intermediate_size}",
         "target features": f"aux layers {sorted(spec.aux_layer_ids)} of {spec.target_num_layers} "
@@ -104,7 +196,7 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
         "mask token id": str(spec.mask_token_id),
     }
     lines = [
-        _front_matter(info, target_ref),
+        _front_matter(info, hub_id(info.target_ref) or hub_id(spec.target)),
         "",
         f"# {title}",
         "",
@@ -119,6 +211,7 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
         serve_command(target_ref, head_ref, k, info.parallel_drafting),
         "```",
         "",
+        *([PLACEHOLDER_NOTE, ""] if TARGET_PLACEHOLDER == target_ref or HEAD_PLACEHOLDER == head_ref else []),
         "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially)." if info.parallel_drafting else
         "No mask_hidden is shipped: parallel drafting is not available for this head.",
         "",

@@ -218,7 +218,7 @@ def export_head(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(head_config(spec, float_dtype), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "peagle_format": str(FORMAT_VERSION)})
-        (tmp / CARD_FILE).write_text(render_model_card(card, spec, str(out_dir)))
+        (tmp / CARD_FILE).write_text(render_model_card(card, spec))
         validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg,
                         parallel_drafting=parallel_drafting)
         _publish(tmp, out_dir, overwrite)
@@ -240,14 +240,6 @@ def validate_export(
     return validate_head(tmp, target, load_in_vllm=False, parallel_drafting=parallel_drafting)
 
 
-def _resolve_checkpoint(checkpoint_dir: Path) -> Path:
-    """Accept a step directory or a ``latest``/``best`` pointer (symlink or a file naming the step)."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if checkpoint_dir.is_file():
-        checkpoint_dir = checkpoint_dir.parent / checkpoint_dir.read_text().strip()
-    return checkpoint_dir.resolve()
-
-
 def export_from_checkpoint(
     checkpoint_dir: str | Path,
     data_dir: str | Path,
@@ -257,9 +249,15 @@ def export_from_checkpoint(
 ) -> Path:
     """Export ``<checkpoint>/drafter.safetensors`` with its ``head_spec.json`` and the data dir's vocabulary.
 
+    ``checkpoint_dir`` is a step directory or the trainer's ``latest``/``best`` pointer.
     Keyword arguments go to ``export_head`` (dtype, target_path, load_in_vllm, ...).
     """
-    ckpt = _resolve_checkpoint(Path(checkpoint_dir))
+    from peagle.train.checkpoint import resolve_checkpoint
+
+    try:
+        ckpt = resolve_checkpoint(checkpoint_dir)
+    except FileNotFoundError as err:
+        raise ExportError(str(err)) from None
     data_dir = Path(data_dir)
     for path, fix in (
         (ckpt / DRAFTER_FILE, "pass a checkpoint step directory written by the trainer"),

@@ -188,12 +188,40 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def write_pointer(root: Path, name: str, checkpoint: str, **fields) -> None:
+    """Point ``<root>/<name>`` (``latest`` or ``best``) at step directory ``checkpoint``, atomically."""
+    _write_text_atomic(Path(root) / name, json.dumps({"checkpoint": checkpoint, **fields}))
+
+
 def _pointer(root: Path, name: str) -> Path | None:
     path = Path(root) / name
     if not path.is_file():
         return None
     target = Path(root) / json.loads(path.read_text())["checkpoint"]
     return target if target.is_dir() else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory as given; a ``latest``/``best`` pointer file -> the step it names.
+
+    The one reader of pointers for callers handed a path (``peagle export --checkpoint``),
+    so a pointer is never mistaken for a directory name.
+    """
+    path = Path(path)
+    if path.name in (LATEST, BEST) and not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: no {path.name!r} checkpoint yet (the trainer writes it); train first "
+                "(peagle train) or pass a step directory (--checkpoint .../step-NNNNNN)"
+            )
+        step = _pointer(path.parent, path.name)
+        if step is None:
+            raise FileNotFoundError(
+                f"{path} names {json.loads(path.read_text())['checkpoint']!r}, which is not in {path.parent}; "
+                "retrain or pass an existing step directory"
+            )
+        return step.resolve()
+    return path.resolve()
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -296,7 +324,7 @@ def save_checkpoint(
     if rank == 0:
         _fsync_tree(tmp)
         _publish(tmp, final)
-        _write_text_atomic(root / LATEST, json.dumps({"checkpoint": name, "step": state.step}))
+        write_pointer(root, LATEST, name, step=state.step)
         _update_best(root, name, state.acceptance)
         prune_checkpoints(root, keep_last)
     _barrier()
@@ -322,7 +350,7 @@ def _update_best(root: Path, name: str, acceptance: float | None) -> None:
         return
     current = best_acceptance(root)
     if current is None or acceptance > current:
-        _write_text_atomic(root / BEST, json.dumps({"checkpoint": name, "acceptance": acceptance}))
+        write_pointer(root, BEST, name, acceptance=acceptance)
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:

@@ -17,6 +17,7 @@ from peagle.export import (
 )
 from peagle.export.contract import expected_tensors
 from peagle.facts import HeadSpec
+from peagle.train.checkpoint import BEST, LATEST, write_pointer
 
 
 def read_config(head):
@@ -140,10 +141,20 @@ def test_eagle3_head_ships_no_mask_hidden_and_says_to_draft_sequentially(tmp_pat
     assert not static_check(head, target, parallel_drafting=True).ok  # refused for parallel drafting
 
 
-def test_card_defaults_to_the_exported_directory(head):
+def test_card_names_no_path_of_the_exporting_machine(head, tiny_target):
+    """The card travels with the head: placeholders that `peagle pull` fills, not local paths."""
+    from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, localize_card, read_serve_line
+
     text = (head / "README.md").read_text()
-    assert f'"model": "{head}"' in text
+    assert str(head) not in text and str(tiny_target) not in text
+    assert "base_model:" not in text  # a local target has no hub id
+    line = read_serve_line(text)
+    assert (line.target_ref, line.head_ref, line.k, line.parallel_drafting) == (TARGET_PLACEHOLDER, HEAD_PLACEHOLDER, 5, True)
     assert "Not measured yet" in text
+
+    pulled = localize_card(text, target_ref="org/tiny-target", head_ref="/srv/heads/it's here")
+    assert read_serve_line(pulled) == type(line)("org/tiny-target", "/srv/heads/it's here", 5, True)
+    assert "base_model: org/tiny-target" in pulled and HEAD_PLACEHOLDER not in pulled
 
 
 def test_export_refuses_a_head_whose_embeddings_are_the_targets(tmp_path, state, spec, vocab, tiny_target, target_embed):
@@ -183,7 +194,7 @@ def write_checkpoint(root, state, spec, vocab):
     spec.save(ckpt / "head_spec.json")
     spec.save(data / "head_spec.json")
     save_file(dict(vocab), str(data / "vocab.safetensors"))
-    (root / "checkpoints" / "latest").write_text("step-000010")
+    write_pointer(root / "checkpoints", LATEST, ckpt.name, step=10)  # as the trainer writes it
     return ckpt, data
 
 
@@ -195,6 +206,19 @@ def test_export_from_checkpoint_round_trips_the_weights(tmp_path, state, spec, v
         assert torch.equal(tensors[name].reshape(value.shape), value), name
     with safe_open(str(head / "model.safetensors"), "pt") as f:
         assert f.metadata()["peagle_format"] == "1"
+
+
+def test_export_from_checkpoint_follows_the_trainers_best_pointer(tmp_path, state, spec, vocab, tiny_target):
+    """`peagle export CONFIG` passes `<checkpoints>/best`, a JSON pointer file, not a directory."""
+    ckpt, data = write_checkpoint(tmp_path, state, spec, vocab)
+    with pytest.raises(ExportError, match="no 'best' checkpoint yet.*--checkpoint"):
+        export_from_checkpoint(ckpt.parent / BEST, data, tmp_path / "head", target_path=tiny_target)
+    write_pointer(ckpt.parent, BEST, ckpt.name, acceptance=1.5)
+    head = export_from_checkpoint(ckpt.parent / BEST, data, tmp_path / "head", target_path=tiny_target)
+    assert torch.equal(read_tensors(head)["fc.weight"], state["fc.weight"])
+    write_pointer(ckpt.parent, BEST, "step-000009", acceptance=1.5)  # pruned since
+    with pytest.raises(ExportError, match="names 'step-000009', which is not in"):
+        export_from_checkpoint(ckpt.parent / BEST, data, tmp_path / "head2", target_path=tiny_target)
 
 
 def test_export_from_checkpoint_names_missing_inputs_and_stale_data(tmp_path, state, spec, vocab):

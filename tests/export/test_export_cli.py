@@ -1,0 +1,63 @@
+"""`peagle export configs/demo.yaml` in the README's form, on a run directory laid out as
+training leaves it: the default checkpoint `best` is the trainer's JSON pointer file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from peagle.config import load_config
+from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, read_serve_line
+from peagle.export.selftest import draft_vocab_skipping_low_ids, random_head_state_dict
+from peagle.train.checkpoint import BEST, write_pointer
+
+REPO = Path(__file__).resolve().parents[2]
+DRAFT_VOCAB = 256
+
+
+def trained_run(run_dir: Path, spec) -> Path:
+    """What the data and train stages leave: the draft vocabulary and a pointed-at best step."""
+    vocab = draft_vocab_skipping_low_ids(spec.vocab_size, DRAFT_VOCAB, spec.mask_token_id)
+    (run_dir / "data").mkdir(parents=True)
+    save_file(dict(vocab), str(run_dir / "data" / "vocab.safetensors"))
+    step = run_dir / "checkpoints" / "peagle" / "step-000012"
+    step.mkdir(parents=True)
+    save_file(random_head_state_dict(spec, seed=2), str(step / "drafter.safetensors"))
+    spec.save(step / "head_spec.json")
+    write_pointer(step.parent, BEST, step.name, acceptance=1.7)
+    return step
+
+
+def test_readme_export_command_follows_the_best_pointer(embedded_target, tmp_path):
+    from peagle import pipeline as stages
+
+    cfg = load_config("configs/demo.yaml", {"workdir": str(tmp_path / "run")})
+    spec = stages.prepare_target(cfg).spec.with_draft_vocab(DRAFT_VOCAB)
+    trained_run(cfg.run_dir, spec)
+
+    done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/demo.yaml",
+                           "--set", f"workdir={tmp_path / 'run'}", "--no-vllm-check"],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    head = cfg.run_dir / "heads" / "peagle"
+    assert f"head: {head}" in "".join(done.stdout.split("\n"))
+    card = (head / "README.md").read_text()
+    assert str(tmp_path) not in card and str(embedded_target) not in card  # nothing of this machine
+    assert "base_model" not in card  # the embedded target has no hub id
+    line = read_serve_line(card)
+    assert (line.target_ref, line.head_ref, line.parallel_drafting) == (TARGET_PLACEHOLDER, HEAD_PLACEHOLDER, True)
+
+
+def test_export_without_a_best_checkpoint_says_what_to_do(embedded_target, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/demo.yaml",
+                           "--set", f"workdir={tmp_path / 'run'}", "--no-vllm-check"],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = " ".join(done.stdout.split())  # rich wraps long lines
+    assert "no 'best' checkpoint yet" in said and "peagle train" in said
