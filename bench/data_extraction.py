@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from peagle.layout import DataLayout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
 
@@ -170,7 +172,7 @@ def main() -> None:
     manifest = json.loads((data_dir / "splits" / "train" / "manifest.json").read_text())
     layer_ids = manifest["layer_ids"]
     sequences = load_sequences(data_dir)[: args.max_sequences]
-    vocab_size = json.loads((data_dir / "head_spec.json").read_text())["vocab_size"]
+    vocab_size = json.loads(DataLayout(data_dir).facts.read_text())["vocab_size"]
     warm = warmup_sequences(sequences, vocab_size)
     batch_size = cfg.data.extract_batch_size
     num_tokens = sum(len(ids) for _, ids in sequences)

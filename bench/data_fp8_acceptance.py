@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from peagle.layout import TARGET_FACTS_FILE, VOCAB_FILE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
 from train_common import (  # noqa: E402
@@ -38,7 +40,7 @@ def fp8_copy(src_data: Path, dst_data: Path) -> dict:
 
     shutil.rmtree(dst_data, ignore_errors=True)
     dst_data.mkdir(parents=True)
-    for name in ("head_spec.json", "vocab.safetensors"):
+    for name in (TARGET_FACTS_FILE, VOCAB_FILE):
         shutil.copy2(src_data / name, dst_data / name)
     err2, ref2 = None, None
     for split in SPLITS:

@@ -75,10 +75,11 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(cfg, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
             plot = stages.record_online(run, online, cfg.run_dir / "eval")
-            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline), data)
+            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline),
+                              trained.best_checkpoint)
             if baseline_dir is not None:
                 stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, baseline.offline,
-                                                                  method="eagle3"), data)
+                                                                  method="eagle3"), baseline.best_checkpoint)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(cfg, head_dir, str(cfg.run_dir / "eval" / "online_results.json"),
                                      mlflow_run_id=tracker.run_id, lineage=lineage)

@@ -26,6 +26,7 @@ from flows.common import (
 )
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
+from peagle.layout import RunLayout
 from peagle.paths import configure_environment
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
@@ -64,11 +65,10 @@ def dataset_key(cfg: PipelineConfig, target: stages.TargetInfo) -> str:
 
 def dataset_on_disk(cfg: PipelineConfig) -> bool:
     """The run's data dir holds a finished build of this config (else a cached result is stale)."""
-    data_dir = cfg.run_dir / "data"
-    build = data_dir / "build.json"
-    if not build.exists() or not (data_dir / "vocab.safetensors").exists() or not (data_dir / "head_spec.json").exists():
+    data = RunLayout(cfg.run_dir).data
+    if not data.build.exists() or not data.vocab.exists() or not data.facts.exists():
         return False
-    return json.loads(build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
+    return json.loads(data.build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
 
 
 @task(name="target", cache_policy=NO_CACHE)

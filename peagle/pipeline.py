@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
-from peagle.facts import HeadSpec, head_spec_from_target
+from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.fileio import sha256_file as file_digest
+from peagle.layout import CheckpointLayout, DataLayout, RunLayout
 from peagle.paths import configure_environment
 
 PEAGLE_LABEL = "p-eagle"
@@ -26,7 +27,7 @@ EAGLE3_LABEL = "eagle-3"
 @dataclass
 class TargetInfo:
     path: str
-    spec: HeadSpec
+    facts: TargetFacts  # before the data stage: no draft vocabulary size yet
 
 
 @dataclass
@@ -54,7 +55,9 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
 
     path = resolve_target(cfg.target)
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
-    return TargetInfo(path=path, spec=head_spec_from_target(cfg, target_config, tokenizer))
+    facts = target_facts_from_target(cfg, target_config, tokenizer)
+    drafter_shape(cfg, facts)  # a drafter/train section that cannot work fails now, not after the data stage
+    return TargetInfo(path=path, facts=facts)
 
 
 def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False):
@@ -62,7 +65,7 @@ def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = Fals
     configure_environment()
     from peagle.data.pipeline import build_dataset
 
-    return build_dataset(cfg, target.path, target.spec, progress=True, force=force)
+    return build_dataset(cfg, target.path, target.facts, progress=True, force=force)
 
 
 def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
@@ -75,7 +78,7 @@ def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
 
 
 def checkpoint_dir(cfg: PipelineConfig, method: str) -> Path:
-    return cfg.run_dir / "checkpoints" / method
+    return RunLayout(cfg.run_dir).checkpoints(method)
 
 
 
@@ -98,7 +101,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
         print(f"train.init_from: {name!r} has no champion yet; training from the target's weights")
         head = None
     else:
-        head = cfg.run_dir / "warm_start" / f"v{champion.version}"
+        head = RunLayout(cfg.run_dir).warm_start(champion.version)
         if not (head / "model.safetensors").exists():
             download_champion(client, name, head, overwrite=True)
         head = str(head)
@@ -124,20 +127,36 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
 
 def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *, method: str = "peagle"):
-    """Simulated acceptance per K of a checkpoint on the held-out hidden states."""
+    """Simulated acceptance per K of a checkpoint on the held-out hidden states.
+
+    The drafter's shape, method and k_train are the checkpoint's (its head_spec.json).
+    """
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
     from peagle.eval.offline import evaluate_offline as run_offline
     from peagle.model import PEagleDrafter
 
-    data_dir = Path(data_dir)
-    spec = HeadSpec.load(data_dir / "head_spec.json")
-    vocab = DraftVocab.load(data_dir / "vocab.safetensors")
-    drafter = PEagleDrafter.load(Path(checkpoint) / "drafter.safetensors", spec).eval()
-    ks = [k for k in cfg.eval.ks if method != "peagle" or k <= cfg.train.k_train]
-    reader = ShardReader(data_dir / "splits" / "eval")
+    data = DataLayout(data_dir)
+    drafter = PEagleDrafter.from_checkpoint(checkpoint).eval()
+    spec = drafter.spec
+    check_trained_on(spec, data, checkpoint)
+    vocab = DraftVocab.load(data.vocab)
+    k_train = spec.k_train or cfg.train.k_train  # a checkpoint of an older peagle does not record it
+    ks = [k for k in cfg.eval.ks if method != "peagle" or k <= k_train]
+    reader = ShardReader(data.eval)
     return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method,
-                       k_train=cfg.train.k_train if method == "peagle" else None)
+                       k_train=k_train if method == "peagle" else None)
+
+
+def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
+    """Refuse a checkpoint trained on another dataset's target, layers or draft vocabulary."""
+    from peagle.facts import load_dataset_facts
+
+    if not spec.same_target_as(load_dataset_facts(data)):
+        raise ValueError(
+            f"{checkpoint} was trained on another dataset than {data.root} (target, layers or draft "
+            "vocabulary differ); pass the data dir it was trained on"
+        )
 
 
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
@@ -146,7 +165,7 @@ def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpo
     configure_environment()
     from peagle.export.head import export_from_checkpoint
 
-    out_dir = cfg.run_dir / "heads" / method
+    out_dir = RunLayout(cfg.run_dir).head(method)
     return export_from_checkpoint(Path(checkpoint), Path(data_dir), out_dir, card, target_path=target.path,
                                   overwrite=True, parallel_drafting=method == "peagle")
 
@@ -204,7 +223,6 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
             "method": "P-EAGLE" if peagle else "EAGLE-3 (training-time test)",
             **depth,
             "epochs": str(cfg.train.epochs),
-            "drafter layers": str(target.spec.num_layers),
             "offline acceptance (held-out)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },
         acceptance=online.acceptance_by_k(label),
@@ -215,11 +233,14 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
     )
 
 
-def write_card(head_dir: Path, card, data) -> None:
-    """Rewrite the head's README.md once online acceptance is known (atomic)."""
+def write_card(head_dir: Path, card, checkpoint: Path) -> None:
+    """Rewrite the head's README.md once online acceptance is known (atomic).
+
+    The architecture it states is the checkpoint's the head was exported from.
+    """
     from peagle.export.card import render_model_card
 
-    spec = HeadSpec.load(Path(data.spec_path))  # carries the draft vocabulary size
+    spec = HeadSpec.load(CheckpointLayout(checkpoint).head_spec)
     path = Path(head_dir) / "README.md"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(render_model_card(card, spec, str(head_dir)))
