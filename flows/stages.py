@@ -136,7 +136,7 @@ def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overri
     cfg = stages.resolve_init_from(resolve_config(config, overrides))  # before the key: it names the champion
     target = target or target_task(cfg)
     method = method or cfg.train.method
-    data_dir = str(data_dir or cfg.run_dir / "data")
+    data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
     ckpt_dir = stages.checkpoint_dir(cfg, method)
     refresh = not path_exists(ckpt_dir / "best")
     key = training_key(cfg, Path(data_dir), method)
@@ -177,9 +177,10 @@ def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, ove
     """
     cfg = resolve_config(config, overrides)
     target = target or target_task(cfg)
-    heads = {stages.PEAGLE_LABEL: str(head_dir or cfg.run_dir / "heads" / "peagle")}
+    run = RunLayout(cfg.run_dir)
+    heads = {stages.PEAGLE_LABEL: str(head_dir or run.head("peagle"))}
     if baseline_dir is None and cfg.train.eagle3_baseline:
-        baseline_dir = str(cfg.run_dir / "heads" / "eagle3")
+        baseline_dir = str(run.head("eagle3"))
     if baseline_dir is not None:
         heads[stages.EAGLE3_LABEL] = baseline_dir
     for label, directory in heads.items():

@@ -6,7 +6,8 @@
       data/                             DataLayout: the dataset (docs/design.md, "Dataset")
         build.json  samples.jsonl  target_facts.json  vocab.safetensors  work/
         splits/<train|eval>/manifest.json, shard-NNNNN.safetensors
-      checkpoints/<method>/step-NNNNNN/ drafter.safetensors, head_spec.json, trainer_state.json
+      checkpoints/<method>/             launch_config.json, metrics.jsonl, train_result.json, latest, best
+        step-NNNNNN/                    drafter.safetensors, head_spec.json, trainer_state.json
       heads/<method>/                   the exported head (config.json, model.safetensors, README.md)
       eval/                             online_results.json, online_acceptance.png
       warm_start/v<N>/                  a downloaded registry champion (train.init_from: champion)
@@ -32,6 +33,10 @@ TRAIN_SPLIT, EVAL_SPLIT = SPLITS
 DRAFTER_FILE = "drafter.safetensors"
 HEAD_SPEC_FILE = "head_spec.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+# Beside the step directories of a method's checkpoint root (peagle.train.launch / trainer).
+LAUNCH_CONFIG_FILE = "launch_config.json"
+METRICS_FILE = "metrics.jsonl"
+TRAIN_RESULT_FILE = "train_result.json"
 
 # Online evaluation outputs.
 ONLINE_RESULTS_FILE = "online_results.json"

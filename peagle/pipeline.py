@@ -17,7 +17,7 @@ from pathlib import Path
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.fileio import sha256_file as file_digest
-from peagle.layout import CheckpointLayout, DataLayout, RunLayout
+from peagle.layout import ONLINE_PLOT_FILE, ONLINE_RESULTS_FILE, SPLITS, CheckpointLayout, DataLayout, RunLayout
 from peagle.paths import configure_environment
 
 PEAGLE_LABEL = "p-eagle"
@@ -288,8 +288,8 @@ def record_dataset(tracker, run, data) -> None:
     """Dataset sizes on the stage run; manifest hashes (lineage) on the pipeline run."""
     run.log_metrics({"num_train": data.num_train, "num_eval": data.num_eval, "num_tokens": data.num_tokens,
                      "num_failed": data.num_failed, "bytes_on_disk": data.bytes_on_disk})
-    for split in ("train", "eval"):
-        manifest = Path(data.data_dir) / "splits" / split / "manifest.json"
+    for split in SPLITS:
+        manifest = DataLayout(data.data_dir).manifest(split)
         if manifest.exists():
             tracker.set_data_manifest(manifest, split=split)
 
@@ -314,8 +314,8 @@ def record_online(run, online, out_dir: Path) -> Path:
         tag = "baseline" if r.k == 0 else f"{r.method}_k{r.k}"
         run.log_metrics({f"{tag}_c{r.concurrency}_output_tok_s": r.output_tokens_per_s})
     out_dir.mkdir(parents=True, exist_ok=True)
-    png = plot_online(online, out_dir / "online_acceptance.png")
-    table = online.save(out_dir / "online_results.json")
+    png = plot_online(online, out_dir / ONLINE_PLOT_FILE)
+    table = online.save(out_dir / ONLINE_RESULTS_FILE)
     run.log_artifact(png)
     run.log_artifact(table)
     return png
@@ -384,8 +384,8 @@ def lineage_key(values: dict[str, str]) -> str:
 
 def dataset_manifest_hashes(data_dir: Path) -> dict[str, str]:
     """sha256 of each split's manifest.json: the identity of the dataset actually built."""
-    return {split: file_digest(Path(data_dir) / "splits" / split / "manifest.json")
-            for split in ("train", "eval") if (Path(data_dir) / "splits" / split / "manifest.json").exists()}
+    data = DataLayout(data_dir)
+    return {split: file_digest(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}
 
 
 def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str]:

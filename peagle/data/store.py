@@ -30,9 +30,10 @@ import torch
 from safetensors import safe_open
 
 from peagle.fileio import fsync_dir, sha256_file
+from peagle.layout import MANIFEST_FILE
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_FILE  # named in peagle.layout
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
 
 STORAGE_DTYPES = {

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-VOCAB_FILE = "vocab.safetensors"
+from peagle.layout import VOCAB_FILE  # noqa: F401 (re-exported: the data package's file name)
+
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from torch import nn
 
 from peagle.data.vocab import DraftVocab
 from peagle.facts import HeadSpec
+from peagle.layout import DataLayout
 from peagle.train.batch import NUM_AUX_LAYERS, Batch
 from peagle.train.eagle3 import ttt_passes
 from peagle.train.loss import TargetHead
@@ -44,7 +45,6 @@ from peagle.train.masks import brute_force_mask
 
 Method = Literal["peagle", "eagle3"]
 Reference = Literal["data", "target"]
-EVAL_SPLIT = "eval"
 
 
 @dataclass
@@ -267,12 +267,11 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     """
     from peagle.data.store import ShardReader
     from peagle.facts import load_dataset_facts
-    from peagle.layout import DataLayout
 
     data = DataLayout(data_dir)
     facts = load_dataset_facts(data)
     vocab = DraftVocab.load(data.vocab)
-    split = data.split(EVAL_SPLIT)
+    split = data.eval
     reader = ShardReader(split)
     if len(reader) == 0:
         raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")

@@ -28,13 +28,12 @@ from tqdm import tqdm
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
-from peagle.layout import TRAIN_SPLIT
+from peagle.layout import METRICS_FILE, TRAIN_SPLIT
+from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
 from peagle.train import checkpoint as ckpt
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
 
-METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "train_result.json"
 STAT_KEYS = ("kl_sum", "correct", "count")
 # Fields that may change between a run and its resume without changing what is trained
 # (eagle3_baseline only asks the pipeline for a second head).
