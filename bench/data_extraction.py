@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from peagle.layout import SPLITS, DataLayout, RunLayout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
 
@@ -35,8 +37,8 @@ def load_sequences(data_dir: Path) -> list[tuple[str, list[int]]]:
     from peagle.data.store import ShardReader
 
     out = []
-    for split in ("train", "eval"):
-        reader = ShardReader(data_dir / "splits" / split, verify=False)
+    for split in SPLITS:
+        reader = ShardReader(DataLayout(data_dir).split(split), verify=False)
         ids, lengths = reader.sample_ids(), reader.lengths()
         tokens = torch.cat([t for t, _ in reader.iter_tokens()])
         for sid, piece in zip(ids, tokens.split(lengths), strict=True):
@@ -165,12 +167,12 @@ def main() -> None:
 
     configure_environment()
     cfg = load_config(args.config)
-    data_dir = Path(args.data_dir) if args.data_dir else cfg.run_dir / "data"
+    data_dir = Path(args.data_dir) if args.data_dir else RunLayout(cfg.run_dir).data.root
     target = resolve_target(cfg.target)
-    manifest = json.loads((data_dir / "splits" / "train" / "manifest.json").read_text())
+    manifest = json.loads(DataLayout(data_dir).manifest("train").read_text())
     layer_ids = manifest["layer_ids"]
     sequences = load_sequences(data_dir)[: args.max_sequences]
-    vocab_size = json.loads((data_dir / "head_spec.json").read_text())["vocab_size"]
+    vocab_size = json.loads(DataLayout(data_dir).facts.read_text())["vocab_size"]
     warm = warmup_sequences(sequences, vocab_size)
     batch_size = cfg.data.extract_batch_size
     num_tokens = sum(len(ids) for _, ids in sequences)

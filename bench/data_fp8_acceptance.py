@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from peagle.layout import SPLITS, TARGET_FACTS_FILE, VOCAB_FILE, DataLayout, RunLayout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
 from train_common import (  # noqa: E402
@@ -29,7 +31,6 @@ from train_common import (  # noqa: E402
 )
 
 NAME = "data_fp8_acceptance"
-SPLITS = ("train", "eval")
 
 
 def fp8_copy(src_data: Path, dst_data: Path) -> dict:
@@ -38,29 +39,29 @@ def fp8_copy(src_data: Path, dst_data: Path) -> dict:
 
     shutil.rmtree(dst_data, ignore_errors=True)
     dst_data.mkdir(parents=True)
-    for name in ("head_spec.json", "vocab.safetensors"):
+    for name in (TARGET_FACTS_FILE, VOCAB_FILE):
         shutil.copy2(src_data / name, dst_data / name)
     err2, ref2 = None, None
     for split in SPLITS:
-        reader = ShardReader(src_data / "splits" / split, verify=True)
+        reader = ShardReader(DataLayout(src_data).split(split), verify=True)
         m = reader.manifest
         meta = {"config_hash": m.get("config_hash"), "target": m.get("target"), "target_revision": m.get("target_revision")}
-        with ShardWriter(dst_data / "splits" / split, m["layer_ids"], m["hidden_size"], "float8",
+        with ShardWriter(DataLayout(dst_data).split(split), m["layer_ids"], m["hidden_size"], "float8",
                          262_144, meta) as writer:
             for s in reader:
                 writer.add(s.id, s.token_ids, s.loss_mask, s.hidden)
-        back = ShardReader(dst_data / "splits" / split, verify=True)
+        back = ShardReader(DataLayout(dst_data).split(split), verify=True)
         for a, b in zip(reader, back, strict=True):
             if not torch.equal(a.token_ids, b.token_ids) or not torch.equal(a.loss_mask, b.loss_mask):
                 raise RuntimeError(f"sample {a.id}: tokens or mask changed in the float8 copy")
             e, r = ((b.hidden - a.hidden) ** 2).sum(dim=(0, 2)), (a.hidden**2).sum(dim=(0, 2))
             err2, ref2 = (e, r) if err2 is None else (err2 + e, ref2 + r)
-    layer_ids = json.loads((dst_data / "splits" / "train" / "manifest.json").read_text())["layer_ids"]
+    layer_ids = json.loads(DataLayout(dst_data).manifest("train").read_text())["layer_ids"]
     return {f"layer_{k}": float((err2[i] / ref2[i]).sqrt()) for i, k in enumerate(layer_ids)}
 
 
 def split_bytes(data_dir: Path) -> int:
-    return sum(json.loads((data_dir / "splits" / s / "manifest.json").read_text())["bytes"] for s in SPLITS)
+    return sum(json.loads(DataLayout(data_dir).manifest(s).read_text())["bytes"] for s in SPLITS)
 
 
 def tables(result: dict) -> list:
@@ -105,8 +106,8 @@ def main() -> None:
 
     setup_head_bench(args.threads)
     base = load_config(args.config)
-    bf16_data = Path(args.data_dir) if args.data_dir else base.run_dir / "data"
-    if json.loads((bf16_data / "splits" / "train" / "manifest.json").read_text())["storage_dtype"] != "bfloat16":
+    bf16_data = Path(args.data_dir) if args.data_dir else RunLayout(base.run_dir).data.root
+    if json.loads(DataLayout(bf16_data).manifest("train").read_text())["storage_dtype"] != "bfloat16":
         raise ValueError(f"{bf16_data} is not a bfloat16 dataset; point --data-dir at one")
     work = peagle_home() / "bench" / "data_fp8_acceptance"
     ks = list(range(1, base.train.k_train + 1))
@@ -115,7 +116,7 @@ def main() -> None:
     target = target_info(resolve_target(base.target), bf16_data)
 
     stamp = started()
-    fp8_data = work / "float8" / "data"
+    fp8_data = RunLayout(work / "float8").data.root
     fp8_error = fp8_copy(bf16_data, fp8_data)
     data = {"bfloat16": bf16_data, "float8": fp8_data}
     checkpoints, train_s = {}, {}

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from peagle.layout import MANIFEST_FILE, RunLayout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
 
@@ -32,7 +34,7 @@ DTYPES = ("float32", "bfloat16", "float16", "float8")
 
 
 def shard_files(split_dir: Path) -> list[Path]:
-    manifest = json.loads((split_dir / "manifest.json").read_text())
+    manifest = json.loads((split_dir / MANIFEST_FILE).read_text())
     return [split_dir / s["file"] for s in manifest["shards"]]
 
 
@@ -198,7 +200,7 @@ def main() -> None:
     from peagle.paths import configure_environment, peagle_home
 
     configure_environment()
-    split_dir = Path(args.split_dir) if args.split_dir else peagle_home() / "runs" / "demo" / "data" / "splits" / "train"
+    split_dir = Path(args.split_dir) if args.split_dir else RunLayout(peagle_home() / "runs" / "demo").data.train
     work = peagle_home() / "bench" / "data_loader"
     try:
         result = {

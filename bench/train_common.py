@@ -185,10 +185,12 @@ def setup_head_bench(threads: int) -> None:
 
 
 def target_info(target_path: str | Path, data_dir: Path):
-    """The ``TargetInfo`` the pipeline stages take: the target's directory and the dataset's head spec."""
+    """The ``TargetInfo`` the pipeline stages take: the target's directory and the dataset's target facts."""
+    from peagle.facts import load_dataset_facts
+    from peagle.layout import DataLayout
     from peagle.pipeline import TargetInfo
 
-    return TargetInfo(path=str(target_path), spec=HeadSpec.load(Path(data_dir) / "head_spec.json"))
+    return TargetInfo(path=str(target_path), facts=load_dataset_facts(DataLayout(data_dir)))
 
 
 def train_fresh(cfg, target, data_dir: Path):
@@ -238,29 +240,30 @@ def tiny_head_dataset(root: Path, num_train: int = 12, num_eval: int = 4, draft_
     from transformers import LlamaForCausalLM
 
     from peagle.data.store import ShardWriter
-    from peagle.data.vocab import VOCAB_FILE, build_draft_vocab
-    from peagle.export.selftest import build_tiny_target, tiny_head_spec
+    from peagle.data.vocab import build_draft_vocab
+    from peagle.export.selftest import build_tiny_target, tiny_target_facts
+    from peagle.layout import DataLayout
     from peagle.serving.tiny import SPECIAL_TOKENS
 
     target = build_tiny_target(root / "target", num_layers=8, hidden_size=64, seed=seed)
-    spec = tiny_head_spec(target, draft_vocab_size=draft_vocab, num_layers=1)
+    facts = tiny_target_facts(target, draft_vocab_size=draft_vocab)
     model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
-    data = root / "data"
+    counts = torch.zeros(facts.vocab_size, dtype=torch.int64)
+    data = DataLayout(root / "data")
     for split, count in (("train", num_train), ("eval", num_eval)):
-        with ShardWriter(data / "splits" / split, spec.stored_layer_ids, spec.target_hidden_size, "float32",
+        with ShardWriter(data.split(split), facts.stored_layer_ids, facts.target_hidden_size, "float32",
                          1 << 16) as writer:
             for i in range(count):
-                prompt = torch.randint(len(SPECIAL_TOKENS), spec.vocab_size, (1, prompt_len), generator=g)
+                prompt = torch.randint(len(SPECIAL_TOKENS), facts.vocab_size, (1, prompt_len), generator=g)
                 with torch.no_grad():
                     ids = model.generate(prompt, max_new_tokens=response_len, min_new_tokens=response_len,
                                          do_sample=False)
                     states = model(ids, output_hidden_states=True).hidden_states
                 mask = torch.arange(ids.shape[1]) >= prompt_len
-                writer.add(f"{split}-{i}", ids[0], mask, torch.stack([states[k][0] for k in spec.stored_layer_ids], 1))
+                writer.add(f"{split}-{i}", ids[0], mask, torch.stack([states[k][0] for k in facts.stored_layer_ids], 1))
                 if split == "train":
-                    counts += torch.bincount(ids[0][mask], minlength=spec.vocab_size)
-    build_draft_vocab(counts, draft_vocab).save(data / VOCAB_FILE)
-    spec.save(data / "head_spec.json")
-    return data, target
+                    counts += torch.bincount(ids[0][mask], minlength=facts.vocab_size)
+    build_draft_vocab(counts, draft_vocab).save(data.vocab)
+    facts.save(data.facts)
+    return data.root, target

@@ -30,7 +30,7 @@ from train_common import (  # noqa: E402
 NAME = "train_loss_weighting"
 WEIGHTINGS = ("uniform", "per_depth_mean")
 # --quick: a budget that trains something in seconds on the tiny dataset.
-QUICK_OVERRIDES = {"train.k_train": 3, "train.max_len": 64, "train.epochs": 2, "train.learning_rate": 3e-3,
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.max_len": 64, "train.epochs": 2, "train.learning_rate": 3e-3,
                    "train.warmup_ratio": 0.1}
 
 
@@ -134,6 +134,7 @@ def main() -> None:
         return
 
     from peagle.config import load_config
+    from peagle.layout import RunLayout
     from peagle.paths import peagle_home
 
     setup_head_bench(args.threads)
@@ -147,7 +148,7 @@ def main() -> None:
             from peagle.target import resolve_target
 
             base = load_config(args.config)
-            data_dir = Path(args.data_dir) if args.data_dir else base.run_dir / "data"
+            data_dir = Path(args.data_dir) if args.data_dir else RunLayout(base.run_dir).data.root
             target_dir, seeds, work = resolve_target(base.target), args.seeds, peagle_home() / "bench" / NAME
         train = load_config(args.config, overrides).train
         ks = list(range(1, train.k_train + 1))

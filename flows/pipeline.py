@@ -16,6 +16,7 @@ from flows.common import publish_mlflow_artifact
 from flows.stages import data_flow, evaluate_flow, export_task, publish_flow, target_task, train_flow
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
+from peagle.layout import RunLayout
 
 
 @dataclass
@@ -72,13 +73,14 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
             baseline_dir, head_key = baseline.head_dir, f"{head_key}+{baseline.cache_key}/eagle3"
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(cfg, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
-            plot = stages.record_online(run, online, cfg.run_dir / "eval")
-            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline), data)
+            plot = stages.record_online(run, online, RunLayout(cfg.run_dir).eval)
+            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline),
+                              trained.best_checkpoint)
             if baseline_dir is not None:
                 stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, baseline.offline,
-                                                                  method="eagle3"), data)
+                                                                  method="eagle3"), baseline.best_checkpoint)
         with timer.stage("publish"), tracker.stage("publish"):
-            published = publish_flow(cfg, head_dir, str(cfg.run_dir / "eval" / "online_results.json"),
+            published = publish_flow(cfg, head_dir, str(RunLayout(cfg.run_dir).online_results),
                                      mlflow_run_id=tracker.run_id, lineage=lineage)
         tracker.log_metrics({f"seconds_{name}": s for name, s in timer.seconds.items()})
         publish_mlflow_artifact(tracker.run_url(), tracker.run_id, cfg.name)

@@ -20,6 +20,7 @@ from flows.pipeline import PipelineResult, run_pipeline
 from flows.stages import target_task
 from peagle import pipeline as stages
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
+from peagle.layout import RunLayout
 
 
 @dataclass
@@ -33,7 +34,7 @@ class RetrainResult:
 
 def revision_config(cfg: PipelineConfig, lineage: dict[str, str]) -> PipelineConfig:
     """The same config, writing checkpoints and heads under a directory of its own inputs."""
-    workdir = cfg.run_dir / "revisions" / stages.lineage_key(lineage)
+    workdir = RunLayout(cfg.run_dir).revision(stages.lineage_key(lineage))
     return cfg.model_copy(update={"workdir": str(workdir)})
 
 

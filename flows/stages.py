@@ -26,6 +26,7 @@ from flows.common import (
 )
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config, with_overrides
+from peagle.layout import RunLayout
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -49,11 +50,10 @@ def dataset_key(cfg: PipelineConfig, target: stages.TargetInfo) -> str:
 
 def dataset_on_disk(cfg: PipelineConfig) -> bool:
     """The run's data dir holds a finished build of this config (else a cached result is stale)."""
-    data_dir = cfg.run_dir / "data"
-    build = data_dir / "build.json"
-    if not build.exists() or not (data_dir / "vocab.safetensors").exists() or not (data_dir / "head_spec.json").exists():
+    data = RunLayout(cfg.run_dir).data
+    if not data.build.exists() or not data.vocab.exists() or not data.facts.exists():
         return False
-    return json.loads(build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
+    return json.loads(data.build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
 
 
 @task(name="target", cache_policy=NO_CACHE)
@@ -121,7 +121,7 @@ def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overri
     cfg = stages.resolve_init_from(resolve_config(config, overrides))  # before the key: it names the champion
     target = target or target_task(cfg)
     method = method or cfg.train.method
-    data_dir = str(data_dir or cfg.run_dir / "data")
+    data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
     ckpt_dir = stages.checkpoint_dir(cfg, method)
     refresh = not path_exists(ckpt_dir / "best")
     key = training_key(cfg, Path(data_dir), method)
@@ -162,9 +162,10 @@ def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, ove
     """
     cfg = resolve_config(config, overrides)
     target = target or target_task(cfg)
-    heads = {stages.PEAGLE_LABEL: str(head_dir or cfg.run_dir / "heads" / "peagle")}
+    run = RunLayout(cfg.run_dir)
+    heads = {stages.PEAGLE_LABEL: str(head_dir or run.head("peagle"))}
     if baseline_dir is None and cfg.train.eagle3_baseline:
-        baseline_dir = str(cfg.run_dir / "heads" / "eagle3")
+        baseline_dir = str(run.head("eagle3"))
     if baseline_dir is not None:
         heads[stages.EAGLE3_LABEL] = baseline_dir
     for label, directory in heads.items():

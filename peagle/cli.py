@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from peagle.config import ConfigError, load_config, parse_overrides
+from peagle.layout import RunLayout
 from peagle.paths import configure_environment
 
 app = typer.Typer(help="Train P-EAGLE drafter heads and publish them ready for vLLM.", no_args_is_help=True)
@@ -83,7 +84,7 @@ def train_cmd(
     from peagle import pipeline as stages
 
     cfg = _load(config, set_)
-    result = stages.train_head(cfg, stages.prepare_target(cfg), cfg.run_dir / "data", method=method)
+    result = stages.train_head(cfg, stages.prepare_target(cfg), RunLayout(cfg.run_dir).data.root, method=method)
     console.print(stages.summary_json(result))
 
 
@@ -105,7 +106,7 @@ def export_cmd(
     target = stages.prepare_target(cfg)
     ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / BEST
     try:
-        head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt, method=method)
+        head = stages.export_head(cfg, target, RunLayout(cfg.run_dir).data.root, ckpt, method=method)
     except ExportError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -122,18 +123,18 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     cfg = _load(config, set_)
     target = stages.prepare_target(cfg)
     labels = {"peagle": stages.PEAGLE_LABEL, "eagle3": stages.EAGLE3_LABEL}
-    heads = {label: cfg.run_dir / "heads" / m for m, label in labels.items() if (cfg.run_dir / "heads" / m).exists()}
+    run = RunLayout(cfg.run_dir)
+    heads = {label: run.head(m) for m, label in labels.items() if run.head(m).exists()}
     if not heads:
-        console.print(f"[red]no exported head under {cfg.run_dir / 'heads'}: run `peagle export` first[/red]")
+        console.print(f"[red]no exported head under {run.heads}: run `peagle export` first[/red]")
         raise typer.Exit(2)
     online = stages.evaluate_online(cfg, target, heads)
     console.print(online.to_table())
     from peagle.eval.plots import plot_online
 
-    out = cfg.run_dir / "eval"
-    out.mkdir(parents=True, exist_ok=True)
-    console.print(f"plot: {plot_online(online, out / 'online_acceptance.png')}")
-    console.print(f"table: {online.save(out / 'online_results.json')}")
+    run.eval.mkdir(parents=True, exist_ok=True)
+    console.print(f"plot: {plot_online(online, run.online_plot)}")
+    console.print(f"table: {online.save(run.online_results)}")
 
 
 @app.command("run")

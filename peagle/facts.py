@@ -1,18 +1,28 @@
-"""The facts every stage must agree on, computed in exactly one place.
+"""The facts every stage must agree on, each owned by what it describes.
 
-Aux layer ids, the mask token id, the final layer used for target distributions, the
-target's shape and the drafter's shape are derived here from the target's own config
-and the pipeline config. Data extraction, training, evaluation and export all read a
-``HeadSpec`` (persisted as JSON beside the dataset) instead of recomputing them.
+- ``TargetFacts``: what the dataset was extracted from and for (the target's shape, its
+  aux/final layer ids, the mask token, the draft vocabulary size). Derived once from the
+  target's own config and the ``target``/``data`` sections, saved in the dataset directory
+  (``target_facts.json``); the data stage's cache key covers exactly these inputs.
+- ``DrafterShape``: the drafter's architecture, derived from ``cfg.drafter`` and the target
+  facts when training starts (never cached with the data, so a changed ``drafter`` section
+  always trains the new shape).
+- ``HeadSpec``: a trained head = target facts + drafter shape + method + k_train. Saved in
+  every checkpoint (``head_spec.json``); offline evaluation, export, the model card and the
+  drafter's loader read it from there.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig
+from peagle.fileio import fsync_dir
+
+FACTS_VERSION = 1
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -26,9 +36,219 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return ids
 
 
+def _write_json(path: Path, data: dict) -> None:
+    """Write, fsync, rename, fsync the directory: a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=True))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: no {what} there")
+    return json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------- the target (dataset)
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """The target a dataset holds hidden states of; field names match ``HeadSpec``'s."""
+
+    target: str
+    target_revision: str | None
+    target_num_layers: int
+    target_hidden_size: int  # Ht
+    vocab_size: int  # V, the target's
+    target_num_heads: int
+    target_num_kv_heads: int
+    target_head_dim: int | None  # the config's explicit head_dim, if any
+    target_intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    aux_layer_ids: list[int]  # ascending; each id = residual stream after that many layers
+    final_layer_id: int  # = target_num_layers: pre-norm last hidden state, for target logits
+    mask_token_id: int
+    draft_vocab_size: int | None = None  # Vd; set once the draft vocabulary is built
+    version: int = FACTS_VERSION
+
+    @property
+    def stored_layer_ids(self) -> list[int]:
+        """Layers the dataset stores per token: the three aux layers, then the final one."""
+        return [*self.aux_layer_ids, self.final_layer_id]
+
+    def with_draft_vocab(self, draft_vocab_size: int) -> TargetFacts:
+        if not 2 <= draft_vocab_size <= self.vocab_size:
+            raise ConfigError(
+                f"data.draft_vocab_size={draft_vocab_size} must be in [2, {self.vocab_size}] "
+                "(the target vocabulary size)"
+            )
+        return replace(self, draft_vocab_size=draft_vocab_size)
+
+    def save(self, path: Path) -> None:
+        _write_json(path, asdict(self))
+
+    @classmethod
+    def load(cls, path: Path) -> TargetFacts:
+        data = _read_json(path, "dataset (target facts)")
+        if data.get("version") != FACTS_VERSION:
+            raise ValueError(f"{path}: target facts version {data.get('version')} is not {FACTS_VERSION}; "
+                             "rebuild the dataset with this peagle (`peagle data CONFIG --force`)")
+        return cls(**data)
+
+
+def load_dataset_facts(layout) -> TargetFacts:
+    """The target facts of a dataset directory (a ``peagle.layout.DataLayout``), checked.
+
+    A dataset written before the facts were split holds only ``head_spec.json`` (with a
+    drafter shape frozen at data time): refuse it with the fix instead of trusting it.
+    """
+    if layout.facts.exists():
+        return TargetFacts.load(layout.facts)
+    if layout.legacy_head_spec.exists():
+        raise FileNotFoundError(
+            f"{layout.root} was built by an older peagle: it has head_spec.json but no {layout.facts.name}. "
+            "Rerun the data stage (`peagle data CONFIG`, or the data flow): it keeps the extracted hidden "
+            f"states and writes {layout.facts.name}"
+        )
+    raise FileNotFoundError(f"{layout.facts} not found: build the dataset first (`peagle data CONFIG`)")
+
+
+def _resolve_mask_token_id(cfg: PipelineConfig, tokenizer, vocab_size: int) -> int:
+    t = cfg.target
+    if t.mask_token_id is not None:
+        token_id = t.mask_token_id
+    else:
+        token_id = tokenizer.convert_tokens_to_ids(t.mask_token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ConfigError(
+                f"target.mask_token {t.mask_token!r} is not a token of {t.model}; "
+                "set target.mask_token to a reserved/unused token string or target.mask_token_id "
+                "to an unused id"
+            )
+    if not 0 <= token_id < vocab_size:
+        raise ConfigError(f"target.mask_token_id={token_id} is outside the vocabulary [0, {vocab_size})")
+    return int(token_id)
+
+
+def _rope(tc) -> tuple[float, dict | None]:
+    """(rope_theta, scaling) from either transformers config style (rope_theta or rope_parameters)."""
+    rope_theta = getattr(tc, "rope_theta", None)
+    rope_scaling = getattr(tc, "rope_scaling", None)
+    rope_params = getattr(tc, "rope_parameters", None)
+    if rope_theta is None and isinstance(rope_params, dict):
+        rope_theta = rope_params.get("rope_theta")
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    return float(rope_theta or 10000.0), rope_scaling
+
+
+def target_facts_from_target(cfg: PipelineConfig, target_config, tokenizer) -> TargetFacts:
+    """Check the ``target``/``data`` config against the target and derive its facts.
+
+    ``target_config`` is the target's ``transformers`` config (text part for multimodal
+    models); ``tokenizer`` its tokenizer. Raises ``ConfigError`` naming the key to fix.
+    """
+    tc = getattr(target_config, "text_config", None) or target_config
+    num_layers = int(tc.num_hidden_layers)
+    vocab = int(tc.vocab_size)
+    aux = list(cfg.data.aux_layer_ids) if cfg.data.aux_layer_ids else default_aux_layer_ids(num_layers)
+    if aux[-1] >= num_layers:
+        raise ConfigError(
+            f"data.aux_layer_ids {aux}: layer {aux[-1]} is beyond the target's depth "
+            f"({num_layers} layers; ids must be < {num_layers})"
+        )
+    heads = int(tc.num_attention_heads)
+    rope_theta, rope_scaling = _rope(tc)
+    return TargetFacts(
+        target=cfg.target.model,
+        target_revision=cfg.target.revision,
+        target_num_layers=num_layers,
+        target_hidden_size=int(tc.hidden_size),
+        vocab_size=vocab,
+        target_num_heads=heads,
+        target_num_kv_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+        target_head_dim=int(tc.head_dim) if getattr(tc, "head_dim", None) else None,
+        target_intermediate_size=int(tc.intermediate_size),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 2048)),
+        aux_layer_ids=aux,
+        final_layer_id=num_layers,
+        mask_token_id=_resolve_mask_token_id(cfg, tokenizer, vocab),
+    )
+
+
+# ----------------------------------------------------------------------------- the drafter (checkpoint)
+
+
+@dataclass(frozen=True)
+class DrafterShape:
+    """The drafter's architecture: ``cfg.drafter`` resolved against the target."""
+
+    hidden_size: int  # H
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+
+
+def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
+    """The drafter of ``cfg.drafter`` for this target: the target's own widths where unset.
+
+    Raises ``ConfigError`` naming the key for shapes that cannot work.
+    """
+    d, ht = cfg.drafter, facts.target_hidden_size
+    hidden = d.hidden_size or ht
+    same_width = hidden == ht
+    heads = d.num_heads or (facts.target_num_heads if same_width else max(1, hidden // 64))
+    kv_heads = d.num_kv_heads or (facts.target_num_kv_heads if same_width else heads)
+    if hidden % heads or heads % kv_heads:
+        raise ConfigError(
+            f"drafter: hidden_size {hidden} must divide by num_heads {heads}, "
+            f"and num_heads by num_kv_heads {kv_heads}"
+        )
+    head_dim = facts.target_head_dim if same_width and facts.target_head_dim else hidden // heads
+    if cfg.train.max_len + cfg.train.k_train > facts.max_position_embeddings:
+        raise ConfigError(
+            f"train.max_len + train.k_train ({cfg.train.max_len + cfg.train.k_train}) exceeds the "
+            f"target's max_position_embeddings ({facts.max_position_embeddings})"
+        )
+    return DrafterShape(
+        hidden_size=hidden,
+        num_layers=d.num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=d.intermediate_size or (facts.target_intermediate_size if same_width else 4 * hidden),
+        rms_norm_eps=facts.rms_norm_eps,
+        rope_theta=facts.rope_theta,
+        rope_scaling=facts.rope_scaling,
+        max_position_embeddings=facts.max_position_embeddings,
+    )
+
+
+# ----------------------------------------------------------------------------- a trained head
+
+
 @dataclass(frozen=True)
 class HeadSpec:
-    """Everything about a head that is fixed before training starts."""
+    """Everything about a head fixed when its training starts; lives in every checkpoint."""
 
     target: str
     target_revision: str | None
@@ -49,12 +269,17 @@ class HeadSpec:
     rope_scaling: dict | None
     max_position_embeddings: int
     draft_vocab_size: int | None = None  # Vd; set once the draft vocabulary is built
-    extra: dict = field(default_factory=dict)
+    method: str | None = None  # train.method it was trained with (None: not a trained head)
+    k_train: int | None = None  # train.k_train it was trained with
 
     @property
     def stored_layer_ids(self) -> list[int]:
         """Layers the dataset stores per token: the three aux layers, then the final one."""
         return [*self.aux_layer_ids, self.final_layer_id]
+
+    @property
+    def shape(self) -> DrafterShape:
+        return DrafterShape(**{f.name: getattr(self, f.name) for f in fields(DrafterShape)})
 
     def with_draft_vocab(self, draft_vocab_size: int) -> HeadSpec:
         if not 2 <= draft_vocab_size <= self.vocab_size:
@@ -62,97 +287,36 @@ class HeadSpec:
                 f"data.draft_vocab_size={draft_vocab_size} must be in [2, {self.vocab_size}] "
                 "(the target vocabulary size)"
             )
-        return HeadSpec(**{**asdict(self), "draft_vocab_size": draft_vocab_size})
+        return replace(self, draft_vocab_size=draft_vocab_size)
+
+    def same_target_as(self, facts: TargetFacts) -> bool:
+        """Whether this head was trained on hidden states of ``facts``'s target, layers and vocabulary."""
+        return all(getattr(self, name) == getattr(facts, name) for name in _SHARED_TARGET_FIELDS)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        _write_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> HeadSpec:
-        return cls(**json.loads(Path(path).read_text()))
+        data = _read_json(path, "trained head's spec (a checkpoint directory holds head_spec.json)")
+        data.pop("extra", None)  # written by peagle before the facts were split; always empty
+        return cls(**data)
 
 
-def _resolve_mask_token_id(cfg: PipelineConfig, tokenizer, vocab_size: int) -> int:
-    t = cfg.target
-    if t.mask_token_id is not None:
-        token_id = t.mask_token_id
-    else:
-        token_id = tokenizer.convert_tokens_to_ids(t.mask_token)
-        if token_id is None or token_id == tokenizer.unk_token_id:
-            raise ConfigError(
-                f"target.mask_token {t.mask_token!r} is not a token of {t.model}; "
-                "set target.mask_token to a reserved/unused token string or target.mask_token_id "
-                "to an unused id"
-            )
-    if not 0 <= token_id < vocab_size:
-        raise ConfigError(f"target.mask_token_id={token_id} is outside the vocabulary [0, {vocab_size})")
-    return int(token_id)
+_SHARED_TARGET_FIELDS = ("target", "target_revision", "target_num_layers", "target_hidden_size", "vocab_size",
+                         "aux_layer_ids", "final_layer_id", "mask_token_id", "draft_vocab_size")
 
 
-def head_spec_from_target(cfg: PipelineConfig, target_config, tokenizer) -> HeadSpec:
-    """Check the config against the target and derive the head's shape.
+def head_spec(facts: TargetFacts, shape: DrafterShape, method: str | None = None,
+              k_train: int | None = None) -> HeadSpec:
+    """A head of ``shape`` drafting for the target of ``facts``."""
+    shared = {name: getattr(facts, name) for name in _SHARED_TARGET_FIELDS}
+    return HeadSpec(**shared, **asdict(shape), method=method, k_train=k_train)
 
-    ``target_config`` is the target's ``transformers`` config (text part for multimodal
-    models); ``tokenizer`` its tokenizer. Raises ``ConfigError`` naming the key to fix.
-    """
-    tc = getattr(target_config, "text_config", None) or target_config
-    num_layers = int(tc.num_hidden_layers)
-    ht = int(tc.hidden_size)
-    vocab = int(tc.vocab_size)
-    aux = list(cfg.data.aux_layer_ids) if cfg.data.aux_layer_ids else default_aux_layer_ids(num_layers)
-    if aux[-1] >= num_layers:
-        raise ConfigError(
-            f"data.aux_layer_ids {aux}: layer {aux[-1]} is beyond the target's depth "
-            f"({num_layers} layers; ids must be < {num_layers})"
-        )
-    d = cfg.drafter
-    hidden = d.hidden_size or ht
-    heads = d.num_heads or (int(tc.num_attention_heads) if hidden == ht else max(1, hidden // 64))
-    kv_heads = d.num_kv_heads or (int(getattr(tc, "num_key_value_heads", heads)) if hidden == ht else heads)
-    if hidden % heads or heads % kv_heads:
-        raise ConfigError(
-            f"drafter: hidden_size {hidden} must divide by num_heads {heads}, "
-            f"and num_heads by num_kv_heads {kv_heads}"
-        )
-    head_dim = hidden // heads
-    if hidden == ht and getattr(tc, "head_dim", None):
-        head_dim = int(tc.head_dim)
-    inter = d.intermediate_size or (int(tc.intermediate_size) if hidden == ht else 4 * hidden)
-    rope_theta = getattr(tc, "rope_theta", None)
-    rope_scaling = getattr(tc, "rope_scaling", None)
-    rope_params = getattr(tc, "rope_parameters", None)
-    if rope_theta is None and isinstance(rope_params, dict):
-        rope_theta = rope_params.get("rope_theta")
-        if rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-    max_pos = int(getattr(tc, "max_position_embeddings", 2048))
-    if cfg.train.max_len + cfg.train.k_train > max_pos:
-        raise ConfigError(
-            f"train.max_len + train.k_train ({cfg.train.max_len + cfg.train.k_train}) exceeds the "
-            f"target's max_position_embeddings ({max_pos})"
-        )
-    return HeadSpec(
-        target=cfg.target.model,
-        target_revision=cfg.target.revision,
-        target_num_layers=num_layers,
-        target_hidden_size=ht,
-        vocab_size=vocab,
-        aux_layer_ids=aux,
-        final_layer_id=num_layers,
-        mask_token_id=_resolve_mask_token_id(cfg, tokenizer, vocab),
-        hidden_size=hidden,
-        num_layers=d.num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=inter,
-        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-5)),
-        rope_theta=float(rope_theta or 10000.0),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=max_pos,
-    )
+
+def head_spec_for(cfg: PipelineConfig, facts: TargetFacts) -> HeadSpec:
+    """The head ``cfg`` trains on a dataset of ``facts``: derived when training starts."""
+    return head_spec(facts, drafter_shape(cfg, facts), cfg.train.method, cfg.train.k_train)

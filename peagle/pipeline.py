@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
-from peagle.facts import HeadSpec, head_spec_from_target
+from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.fileio import sha256_file as file_digest
+from peagle.layout import ONLINE_PLOT_FILE, ONLINE_RESULTS_FILE, SPLITS, CheckpointLayout, DataLayout, RunLayout
 
 PEAGLE_LABEL = "p-eagle"
 EAGLE3_LABEL = "eagle-3"
@@ -25,7 +26,7 @@ EAGLE3_LABEL = "eagle-3"
 @dataclass
 class TargetInfo:
     path: str
-    spec: HeadSpec
+    facts: TargetFacts  # before the data stage: no draft vocabulary size yet
 
 
 @dataclass
@@ -52,14 +53,16 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
 
     path = resolve_target(cfg.target)
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
-    return TargetInfo(path=path, spec=head_spec_from_target(cfg, target_config, tokenizer))
+    facts = target_facts_from_target(cfg, target_config, tokenizer)
+    drafter_shape(cfg, facts)  # a drafter/train section that cannot work fails now, not after the data stage
+    return TargetInfo(path=path, facts=facts)
 
 
 def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False):
     """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary."""
     from peagle.data.pipeline import build_dataset
 
-    return build_dataset(cfg, target.path, target.spec, progress=True, force=force)
+    return build_dataset(cfg, target.path, target.facts, progress=True, force=force)
 
 
 def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
@@ -72,7 +75,7 @@ def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
 
 
 def checkpoint_dir(cfg: PipelineConfig, method: str) -> Path:
-    return cfg.run_dir / "checkpoints" / method
+    return RunLayout(cfg.run_dir).checkpoints(method)
 
 
 
@@ -95,7 +98,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
         print(f"train.init_from: {name!r} has no champion yet; training from the target's weights")
         head = None
     else:
-        head = cfg.run_dir / "warm_start" / f"v{champion.version}"
+        head = RunLayout(cfg.run_dir).warm_start(champion.version)
         if not (head / "model.safetensors").exists():
             download_champion(client, name, head, overwrite=True)
         head = str(head)
@@ -120,20 +123,36 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
 
 def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *, method: str = "peagle"):
-    """Simulated acceptance per K of a checkpoint on the held-out hidden states."""
+    """Simulated acceptance per K of a checkpoint on the held-out hidden states.
+
+    The drafter's shape, method and k_train are the checkpoint's (its head_spec.json).
+    """
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
     from peagle.eval.offline import evaluate_offline as run_offline
     from peagle.model import PEagleDrafter
 
-    data_dir = Path(data_dir)
-    spec = HeadSpec.load(data_dir / "head_spec.json")
-    vocab = DraftVocab.load(data_dir / "vocab.safetensors")
-    drafter = PEagleDrafter.load(Path(checkpoint) / "drafter.safetensors", spec).eval()
-    ks = [k for k in cfg.eval.ks if method != "peagle" or k <= cfg.train.k_train]
-    reader = ShardReader(data_dir / "splits" / "eval")
+    data = DataLayout(data_dir)
+    drafter = PEagleDrafter.from_checkpoint(checkpoint).eval()
+    spec = drafter.spec
+    check_trained_on(spec, data, checkpoint)
+    vocab = DraftVocab.load(data.vocab)
+    k_train = spec.k_train or cfg.train.k_train  # a checkpoint of an older peagle does not record it
+    ks = [k for k in cfg.eval.ks if method != "peagle" or k <= k_train]
+    reader = ShardReader(data.eval)
     return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method,
-                       k_train=cfg.train.k_train if method == "peagle" else None)
+                       k_train=k_train if method == "peagle" else None)
+
+
+def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
+    """Refuse a checkpoint trained on another dataset's target, layers or draft vocabulary."""
+    from peagle.facts import load_dataset_facts
+
+    if not spec.same_target_as(load_dataset_facts(data)):
+        raise ValueError(
+            f"{checkpoint} was trained on another dataset than {data.root} (target, layers or draft "
+            "vocabulary differ); pass the data dir it was trained on"
+        )
 
 
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
@@ -141,7 +160,7 @@ def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpo
     """Write the vLLM head directory from a checkpoint; refuses a head that fails validation."""
     from peagle.export.head import export_from_checkpoint
 
-    out_dir = cfg.run_dir / "heads" / method
+    out_dir = RunLayout(cfg.run_dir).head(method)
     return export_from_checkpoint(Path(checkpoint), Path(data_dir), out_dir, card, target_path=target.path,
                                   overwrite=True, parallel_drafting=method == "peagle")
 
@@ -197,7 +216,6 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
             "method": "P-EAGLE" if peagle else "EAGLE-3 (training-time test)",
             **depth,
             "epochs": str(cfg.train.epochs),
-            "drafter layers": str(target.spec.num_layers),
             "offline acceptance (simulated on held-out states; vLLM's is below)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },
         acceptance=online.acceptance_by_k(label),
@@ -208,11 +226,14 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
     )
 
 
-def write_card(head_dir: Path, card, data) -> None:
-    """Rewrite the head's README.md once online acceptance is known (atomic)."""
+def write_card(head_dir: Path, card, checkpoint: Path) -> None:
+    """Rewrite the head's README.md once online acceptance is known (atomic).
+
+    The architecture it states is the checkpoint's the head was exported from.
+    """
     from peagle.export.card import render_model_card
 
-    spec = HeadSpec.load(Path(data.spec_path))  # carries the draft vocabulary size
+    spec = HeadSpec.load(CheckpointLayout(checkpoint).head_spec)
     path = Path(head_dir) / "README.md"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(render_model_card(card, spec))
@@ -260,8 +281,8 @@ def record_dataset(tracker, run, data) -> None:
     """Dataset sizes on the stage run; manifest hashes (lineage) on the pipeline run."""
     run.log_metrics({"num_train": data.num_train, "num_eval": data.num_eval, "num_tokens": data.num_tokens,
                      "num_failed": data.num_failed, "bytes_on_disk": data.bytes_on_disk})
-    for split in ("train", "eval"):
-        manifest = Path(data.data_dir) / "splits" / split / "manifest.json"
+    for split in SPLITS:
+        manifest = DataLayout(data.data_dir).manifest(split)
         if manifest.exists():
             tracker.set_data_manifest(manifest, split=split)
 
@@ -286,8 +307,8 @@ def record_online(run, online, out_dir: Path) -> Path:
         tag = "baseline" if r.k == 0 else f"{r.method}_k{r.k}"
         run.log_metrics({f"{tag}_c{r.concurrency}_output_tok_s": r.output_tokens_per_s})
     out_dir.mkdir(parents=True, exist_ok=True)
-    png = plot_online(online, out_dir / "online_acceptance.png")
-    table = online.save(out_dir / "online_results.json")
+    png = plot_online(online, out_dir / ONLINE_PLOT_FILE)
+    table = online.save(out_dir / ONLINE_RESULTS_FILE)
     run.log_artifact(png)
     run.log_artifact(table)
     return png
@@ -356,8 +377,8 @@ def lineage_key(values: dict[str, str]) -> str:
 
 def dataset_manifest_hashes(data_dir: Path) -> dict[str, str]:
     """sha256 of each split's manifest.json: the identity of the dataset actually built."""
-    return {split: file_digest(Path(data_dir) / "splits" / split / "manifest.json")
-            for split in ("train", "eval") if (Path(data_dir) / "splits" / split / "manifest.json").exists()}
+    data = DataLayout(data_dir)
+    return {split: file_digest(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}
 
 
 def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str]:

@@ -7,7 +7,7 @@ import yaml
 from transformers import LlamaConfig
 
 from peagle.config import ConfigError, apply_overrides, load_config, parse_config, parse_overrides, with_overrides
-from peagle.facts import default_aux_layer_ids, head_spec_from_target
+from peagle.facts import default_aux_layer_ids, head_spec_for, target_facts_from_target
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -149,18 +149,18 @@ def test_layer_ids_beyond_target_depth_are_refused():
     data["data"]["aux_layer_ids"] = [2, 4, 9]
     cfg = parse_config(data)
     with pytest.raises(ConfigError, match="beyond the target's depth"):
-        head_spec_from_target(cfg, _target(8), _Tok({"<|mask|>": 7}))
+        target_facts_from_target(cfg, _target(8), _Tok({"<|mask|>": 7}))
 
 
 def test_unknown_mask_token_is_refused():
     cfg = parse_config(demo_dict())
     with pytest.raises(ConfigError, match="target.mask_token"):
-        head_spec_from_target(cfg, _target(8), _Tok({}))
+        target_facts_from_target(cfg, _target(8), _Tok({}))
 
 
 def test_head_spec_defaults_follow_vllm():
     cfg = parse_config(demo_dict())
-    spec = head_spec_from_target(cfg, _target(8), _Tok({"<|mask|>": 7}))
+    spec = head_spec_for(cfg, target_facts_from_target(cfg, _target(8), _Tok({"<|mask|>": 7})))
     assert spec.aux_layer_ids == [2, 4, 5] == default_aux_layer_ids(8)
     assert spec.stored_layer_ids == [2, 4, 5, 8]
     assert spec.mask_token_id == 7

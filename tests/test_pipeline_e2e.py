@@ -105,7 +105,7 @@ def test_trained_head_accepts_more_than_a_random_head(pipeline_result):
     result, tmp_path = pipeline_result
     cfg = load_config(REPO / "configs" / "demo.yaml", small_demo_overrides(tmp_path))
     data_dir = Path(result.data_dir)
-    spec = HeadSpec.load(data_dir / "head_spec.json")
+    spec = HeadSpec.load(Path(result.checkpoint_dir) / "head_spec.json")  # the trained head's shape
     vocab = DraftVocab.load(data_dir / "vocab.safetensors")
     torch.manual_seed(0)
     random_head = export_head(PEagleDrafter(spec).state_dict(), spec, vocab, tmp_path / "random-head",

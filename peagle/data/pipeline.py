@@ -9,10 +9,13 @@
    drop sequences shorter than ``data.min_tokens`` and TRUNCATE longer ones to
    ``data.max_seq_len`` (recorded per sample as ``truncated_from``);
 4. print the disk the hidden states will take and refuse when it is not free;
-5. extract the hidden states of ``spec.stored_layer_ids`` (same vLLM engine) into
+5. extract the hidden states of ``facts.stored_layer_ids`` (same vLLM engine) into
    train/eval shards; samples already in a shard are skipped on a rerun;
 6. build the draft vocabulary from the TRAIN split's supervised tokens and save
-   ``vocab.safetensors``, ``head_spec.json`` and the final ``samples.jsonl``.
+   ``vocab.safetensors``, ``target_facts.json`` and the final ``samples.jsonl``.
+
+The dataset owns the target's facts only; the drafter's shape is the checkpoint's
+(``peagle.facts``), so changing the ``drafter`` section never needs new data.
 
 The config hash (``target`` + ``data`` sections) is stored in ``build.json`` and every
 manifest: a rerun with a different configuration refuses unless ``force`` (which
@@ -36,14 +39,10 @@ from tqdm.auto import tqdm
 from peagle.config import ConfigError, PipelineConfig
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.prompts import Conversation, load_prompts, split_heldout
-from peagle.data.store import MANIFEST, ShardReader, ShardWriter, check_free_space, estimate_bytes, format_bytes
-from peagle.data.vocab import VOCAB_FILE, build_draft_vocab, count_tokens
-from peagle.facts import HeadSpec
-
-SPLITS = ("train", "eval")
-BUILD_FILE = "build.json"
-SAMPLES_FILE = "samples.jsonl"
-SPEC_FILE = "head_spec.json"
+from peagle.data.store import ShardReader, ShardWriter, check_free_space, estimate_bytes, format_bytes
+from peagle.data.vocab import build_draft_vocab, count_tokens
+from peagle.facts import TargetFacts
+from peagle.layout import BUILD_FILE, SAMPLES_FILE, SPLITS, DataLayout, RunLayout
 
 
 @dataclass
@@ -52,7 +51,7 @@ class DatasetInfo:
     train_dir: Path
     eval_dir: Path
     vocab_path: Path
-    spec_path: Path
+    facts_path: Path
     num_train: int
     num_eval: int
     num_tokens: int
@@ -83,16 +82,17 @@ class Record:
 
 
 def build_dataset(
-    cfg: PipelineConfig, target_path: str, spec: HeadSpec, progress: bool = True, force: bool = False
+    cfg: PipelineConfig, target_path: str, facts: TargetFacts, progress: bool = True, force: bool = False
 ) -> DatasetInfo:
     """Build (or finish building) the dataset of ``cfg`` for the target at ``target_path``."""
     from transformers import AutoTokenizer
 
     console = Console(quiet=not progress)
-    data_dir = cfg.run_dir / "data"
+    layout = RunLayout(cfg.run_dir).data
+    data_dir = layout.root
     config_hash = cfg.section_hash("target", "data")
-    draft_vocab_size = cfg.data.draft_vocab_size or spec.vocab_size
-    final_spec = spec.with_draft_vocab(draft_vocab_size)  # ConfigError now rather than after extraction
+    draft_vocab_size = cfg.data.draft_vocab_size or facts.vocab_size
+    final_facts = facts.with_draft_vocab(draft_vocab_size)  # ConfigError now rather than after extraction
     prepare_data_dir(data_dir, config_hash, force, console)
     tokenizer = AutoTokenizer.from_pretrained(
         target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
@@ -104,28 +104,29 @@ def build_dataset(
     with ExitStack() as stack:
         writers = {
             split: stack.enter_context(ShardWriter(
-                data_dir / "splits" / split, spec.stored_layer_ids, spec.target_hidden_size,
+                layout.split(split), facts.stored_layer_ids, facts.target_hidden_size,
                 cfg.data.storage_dtype, cfg.data.shard_max_tokens, meta,
             ))
             for split in SPLITS
         }
-        engine = _LazyEngine(stack, cfg, target_path, spec, data_dir / "work", console)
+        engine = _LazyEngine(stack, cfg, target_path, facts, layout.work, console)
         pending_regen = [r for r in records if cfg.data.regenerate.enabled and r.regen is None]
         if pending_regen:
             with engine.for_regeneration() as llm:
-                regenerate(llm, tokenizer, pending_regen, cfg, data_dir / SAMPLES_FILE, progress)
+                regenerate(llm, tokenizer, pending_regen, cfg, layout.samples, progress)
         render_records(tokenizer, records, cfg, max_len, progress)
         require_training_samples(records)
         todo = [r for r in records if r.status == "ok" and r.id not in writers[r.split].done_ids()]
-        check_disk(todo, spec, cfg, data_dir, force, console)
+        check_disk(todo, facts, cfg, data_dir, force, console)
         if todo:
             extract_into(engine.get(), todo, writers, cfg, progress)
-    write_samples(data_dir / SAMPLES_FILE, records)
+    write_samples(layout.samples, records)
 
-    vocab = build_draft_vocab(count_tokens(ShardReader(data_dir / "splits" / "train", verify=False), spec.vocab_size),
+    vocab = build_draft_vocab(count_tokens(ShardReader(layout.train, verify=False), facts.vocab_size),
                               draft_vocab_size)
-    vocab.save(data_dir / VOCAB_FILE)
-    final_spec.save(data_dir / SPEC_FILE)
+    vocab.save(layout.vocab)
+    final_facts.save(layout.facts)
+    layout.legacy_head_spec.unlink(missing_ok=True)  # an older peagle's, with a stale drafter shape
     info = dataset_info(data_dir, config_hash, records)
     console.print(
         f"data: {info.num_train} train + {info.num_eval} eval samples, {info.num_tokens} tokens, "
@@ -141,11 +142,12 @@ def build_dataset(
 
 def prepare_data_dir(data_dir: Path, config_hash: str, force: bool, console: Console) -> None:
     """Refuse to mix configurations: a different config hash needs ``force`` (then rebuild)."""
+    layout = DataLayout(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    build = data_dir / BUILD_FILE
+    build = layout.build
     old = json.loads(build.read_text())["config_hash"] if build.exists() else None
     for split in SPLITS:
-        manifest = data_dir / "splits" / split / MANIFEST
+        manifest = layout.manifest(split)
         if old is None and manifest.exists():
             old = json.loads(manifest.read_text()).get("config_hash")
     if old is not None and old != config_hash:
@@ -156,8 +158,8 @@ def prepare_data_dir(data_dir: Path, config_hash: str, force: bool, console: Con
                 "or give this run another name/workdir"
             )
         console.print(f"data: config changed ({old} -> {config_hash}), --force: rebuilding {data_dir}")
-        for name in ("splits", "work", SAMPLES_FILE, VOCAB_FILE, SPEC_FILE, BUILD_FILE):
-            path = data_dir / name
+        for path in (layout.splits_dir, layout.work, layout.samples, layout.vocab, layout.facts,
+                     layout.legacy_head_spec, layout.build):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     tmp = build.with_name(build.name + ".tmp")
     tmp.write_text(json.dumps({"config_hash": config_hash}))
@@ -167,7 +169,7 @@ def prepare_data_dir(data_dir: Path, config_hash: str, force: bool, console: Con
 def plan_records(cfg: PipelineConfig, data_dir: Path, console: Console) -> list[Record]:
     """Every prompt as a Record, with regenerated responses of an earlier run restored."""
     prompts = load_prompts(cfg.data, verbose=console.quiet is False)
-    previous = read_samples(data_dir / SAMPLES_FILE)
+    previous = read_samples(DataLayout(data_dir).samples)
     splits = {sample_id: rec.get("split") for sample_id, rec in previous.items()}
     train, heldout = split_heldout(prompts, cfg.data.heldout_samples, cfg.data.seed, splits)
     records = []
@@ -228,9 +230,9 @@ def write_samples(path: Path, records: list[Record]) -> None:
 class _LazyEngine:
     """Starts the one data engine (regeneration + extraction) only if some work needs it."""
 
-    def __init__(self, stack: ExitStack, cfg: PipelineConfig, target_path: str, spec: HeadSpec, work_dir: Path,
+    def __init__(self, stack: ExitStack, cfg: PipelineConfig, target_path: str, facts: TargetFacts, work_dir: Path,
                  console: Console):
-        self.stack, self.cfg, self.target_path, self.spec, self.work_dir = stack, cfg, target_path, spec, work_dir
+        self.stack, self.cfg, self.target_path, self.facts, self.work_dir = stack, cfg, target_path, facts, work_dir
         self.console, self.llm = console, None
 
     def get(self):
@@ -240,7 +242,7 @@ class _LazyEngine:
             self.console.print(f"data: starting vLLM for {self.target_path}")
             t = self.cfg.target
             self.llm = self.stack.enter_context(open_data_engine(
-                self.target_path, self.cfg.vllm, self.spec.stored_layer_ids, self.work_dir,
+                self.target_path, self.cfg.vllm, self.facts.stored_layer_ids, self.work_dir,
                 revision=t.revision, trust_remote_code=t.trust_remote_code, dtype=t.dtype,
             ))
         return self.llm
@@ -350,10 +352,10 @@ def require_training_samples(records: list[Record]) -> None:
         )
 
 
-def check_disk(todo: list[Record], spec: HeadSpec, cfg: PipelineConfig, data_dir: Path, force: bool,
+def check_disk(todo: list[Record], facts: TargetFacts, cfg: PipelineConfig, data_dir: Path, force: bool,
                console: Console) -> None:
     tokens = sum(r.num_tokens for r in todo)
-    nl, ht = len(spec.stored_layer_ids), spec.target_hidden_size
+    nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
     needed = estimate_bytes(tokens, nl, ht, cfg.data.storage_dtype) if todo else 0
     truncated = sum(r.truncated_from is not None for r in todo)
     free = check_free_space(data_dir, needed, force)
@@ -368,14 +370,15 @@ def check_disk(todo: list[Record], spec: HeadSpec, cfg: PipelineConfig, data_dir
 
 
 def dataset_info(data_dir: Path, config_hash: str, records: list[Record]) -> DatasetInfo:
-    manifests = {s: json.loads((data_dir / "splits" / s / MANIFEST).read_text()) for s in SPLITS}
+    layout = DataLayout(data_dir)
+    manifests = {s: json.loads(layout.manifest(s).read_text()) for s in SPLITS}
     on_disk = sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file())
     return DatasetInfo(
         data_dir=data_dir,
-        train_dir=data_dir / "splits" / "train",
-        eval_dir=data_dir / "splits" / "eval",
-        vocab_path=data_dir / VOCAB_FILE,
-        spec_path=data_dir / SPEC_FILE,
+        train_dir=layout.train,
+        eval_dir=layout.eval,
+        vocab_path=layout.vocab,
+        facts_path=layout.facts,
         num_train=manifests["train"]["num_samples"],
         num_eval=manifests["eval"]["num_samples"],
         num_tokens=manifests["train"]["num_tokens"] + manifests["eval"]["num_tokens"],

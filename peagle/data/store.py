@@ -29,9 +29,10 @@ import torch
 from safetensors import safe_open
 
 from peagle.fileio import atomic_open, is_temp_name, sha256_file, write_json_atomic
+from peagle.layout import MANIFEST_FILE
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = MANIFEST_FILE  # named in peagle.layout
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
 
 STORAGE_DTYPES = {

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle.fileio import atomic_path
+from peagle.layout import VOCAB_FILE  # noqa: F401 (re-exported: the data package's file name)
 
-VOCAB_FILE = "vocab.safetensors"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from torch import nn
 
 from peagle.data.vocab import DraftVocab
 from peagle.facts import HeadSpec
+from peagle.layout import DataLayout
 from peagle.train.batch import NUM_AUX_LAYERS, Batch
 from peagle.train.eagle3 import ttt_passes
 from peagle.train.loss import TargetHead
@@ -44,7 +45,6 @@ from peagle.train.masks import brute_force_mask
 
 Method = Literal["peagle", "eagle3"]
 Reference = Literal["data", "target"]
-EVAL_SPLIT = "eval"
 
 
 @dataclass
@@ -266,23 +266,23 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     dropped for P-EAGLE heads).
     """
     from peagle.data.store import ShardReader
-    from peagle.data.vocab import VOCAB_FILE
+    from peagle.facts import load_dataset_facts
 
-    data_dir = Path(data_dir)
-    spec = HeadSpec.load(data_dir / "head_spec.json")
-    vocab = DraftVocab.load(data_dir / VOCAB_FILE)
-    split = data_dir / "splits" / EVAL_SPLIT
+    data = DataLayout(data_dir)
+    facts = load_dataset_facts(data)
+    vocab = DraftVocab.load(data.vocab)
+    split = data.eval
     reader = ShardReader(split)
     if len(reader) == 0:
         raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")
     method = cfg.train.method
     limit = cfg.train.k_train if method == "peagle" else None
     ks = [k for k in cfg.eval.ks if limit is None or k <= limit] or [limit]
-    head = TargetHead.from_target(target_path, spec, vocab.draft_ids) if reference == "target" else None
+    head = TargetHead.from_target(target_path, facts, vocab.draft_ids) if reference == "target" else None
 
     def eval_fn(drafter: nn.Module) -> float:
-        result = evaluate_offline(
-            drafter, head, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method, reference, limit
+        result = evaluate_offline(  # the drafter being trained carries its own spec
+            drafter, head, reader, drafter.spec, vocab, ks, cfg.eval.offline_max_samples, method, reference, limit
         )
         return result.acceptance_length[max(ks)]
 

@@ -38,11 +38,9 @@ from peagle.export.validate import (
     target_facts_from_spec,
     validate_head,
 )
-from peagle.facts import HeadSpec
+from peagle.facts import HeadSpec, load_dataset_facts
+from peagle.layout import VOCAB_FILE, CheckpointLayout, DataLayout
 
-DRAFTER_FILE = "drafter.safetensors"
-HEAD_SPEC_FILE = "head_spec.json"
-VOCAB_FILE = "vocab.safetensors"
 VOCAB_KEYS = ("draft_ids", "d2t", "t2d")
 
 
@@ -247,7 +245,8 @@ def export_from_checkpoint(
     card: ModelCardInfo | None = None,
     **kwargs,
 ) -> Path:
-    """Export ``<checkpoint>/drafter.safetensors`` with its ``head_spec.json`` and the data dir's vocabulary.
+    """Export ``<checkpoint>/drafter.safetensors`` in the shape of its ``head_spec.json``, with the
+    data dir's vocabulary (the dataset's target facts must be the ones the head was trained on).
 
     ``checkpoint_dir`` is a step directory or the trainer's ``latest``/``best`` pointer.
     Keyword arguments go to ``export_head`` (dtype, target_path, load_in_vllm, ...).
@@ -255,23 +254,22 @@ def export_from_checkpoint(
     from peagle.train.checkpoint import resolve_checkpoint
 
     try:
-        ckpt = resolve_checkpoint(checkpoint_dir)
+        ckpt = CheckpointLayout(resolve_checkpoint(checkpoint_dir))
     except FileNotFoundError as err:
         raise ExportError(str(err)) from None
-    data_dir = Path(data_dir)
+    data = DataLayout(data_dir)
     for path, fix in (
-        (ckpt / DRAFTER_FILE, "pass a checkpoint step directory written by the trainer"),
-        (ckpt / HEAD_SPEC_FILE, "pass a checkpoint step directory written by the trainer"),
-        (data_dir / VOCAB_FILE, "pass the run's data directory (it holds vocab.safetensors)"),
+        (ckpt.drafter, "pass a checkpoint step directory written by the trainer"),
+        (ckpt.head_spec, "pass a checkpoint step directory written by the trainer"),
+        (data.vocab, f"pass the run's data directory (it holds {VOCAB_FILE})"),
     ):
         if not path.exists():
             raise ExportError(f"{path} not found; {fix}")
-    spec = HeadSpec.load(ckpt / HEAD_SPEC_FILE)
-    data_spec_file = data_dir / HEAD_SPEC_FILE
-    if data_spec_file.exists() and HeadSpec.load(data_spec_file) != spec:
+    spec = HeadSpec.load(ckpt.head_spec)
+    if data.facts.exists() and not spec.same_target_as(load_dataset_facts(data)):
         raise ExportError(
-            f"{ckpt / HEAD_SPEC_FILE} and {data_spec_file} differ: the checkpoint was trained on another "
+            f"{ckpt.head_spec} and {data.facts} differ: the checkpoint was trained on another "
             "dataset; pass the data dir it was trained on"
         )
-    state_dict = load_file(str(ckpt / DRAFTER_FILE))
-    return export_head(state_dict, spec, load_vocab(data_dir / VOCAB_FILE), out_dir, card, **kwargs)
+    state_dict = load_file(str(ckpt.drafter))
+    return export_head(state_dict, spec, load_vocab(data.vocab), out_dir, card, **kwargs)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from peagle.export.contract import expected_tensors
-from peagle.facts import HeadSpec
+from peagle.facts import DrafterShape, HeadSpec, TargetFacts, head_spec
 
 MARKER = 0  # the residual dimension both models keep at 1
 MASK_TOKEN = "<|mask|>"
@@ -106,34 +106,50 @@ def draft_vocab_skipping_low_ids(vocab_size: int, draft_vocab_size: int, mask_to
     return {"draft_ids": draft_ids, "d2t": draft_ids - torch.arange(len(ids)), "t2d": t2d}
 
 
-def tiny_head_spec(target_dir: str | Path, *, draft_vocab_size: int | None = None, num_layers: int = 2) -> HeadSpec:
-    """The HeadSpec of a head for a tiny target (vLLM's default aux layers, the <|mask|> token)."""
+def tiny_target_facts(target_dir: str | Path, *, draft_vocab_size: int | None = None) -> TargetFacts:
+    """The TargetFacts of a tiny target (vLLM's default aux layers, the <|mask|> token)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from peagle.facts import default_aux_layer_ids
 
     tc = AutoConfig.from_pretrained(target_dir)
-    return HeadSpec(
+    return TargetFacts(
         target=str(target_dir),
         target_revision=None,
         target_num_layers=tc.num_hidden_layers,
         target_hidden_size=tc.hidden_size,
         vocab_size=tc.vocab_size,
-        aux_layer_ids=default_aux_layer_ids(tc.num_hidden_layers),
-        final_layer_id=tc.num_hidden_layers,
-        mask_token_id=AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(MASK_TOKEN),
-        hidden_size=tc.hidden_size,
-        num_layers=num_layers,
-        num_heads=tc.num_attention_heads,
-        num_kv_heads=tc.num_key_value_heads,
-        head_dim=tc.hidden_size // tc.num_attention_heads,
-        intermediate_size=tc.intermediate_size,
+        target_num_heads=tc.num_attention_heads,
+        target_num_kv_heads=tc.num_key_value_heads,
+        target_head_dim=None,
+        target_intermediate_size=tc.intermediate_size,
         rms_norm_eps=tc.rms_norm_eps,
         rope_theta=float(tc.rope_parameters["rope_theta"]),
         rope_scaling=None,
         max_position_embeddings=tc.max_position_embeddings,
+        aux_layer_ids=default_aux_layer_ids(tc.num_hidden_layers),
+        final_layer_id=tc.num_hidden_layers,
+        mask_token_id=AutoTokenizer.from_pretrained(target_dir).convert_tokens_to_ids(MASK_TOKEN),
         draft_vocab_size=draft_vocab_size,
     )
+
+
+def tiny_head_spec(target_dir: str | Path, *, draft_vocab_size: int | None = None, num_layers: int = 2) -> HeadSpec:
+    """The HeadSpec of a ``num_layers`` head as wide as a tiny target (``tiny_target_facts``)."""
+    facts = tiny_target_facts(target_dir, draft_vocab_size=draft_vocab_size)
+    shape = DrafterShape(
+        hidden_size=facts.target_hidden_size,
+        num_layers=num_layers,
+        num_heads=facts.target_num_heads,
+        num_kv_heads=facts.target_num_kv_heads,
+        head_dim=facts.target_hidden_size // facts.target_num_heads,
+        intermediate_size=facts.target_intermediate_size,
+        rms_norm_eps=facts.rms_norm_eps,
+        rope_theta=facts.rope_theta,
+        rope_scaling=None,
+        max_position_embeddings=facts.max_position_embeddings,
+    )
+    return head_spec(facts, shape)
 
 
 def build_golden_pair(work_dir: str | Path, *, token: int = 101, draft_vocab_size: int = 128) -> tuple[Path, Path]:

@@ -210,7 +210,7 @@ def _check_config(report: ValidationReport, config: dict, target: TargetFacts, p
     elif ids[0] < 1 or ids[-1] > target.num_layers:
         report.problem(
             f"eagle_aux_hidden_state_layer_ids {ids} fall outside the target's layers 1..{target.num_layers}",
-            "use the layer ids of the dataset's head_spec.json",
+            "use the layer ids of the dataset's target_facts.json",
         )
     dtype_names = {config.get("torch_dtype"), config.get("dtype")} - {None}
     if len(dtype_names) > 1:

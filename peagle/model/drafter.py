@@ -28,6 +28,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from peagle.facts import HeadSpec
+from peagle.layout import CheckpointLayout
 from peagle.model.target_weights import load_target_tensors
 
 MASK_HIDDEN_INIT_STD = 0.02
@@ -170,7 +171,7 @@ class PEagleDrafter(nn.Module):
         if spec.draft_vocab_size is None:
             raise ValueError(
                 "HeadSpec.draft_vocab_size is unset: build the draft vocabulary first "
-                "(spec.with_draft_vocab(Vd), or read the dataset's head_spec.json)"
+                "(spec.with_draft_vocab(Vd), or derive the spec from the dataset's target_facts.json)"
             )
         self.spec = spec
         h, ht = spec.hidden_size, spec.target_hidden_size
@@ -290,7 +291,17 @@ class PEagleDrafter(nn.Module):
         tmp.replace(path)
 
     @classmethod
+    def from_checkpoint(cls, checkpoint: str | Path) -> PEagleDrafter:
+        """The drafter a checkpoint directory holds, in the shape its ``head_spec.json`` records."""
+        files = CheckpointLayout(checkpoint)
+        for path in (files.drafter, files.head_spec):
+            if not path.exists():
+                raise FileNotFoundError(f"{path} not found: pass a checkpoint step directory written by the trainer")
+        return cls.load(files.drafter, HeadSpec.load(files.head_spec))
+
+    @classmethod
     def load(cls, path: str | Path, spec: HeadSpec) -> PEagleDrafter:
+        """Weights from ``path`` into a drafter of ``spec`` (``from_checkpoint`` reads both)."""
         drafter = cls(spec)
         state = load_file(str(path))
         missing, unexpected = drafter.load_state_dict(state, strict=False)

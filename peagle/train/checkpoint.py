@@ -3,7 +3,8 @@
 ``<root>/step-NNNNNN/`` holds
 
     drafter.safetensors   the drafter's state dict (vLLM head names), gathered on rank 0
-    head_spec.json        the HeadSpec it was trained for
+    head_spec.json        the HeadSpec it was trained for: target facts, drafter shape,
+                          method and k_train, so every later stage reads the head from here
     trainer_state.json    step, epoch, position in the epoch, batch plan, metrics, the
                           acceptance it was chosen by, and rank 0's python/numpy/torch RNG
                           states as plain lists (ranks > 0: rng-rank-R.json)
@@ -25,7 +26,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +34,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from peagle.fileio import fsync_dir
 from peagle.facts import HeadSpec
-
-DRAFTER_FILE = "drafter.safetensors"
-HEAD_SPEC_FILE = "head_spec.json"
-TRAINER_STATE_FILE = "trainer_state.json"
+from peagle.fileio import fsync_dir
+from peagle.layout import DRAFTER_FILE, HEAD_SPEC_FILE, TRAINER_STATE_FILE, CheckpointLayout
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "engine"
 LATEST = "latest"
@@ -240,7 +238,31 @@ def best_acceptance(root: Path) -> float | None:
 
 
 def read_trainer_state(checkpoint: Path) -> TrainerState:
-    return TrainerState.from_json((Path(checkpoint) / TRAINER_STATE_FILE).read_text())
+    return TrainerState.from_json(CheckpointLayout(checkpoint).trainer_state.read_text())
+
+
+def read_head_spec(checkpoint: Path) -> HeadSpec:
+    """The head a checkpoint holds (its shape, target facts, method and k_train)."""
+    return HeadSpec.load(CheckpointLayout(checkpoint).head_spec)
+
+
+def check_same_head(checkpoint: Path, spec: HeadSpec) -> None:
+    """Refuse to resume ``checkpoint`` into another head (e.g. ``drafter.num_layers`` changed).
+
+    A checkpoint of an older peagle records no method/k_train: those are not compared then.
+    """
+    old = read_head_spec(checkpoint)
+    differ = {
+        f.name: (getattr(old, f.name), getattr(spec, f.name))
+        for f in fields(HeadSpec)
+        if getattr(old, f.name) != getattr(spec, f.name) and not (f.name in ("method", "k_train") and getattr(old, f.name) is None)
+    }
+    if differ:
+        detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        raise ValueError(
+            f"cannot resume from {checkpoint}: it holds another head ({detail}); "
+            "use a fresh output directory (another workdir) or restore the drafter/train config"
+        )
 
 
 # ----------------------------------------------------------------------------- weights

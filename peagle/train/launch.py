@@ -41,9 +41,10 @@ from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig, load_config, parse_config, parse_overrides
 from peagle.fileio import write_text_atomic
+from peagle.layout import LAUNCH_CONFIG_FILE
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
-LAUNCH_CONFIG = "launch_config.json"
+LAUNCH_CONFIG = LAUNCH_CONFIG_FILE
 TAIL_LINES = 40
 DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--config", help="pipeline config YAML")
     source.add_argument("--config-json", help="the pipeline config as JSON (inline, or a .json file)")
     parser.add_argument("--set", action="append", help="override a key of --config: train.epochs=3")
-    parser.add_argument("--data-dir", required=True, type=Path, help="dataset directory (head_spec.json, splits/, vocab)")
+    parser.add_argument("--data-dir", required=True, type=Path, help="dataset directory (target_facts.json, splits/, vocab)")
     parser.add_argument("--target", required=True, help="the target model's local directory")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint/metrics directory (resumed if it has one)")
     parser.add_argument("--eval-factory", help="module:function returning eval_fn(drafter) -> acceptance")

@@ -28,13 +28,12 @@ from tqdm import tqdm
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
+from peagle.layout import METRICS_FILE, TRAIN_SPLIT
+from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
 from peagle.train import checkpoint as ckpt
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
 
-METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "train_result.json"
-TRAIN_SPLIT = "train"
 STAT_KEYS = ("kl_sum", "correct", "count")
 # Fields that may change between a run and its resume without changing what is trained
 # (eagle3_baseline only asks the pipeline for a second head).
@@ -147,28 +146,31 @@ def make_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective
 
 @dataclass
 class TrainingInputs:
-    spec: HeadSpec
+    spec: HeadSpec  # the head being trained: saved in every checkpoint
     samples: Any  # a ShardReader (or any sequence of samples)
     draft_ids: torch.Tensor
 
 
-def load_training_inputs(data_dir: Path) -> TrainingInputs:
-    """Head spec, training split and draft vocabulary of a dataset directory (checked first)."""
+def load_training_inputs(data_dir: Path, cfg: PipelineConfig) -> TrainingInputs:
+    """The head ``cfg`` trains on a dataset directory: its spec (the dataset's target facts +
+    ``cfg.drafter``'s shape + the method), training split and draft vocabulary, checked first."""
     from peagle.data.store import ShardReader
-    from peagle.data.vocab import VOCAB_FILE, DraftVocab
+    from peagle.data.vocab import DraftVocab
+    from peagle.facts import head_spec_for, load_dataset_facts
+    from peagle.layout import DataLayout
 
-    data_dir = Path(data_dir)
-    for need in ("head_spec.json", VOCAB_FILE, f"splits/{TRAIN_SPLIT}/manifest.json"):
-        if not (data_dir / need).exists():
-            raise FileNotFoundError(f"{data_dir / need} not found: build the dataset first (`peagle data CONFIG`)")
-    spec = HeadSpec.load(data_dir / "head_spec.json")
-    vocab = DraftVocab.load(data_dir / VOCAB_FILE)
-    if spec.draft_vocab_size != vocab.size:
+    data = DataLayout(data_dir)
+    facts = load_dataset_facts(data)
+    for need in (data.vocab, data.manifest(TRAIN_SPLIT)):
+        if not need.exists():
+            raise FileNotFoundError(f"{need} not found: build the dataset first (`peagle data CONFIG`)")
+    vocab = DraftVocab.load(data.vocab)
+    if facts.draft_vocab_size != vocab.size:
         raise ValueError(
-            f"{data_dir}: head_spec.json says draft_vocab_size={spec.draft_vocab_size} but "
-            f"{VOCAB_FILE} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
+            f"{data.root}: {data.facts.name} says draft_vocab_size={facts.draft_vocab_size} but "
+            f"{data.vocab.name} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
         )
-    return TrainingInputs(spec=spec, samples=ShardReader(data_dir / "splits" / TRAIN_SPLIT), draft_ids=vocab.draft_ids)
+    return TrainingInputs(spec=head_spec_for(cfg, facts), samples=ShardReader(data.train), draft_ids=vocab.draft_ids)
 
 
 def train_config_hash(train: TrainConfig) -> str:
@@ -338,9 +340,12 @@ def train_drafter(
             "train.init_from 'champion' is resolved by the pipeline (peagle run / the train flow), which "
             "downloads the registry champion first; here give an exported head directory"
         )
-    inputs = inputs or load_training_inputs(data_dir)
+    inputs = inputs or load_training_inputs(data_dir, cfg)
     target_config(target_path)  # a missing target fails here, before DeepSpeed starts
     spec = inputs.spec
+    resumable = ckpt.latest_checkpoint(out_dir) if resume else None
+    if resumable is not None:  # checkpoints of another head (e.g. drafter.num_layers changed): say so before any work
+        ckpt.check_same_head(resumable, spec)
     dist_info = init_process_group()
     if dist_info.world_size != train.world_size:
         raise ValueError(

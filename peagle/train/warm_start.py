@@ -6,10 +6,15 @@ weight but ``lm_head`` is vocabulary-independent and is copied as is; ``lm_head`
 are copied for the draft tokens the old head also had (found through its ``d2t``), and
 rows of tokens new to the draft vocabulary keep their fresh initialisation (the
 target's own lm_head rows, see ``PEagleDrafter.from_target``).
+
+The drafter being trained has the shape the run's config asks for (``drafter.spec``, what
+its checkpoints record); the head's ``config.json`` says the shape it was exported with.
+They must agree: a 2-layer champion cannot seed a 4-layer drafter.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +22,25 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-HEAD_WEIGHTS = "model.safetensors"
+from peagle.export.contract import CONFIG_FILE
+from peagle.export.contract import WEIGHTS_FILE as HEAD_WEIGHTS
+
 VOCAB_TENSORS = ("d2t", "t2d")
+# config.json key of an exported head -> the HeadSpec field it was written from.
+SHAPE_KEYS = {
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "target_hidden_size": "target_hidden_size",
+    "vocab_size": "vocab_size",
+}
+# ... and the config key that sets it, to name the fix.
+CONFIG_KEYS = {"num_hidden_layers": "drafter.num_layers", "hidden_size": "drafter.hidden_size",
+               "num_attention_heads": "drafter.num_heads", "num_key_value_heads": "drafter.num_kv_heads",
+               "intermediate_size": "drafter.intermediate_size"}
 
 
 @dataclass
@@ -42,11 +64,29 @@ def lm_head_row_sources(old_ids: torch.Tensor, new_ids: torch.Tensor) -> torch.T
     return position[new_ids]
 
 
+def check_head_shape(head_dir: Path, spec) -> None:
+    """Refuse, naming the config keys to change, a head whose config.json shape is not ``spec``'s."""
+    config_path = head_dir / CONFIG_FILE
+    if not config_path.exists():
+        return  # weights only: the tensor shapes are checked below
+    config = json.loads(config_path.read_text())
+    differ = {key: (config[key], getattr(spec, field)) for key, field in SHAPE_KEYS.items()
+              if key in config and config[key] != getattr(spec, field)}
+    if differ:
+        detail = ", ".join(f"{key} {old} (head) vs {new} (now)" for key, (old, new) in differ.items())
+        fix = ", ".join(f"{CONFIG_KEYS[k]}: {old}" for k, (old, _) in differ.items() if k in CONFIG_KEYS)
+        raise ValueError(
+            f"cannot warm start from {head_dir}: its head has another architecture ({detail}); "
+            + (f"set {fix} to match it, " if fix else "")
+            + "or unset train.init_from"
+        )
+
+
 def warm_start(drafter: nn.Module, head_dir: str | Path, draft_ids: torch.Tensor) -> WarmStart:
     """Load an exported head's weights into ``drafter`` (same architecture, any draft vocabulary).
 
-    Refuses, naming the tensors, a head of another shape (other width, depth or target):
-    warm starting from it would silently train something else.
+    Refuses, naming the config keys or tensors, a head of another shape (other width, depth
+    or target) than ``drafter.spec``: warm starting from it would silently train something else.
     """
     head_dir = Path(head_dir)
     path = head_dir / HEAD_WEIGHTS
@@ -55,6 +95,7 @@ def warm_start(drafter: nn.Module, head_dir: str | Path, draft_ids: torch.Tensor
             f"train.init_from={head_dir}: no {HEAD_WEIGHTS} there; point it at an exported head directory "
             "(peagle export) or set it to 'champion'"
         )
+    check_head_shape(head_dir, drafter.spec)
     tensors = load_file(str(path))
     old_ids = head_draft_ids(tensors)
     weights = {k: v for k, v in tensors.items() if k not in VOCAB_TENSORS}

@@ -34,7 +34,7 @@ def dataset(tmp_path):
                 mask = torch.rand(n, generator=g) > 0.3
                 w.add(f"{split}-{i}", ids, mask, torch.randn(n, len(LAYERS), HIDDEN, generator=g) * 5)
                 samples[f"{split}-{i}"] = ids.tolist()
-    (data / "head_spec.json").write_text(json.dumps({"vocab_size": 100}))
+    (data / "target_facts.json").write_text(json.dumps({"vocab_size": 100}))
     (data / "vocab.safetensors").write_bytes(b"not read by these helpers")
     return data, samples
 

@@ -17,7 +17,7 @@ from peagle.data.pipeline import (
     render_records,
     write_samples,
 )
-from peagle.facts import HeadSpec
+from peagle.facts import TargetFacts
 from rich.console import Console
 
 CONVERSATIONS = [
@@ -66,12 +66,12 @@ def prompts_path(tmp_path):
     return path
 
 
-def small_spec(vocab_size=384):
-    return HeadSpec(
+def small_facts(vocab_size=384):
+    return TargetFacts(
         target="t", target_revision=None, target_num_layers=4, target_hidden_size=64, vocab_size=vocab_size,
-        aux_layer_ids=[1, 2, 3], final_layer_id=4, mask_token_id=6, hidden_size=64, num_layers=1, num_heads=4,
-        num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-        rope_scaling=None, max_position_embeddings=512,
+        target_num_heads=4, target_num_kv_heads=2, target_head_dim=None, target_intermediate_size=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
+        aux_layer_ids=[1, 2, 3], final_layer_id=4, mask_token_id=6,
     )
 
 
@@ -81,7 +81,7 @@ def test_other_configuration_is_refused_before_any_work(tmp_path, prompts_path):
     data_dir.mkdir(parents=True)
     (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "0123456789abcdef"}))
     with pytest.raises(ConfigError, match="another configuration.*--force"):
-        build_dataset(cfg, "/nonexistent/target", small_spec(), progress=False)
+        build_dataset(cfg, "/nonexistent/target", small_facts(), progress=False)
 
 
 def test_force_clears_the_old_dataset(tmp_path):
@@ -99,7 +99,7 @@ def test_force_clears_the_old_dataset(tmp_path):
 def test_draft_vocab_larger_than_target_is_refused(tmp_path, prompts_path):
     cfg = make_cfg(tmp_path, prompts_path, draft_vocab_size=1000)
     with pytest.raises(ConfigError, match="draft_vocab_size"):
-        build_dataset(cfg, "/nonexistent/target", small_spec(vocab_size=384), progress=False)
+        build_dataset(cfg, "/nonexistent/target", small_facts(vocab_size=384), progress=False)
 
 
 def test_render_filters_say_why(tmp_path, prompts_path, make_tokenizer, templates):
@@ -186,13 +186,14 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, capsys):
     from peagle.data.chat import render_with_loss_mask
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
-    from peagle.facts import head_spec_from_target
+    from peagle.facts import load_dataset_facts, target_facts_from_target
+    from peagle.layout import DataLayout
     from peagle.serving.tiny import build_tiny_llama
 
     target = build_tiny_llama(tmp_path / "target")
     cfg = make_cfg(tmp_path, prompts_path, target=str(target))
     tok = AutoTokenizer.from_pretrained(target)
-    spec = head_spec_from_target(cfg, AutoConfig.from_pretrained(target), tok)
+    spec = target_facts_from_target(cfg, AutoConfig.from_pretrained(target), tok)
 
     info = build_dataset(cfg, str(target), spec)
     assert info.num_train + info.num_eval + info.num_failed == len(CONVERSATIONS)
@@ -213,7 +214,9 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, capsys):
 
     vocab = DraftVocab.load(info.vocab_path)
     assert vocab.size == 64 and torch.equal(vocab.draft_ids, torch.arange(64) + vocab.d2t)
-    assert HeadSpec.load(info.spec_path).draft_vocab_size == 64
+    facts = load_dataset_facts(DataLayout(info.data_dir))
+    assert facts == TargetFacts.load(info.facts_path) == spec.with_draft_vocab(64)
+    assert not DataLayout(info.data_dir).legacy_head_spec.exists()  # no drafter shape in the dataset
     assert json.loads((info.train_dir / "manifest.json").read_text())["config_hash"] == info.config_hash
 
     # Rerun with nothing to do: no engine, same dataset.

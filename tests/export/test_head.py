@@ -186,20 +186,23 @@ def test_existing_head_is_replaced_only_when_asked(head, state, spec, vocab, tin
     assert torch.equal(read_tensors(head)["norm.weight"], state["norm.weight"])
 
 
-def write_checkpoint(root, state, spec, vocab):
+def write_checkpoint(root, state, spec, vocab, target):
+    """A trainer's checkpoint (weights + the head's spec) and the dataset's target facts and vocabulary."""
+    from peagle.export.selftest import tiny_target_facts
+
     ckpt, data = root / "checkpoints" / "step-000010", root / "data"
     ckpt.mkdir(parents=True)
     data.mkdir()
     save_file({**state, "d2t": vocab["d2t"], "t2d": vocab["t2d"]}, str(ckpt / "drafter.safetensors"))
     spec.save(ckpt / "head_spec.json")
-    spec.save(data / "head_spec.json")
+    tiny_target_facts(target, draft_vocab_size=spec.draft_vocab_size).save(data / "target_facts.json")
     save_file(dict(vocab), str(data / "vocab.safetensors"))
     write_pointer(root / "checkpoints", LATEST, ckpt.name, step=10)  # as the trainer writes it
     return ckpt, data
 
 
 def test_export_from_checkpoint_round_trips_the_weights(tmp_path, state, spec, vocab, tiny_target):
-    ckpt, data = write_checkpoint(tmp_path, state, spec, vocab)
+    ckpt, data = write_checkpoint(tmp_path, state, spec, vocab, tiny_target)
     head = export_from_checkpoint(ckpt.parent / "latest", data, tmp_path / "head", target_path=tiny_target)
     tensors = read_tensors(head)
     for name, value in state.items():
@@ -210,7 +213,7 @@ def test_export_from_checkpoint_round_trips_the_weights(tmp_path, state, spec, v
 
 def test_export_from_checkpoint_follows_the_trainers_best_pointer(tmp_path, state, spec, vocab, tiny_target):
     """`peagle export CONFIG` passes `<checkpoints>/best`, a JSON pointer file, not a directory."""
-    ckpt, data = write_checkpoint(tmp_path, state, spec, vocab)
+    ckpt, data = write_checkpoint(tmp_path, state, spec, vocab, tiny_target)
     with pytest.raises(ExportError, match="no 'best' checkpoint yet.*--checkpoint"):
         export_from_checkpoint(ckpt.parent / BEST, data, tmp_path / "head", target_path=tiny_target)
     write_pointer(ckpt.parent, BEST, ckpt.name, acceptance=1.5)
@@ -221,10 +224,13 @@ def test_export_from_checkpoint_follows_the_trainers_best_pointer(tmp_path, stat
         export_from_checkpoint(ckpt.parent / BEST, data, tmp_path / "head2", target_path=tiny_target)
 
 
-def test_export_from_checkpoint_names_missing_inputs_and_stale_data(tmp_path, state, spec, vocab):
-    ckpt, data = write_checkpoint(tmp_path, state, spec, vocab)
+def test_export_from_checkpoint_names_missing_inputs_and_stale_data(tmp_path, state, spec, vocab, tiny_target):
+    from peagle.facts import TargetFacts
+
+    ckpt, data = write_checkpoint(tmp_path, state, spec, vocab, tiny_target)
     with pytest.raises(ExportError, match="vocab.safetensors not found"):
         export_from_checkpoint(ckpt, tmp_path / "nowhere", tmp_path / "head")
-    HeadSpec(**{**spec.__dict__, "aux_layer_ids": [1, 4, 5]}).save(data / "head_spec.json")
+    facts = TargetFacts.load(data / "target_facts.json")
+    TargetFacts(**{**facts.__dict__, "aux_layer_ids": [1, 4, 5]}).save(data / "target_facts.json")
     with pytest.raises(ExportError, match="trained on another dataset"):
         export_from_checkpoint(ckpt, data, tmp_path / "head")

@@ -354,6 +354,19 @@ def test_save_load_roundtrip(tmp_path):
         PEagleDrafter.load(tmp_path / "drafter.safetensors", tiny_spec(layers=3))
 
 
+def test_a_checkpoint_loads_in_the_shape_it_records(tmp_path):
+    """``from_checkpoint`` needs nothing but the checkpoint: its head_spec.json gives the shape."""
+    deeper = tiny_spec(layers=3)
+    drafter = randomize(PEagleDrafter(deeper))
+    drafter.save(tmp_path / "drafter.safetensors")
+    with pytest.raises(FileNotFoundError, match="head_spec.json not found"):
+        PEagleDrafter.from_checkpoint(tmp_path)
+    deeper.save(tmp_path / "head_spec.json")
+    loaded = PEagleDrafter.from_checkpoint(tmp_path)
+    assert loaded.spec == deeper and len(loaded.layers) == 3
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in drafter.state_dict().items())
+
+
 def test_bf16_cast_keeps_rope_frequencies_in_fp32():
     drafter = PEagleDrafter(tiny_spec()).to(torch.bfloat16)
     assert drafter.rotary.inv_freq.dtype == torch.float32

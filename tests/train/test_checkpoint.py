@@ -51,6 +51,9 @@ def test_keeps_last_n_plus_best_by_acceptance(tiny_run, tmp_path):
     assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # each step's record, then its evaluation
     for name in ("drafter.safetensors", "head_spec.json", "trainer_state.json", "deepspeed/engine"):
         assert (result.best_checkpoint / name).exists()
+    for kept in ckpt.list_checkpoints(out):  # every checkpoint says which head it holds
+        spec = ckpt.read_head_spec(kept)
+        assert (spec.num_layers, spec.method, spec.k_train, spec.draft_vocab_size) == (1, "peagle", 3, 128)
 
 
 def _one_step(engine, objective, batch):
@@ -69,7 +72,7 @@ def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path):
     data_dir, target = tiny_run
     init_process_group()
     cfg = tiny_config(zero_stage=2)
-    inputs = load_training_inputs(data_dir)
+    inputs = load_training_inputs(data_dir, cfg)
     objective = make_objective(cfg.train, inputs.spec, TargetHead.from_target(str(target), inputs.spec, inputs.draft_ids))
     samples = EpochSamples(inputs.samples, objective.make_example, seed=0)
     batches = [[samples[i][0]] for i in range(3)]  # micro-batches: lists of examples

@@ -16,13 +16,15 @@ import pytest
 import torch
 
 from peagle.config import parse_config
-from peagle.facts import HeadSpec
+from peagle.facts import HeadSpec, TargetFacts, head_spec_for
+from peagle.layout import DataLayout
 
 VOCAB = 256
 HIDDEN = 64
 TARGET_LAYERS = 4
 DRAFT_VOCAB = 128
 MASK_ID = VOCAB - 1
+MAX_POSITIONS = 1 << 15  # the long-sequence tests train 16K tokens (+ k_train) on this target
 
 
 # ----------------------------------------------------------------------------- tiny run builders
@@ -34,52 +36,66 @@ def build_tiny_target(path: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     return path
 
 
-def tiny_spec() -> HeadSpec:
-    return HeadSpec(
+def tiny_facts() -> TargetFacts:
+    """What the tiny dataset records about the tiny target."""
+    return TargetFacts(
         target="tiny", target_revision=None, target_num_layers=TARGET_LAYERS, target_hidden_size=HIDDEN,
-        vocab_size=VOCAB, aux_layer_ids=[1, 2, 3], final_layer_id=TARGET_LAYERS, mask_token_id=MASK_ID,
-        hidden_size=HIDDEN, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-        rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
+        vocab_size=VOCAB, target_num_heads=4, target_num_kv_heads=2, target_head_dim=16,
+        target_intermediate_size=128, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_position_embeddings=MAX_POSITIONS, aux_layer_ids=[1, 2, 3], final_layer_id=TARGET_LAYERS, mask_token_id=MASK_ID,
         draft_vocab_size=DRAFT_VOCAB,
     )
 
 
-def build_tiny_dataset(data_dir: Path, target: Path, num_samples: int = 16, seed: int = 0) -> Path:
-    """Real target hidden states (layers 1, 2, 3 and the last) of random token sequences."""
+def tiny_spec(**train) -> HeadSpec:
+    """The head ``tiny_config(**train)`` trains on the tiny dataset (1 layer, as wide as the target)."""
+    return head_spec_for(tiny_config(**train), tiny_facts())
+
+
+def build_tiny_dataset(data_dir: Path, target: Path, num_samples: int = 16, seed: int = 0, num_eval: int = 0) -> Path:
+    """Real target hidden states (layers 1, 2, 3 and the last) of random token sequences.
+
+    ``num_eval`` > 0 also writes an eval split (what offline evaluation reads).
+    """
     from transformers import LlamaForCausalLM
 
     from peagle.data.store import ShardWriter
-    from peagle.data.vocab import VOCAB_FILE, build_draft_vocab
+    from peagle.data.vocab import build_draft_vocab
 
     model = LlamaForCausalLM.from_pretrained(target).eval()
-    spec = tiny_spec()
+    spec = tiny_facts()
+    data = DataLayout(data_dir)
     generator = torch.Generator().manual_seed(seed)
     # A skewed unigram distribution so a 128-token draft vocabulary covers most targets.
     probs = torch.distributions.Dirichlet(torch.full((VOCAB - 1,), 0.3)).sample()
     counts = torch.zeros(VOCAB, dtype=torch.int64)
-    with ShardWriter(data_dir / "splits" / "train", spec.stored_layer_ids, HIDDEN, "float32", 400) as writer:
-        for i in range(num_samples):
-            n = int(torch.randint(24, 40, (1,), generator=generator))
-            tokens = torch.multinomial(probs, n, replacement=True, generator=generator)
-            loss_mask = torch.zeros(n, dtype=torch.bool)
-            loss_mask[n // 3 :] = True
-            with torch.no_grad():
-                states = model(tokens[None], output_hidden_states=True).hidden_states
-            hidden = torch.stack([states[k][0] for k in spec.stored_layer_ids], dim=1)
-            writer.add(f"s{i}", tokens, loss_mask, hidden)
-            counts += torch.bincount(tokens[loss_mask], minlength=VOCAB)
-    build_draft_vocab(counts, DRAFT_VOCAB).save(data_dir / VOCAB_FILE)
-    spec.save(data_dir / "head_spec.json")
+    for split, count in (("train", num_samples), ("eval", num_eval)):
+        if not count:
+            continue
+        with ShardWriter(data.split(split), spec.stored_layer_ids, HIDDEN, "float32", 400) as writer:
+            for i in range(count):
+                n = int(torch.randint(24, 40, (1,), generator=generator))
+                tokens = torch.multinomial(probs, n, replacement=True, generator=generator)
+                loss_mask = torch.zeros(n, dtype=torch.bool)
+                loss_mask[n // 3 :] = True
+                with torch.no_grad():
+                    states = model(tokens[None], output_hidden_states=True).hidden_states
+                hidden = torch.stack([states[k][0] for k in spec.stored_layer_ids], dim=1)
+                writer.add(f"{split}{i}" if split == "eval" else f"s{i}", tokens, loss_mask, hidden)
+                if split == "train":
+                    counts += torch.bincount(tokens[loss_mask], minlength=VOCAB)
+    build_draft_vocab(counts, DRAFT_VOCAB).save(data.vocab)
+    spec.save(data.facts)
     return data_dir
 
 
-def tiny_config(**train) -> "PipelineConfig":  # noqa: F821
+def tiny_config(drafter_layers: int = 1, **train) -> "PipelineConfig":  # noqa: F821
     base = dict(
         k_train=3, cod_ratio=0.8, cod_floor=0.2, max_len=48, epochs=1, micro_batch_size=1, grad_accum=1,
         learning_rate=3e-3, warmup_ratio=0.1, zero_stage=2, precision="fp32", keep_last=2, seed=0,
@@ -90,6 +106,7 @@ def tiny_config(**train) -> "PipelineConfig":  # noqa: F821
             "name": "tiny",
             "data": {"sources": [{"kind": "jsonl", "path": "unused.jsonl"}], "max_seq_len": max(64, base["max_len"])},
             "vllm": {"max_model_len": max(1024, 2 * base["max_len"])},
+            "drafter": {"num_layers": drafter_layers},
             "train": base,
         }
     )
@@ -216,7 +233,8 @@ def test_other_zero_stages_match_zero2(tiny_run, tmp_path, zero2_reference, trai
     losses = [r["loss"] for r in result.metrics_history]
     assert losses == pytest.approx(zero2_reference, rel=tolerance, abs=tolerance)
     state = load_file(str(result.last_checkpoint / "drafter.safetensors"))
-    drafter = PEagleDrafter.load(result.last_checkpoint / "drafter.safetensors", tiny_spec())
+    drafter = PEagleDrafter.from_checkpoint(result.last_checkpoint)
+    assert drafter.spec == tiny_spec(max_steps=4, **train)  # the checkpoint records the head it holds
     assert set(state) == set(drafter.state_dict())
     assert all(v.numel() > 0 for v in state.values())  # ZeRO-3 partitions were gathered
 

@@ -111,13 +111,13 @@ def collated_sizes(monkeypatch) -> list[int]:
     return sizes
 
 
-def long_inputs(data_dir, n: int):
-    """The tiny dataset's spec and vocabulary with one n-token sample (random hidden states)."""
+def long_inputs(data_dir, n: int, cfg):
+    """The spec ``cfg`` trains on the tiny dataset, its vocabulary and one n-token sample (random hidden states)."""
     from test_partition import random_sample
 
     from peagle.train.trainer import TrainingInputs, load_training_inputs
 
-    inputs = load_training_inputs(data_dir)
+    inputs = load_training_inputs(data_dir, cfg)
     return TrainingInputs(spec=inputs.spec, samples=[random_sample(inputs.spec, n, 0)], draft_ids=inputs.draft_ids)
 
 
@@ -129,8 +129,8 @@ def test_segments_never_collate_the_whole_micro_batch(tiny_run, tmp_path, monkey
 
     data_dir, target = tiny_run
     n, segments = 400, 4
-    inputs = long_inputs(data_dir, n)
     cfg = tiny_config(max_steps=1, max_len=n, segments=segments)
+    inputs = long_inputs(data_dir, n, cfg)
     t = cfg.train
     example = build_peagle_example(inputs.samples[0], inputs.spec, t.k_train, t.cod_ratio, t.cod_floor, n,
                                    example_generator(t.seed, 0, 0))  # what the trainer builds for sample 0
@@ -152,7 +152,7 @@ def test_16k_token_sequence_trains_through_train_drafter(tiny_run, tmp_path, mon
     n, segments = 16384, 8
     sizes = collated_sizes(monkeypatch)
     cfg = tiny_config(max_steps=1, max_len=n, segments=segments, k_train=4)
-    result = train_drafter(cfg, data_dir, str(target), tmp_path / "out", progress=False, inputs=long_inputs(data_dir, n))
+    result = train_drafter(cfg, data_dir, str(target), tmp_path / "out", progress=False, inputs=long_inputs(data_dir, n, cfg))
     record = result.metrics_history[0]
     assert torch.isfinite(torch.tensor(record["loss"])) and record["tokens"] == n
     assert len(sizes) == segments and result.last_checkpoint is not None
@@ -186,6 +186,23 @@ def test_bad_inputs_fail_before_training(tiny_run, tmp_path):
     train_drafter(tiny_config(max_steps=1), data_dir, str(target), out, progress=False)
     with pytest.raises(ValueError, match="cannot resume"):
         train_drafter(tiny_config(max_steps=2, learning_rate=1e-2), data_dir, str(target), out, progress=False)
+    with pytest.raises(ValueError, match=r"cannot resume .*another head \(num_layers: checkpoint 1, now 2\)"):
+        train_drafter(tiny_config(max_steps=1, drafter_layers=2), data_dir, str(target), out, progress=False)
+
+
+def test_a_dataset_of_an_older_peagle_names_the_fix(tiny_run, tmp_path):
+    """A data dir with only the old head_spec.json (drafter shape frozen at data time) is refused."""
+    import shutil
+
+    from peagle.layout import DataLayout
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    old = DataLayout(tmp_path / "data")
+    shutil.copytree(data_dir, old.root)
+    old.facts.rename(old.legacy_head_spec)
+    with pytest.raises(FileNotFoundError, match=r"older peagle.*Rerun the data stage.*target_facts\.json"):
+        train_drafter(tiny_config(), old.root, str(target), tmp_path / "out", progress=False)
 
 
 def test_launcher_streams_output_and_reports_a_failing_child(capsys, tmp_path):

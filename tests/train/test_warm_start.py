@@ -77,6 +77,19 @@ def test_another_architecture_is_refused_by_name(tmp_path):
         warm_start(random_drafter(1), tmp_path / "nowhere", torch.arange(DRAFT_VOCAB))
 
 
+def test_a_head_of_another_depth_names_the_config_key(tmp_path):
+    """With the head's config.json, the refusal names the drafter key to set (before any tensor is read)."""
+    import json
+
+    from peagle.export.contract import head_config
+
+    deeper = dataclasses.replace(tiny_spec(), num_layers=2)
+    head = export_tensors(random_drafter(0, deeper), tmp_path / "head", torch.arange(DRAFT_VOCAB))
+    (head / "config.json").write_text(json.dumps(head_config(deeper, torch.float32)))
+    with pytest.raises(ValueError, match=r"num_hidden_layers 2 \(head\) vs 1 \(now\).*set drafter\.num_layers: 2"):
+        warm_start(random_drafter(1), head, torch.arange(DRAFT_VOCAB))
+
+
 def test_training_starts_where_the_head_left_off(tiny_run, tmp_path):
     """A warm-started run's first loss is the trained head's, far below a cold start's."""
     from peagle.data.vocab import VOCAB_FILE, DraftVocab
@@ -84,7 +97,7 @@ def test_training_starts_where_the_head_left_off(tiny_run, tmp_path):
 
     data_dir, target = tiny_run
     cold = train_drafter(tiny_config(max_steps=16), data_dir, str(target), tmp_path / "cold", progress=False)
-    trained = PEagleDrafter.load(cold.last_checkpoint / "drafter.safetensors", tiny_spec())
+    trained = PEagleDrafter.from_checkpoint(cold.last_checkpoint)
     head = export_tensors(trained, tmp_path / "head", DraftVocab.load(data_dir / VOCAB_FILE).draft_ids)
 
     warm = train_drafter(tiny_config(max_steps=1, init_from=str(head)), data_dir, str(target), tmp_path / "warm",

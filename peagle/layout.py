@@ -1,0 +1,163 @@
+"""Where a run's files live: the one place that spells the run and dataset directory layouts.
+
+::
+
+    <run>/                              RunLayout(cfg.run_dir)
+      data/                             DataLayout: the dataset (docs/design.md, "Dataset")
+        build.json  samples.jsonl  target_facts.json  vocab.safetensors  work/
+        splits/<train|eval>/manifest.json, shard-NNNNN.safetensors
+      checkpoints/<method>/             launch_config.json, metrics.jsonl, train_result.json, latest, best
+        step-NNNNNN/                    drafter.safetensors, head_spec.json, trainer_state.json
+      heads/<method>/                   the exported head (config.json, model.safetensors, README.md)
+      eval/                             online_results.json, online_acceptance.png
+      warm_start/v<N>/                  a downloaded registry champion (train.init_from: champion)
+      revisions/<lineage key>/          a retraining revision: a run directory of its own
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# Dataset files.
+BUILD_FILE = "build.json"
+SAMPLES_FILE = "samples.jsonl"
+TARGET_FACTS_FILE = "target_facts.json"
+LEGACY_HEAD_SPEC_FILE = "head_spec.json"  # a dataset of an older peagle (drafter shape frozen at data time)
+VOCAB_FILE = "vocab.safetensors"
+MANIFEST_FILE = "manifest.json"
+SPLITS = ("train", "eval")
+TRAIN_SPLIT, EVAL_SPLIT = SPLITS
+
+# Checkpoint files (peagle.train.checkpoint writes them).
+DRAFTER_FILE = "drafter.safetensors"
+HEAD_SPEC_FILE = "head_spec.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+# Beside the step directories of a method's checkpoint root (peagle.train.launch / trainer).
+LAUNCH_CONFIG_FILE = "launch_config.json"
+METRICS_FILE = "metrics.jsonl"
+TRAIN_RESULT_FILE = "train_result.json"
+
+# Online evaluation outputs.
+ONLINE_RESULTS_FILE = "online_results.json"
+ONLINE_PLOT_FILE = "online_acceptance.png"
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """A dataset directory."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def build(self) -> Path:
+        return self.root / BUILD_FILE
+
+    @property
+    def samples(self) -> Path:
+        return self.root / SAMPLES_FILE
+
+    @property
+    def facts(self) -> Path:
+        return self.root / TARGET_FACTS_FILE
+
+    @property
+    def legacy_head_spec(self) -> Path:
+        return self.root / LEGACY_HEAD_SPEC_FILE
+
+    @property
+    def vocab(self) -> Path:
+        return self.root / VOCAB_FILE
+
+    @property
+    def work(self) -> Path:
+        """Scratch space of the extraction engine."""
+        return self.root / "work"
+
+    @property
+    def splits_dir(self) -> Path:
+        return self.root / "splits"
+
+    def split(self, name: str) -> Path:
+        return self.splits_dir / name
+
+    def manifest(self, split: str) -> Path:
+        return self.split(split) / MANIFEST_FILE
+
+    @property
+    def train(self) -> Path:
+        return self.split(TRAIN_SPLIT)
+
+    @property
+    def eval(self) -> Path:
+        return self.split(EVAL_SPLIT)
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """One checkpoint step directory."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def drafter(self) -> Path:
+        return self.root / DRAFTER_FILE
+
+    @property
+    def head_spec(self) -> Path:
+        return self.root / HEAD_SPEC_FILE
+
+    @property
+    def trainer_state(self) -> Path:
+        return self.root / TRAINER_STATE_FILE
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """A run directory (``cfg.run_dir``)."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def data(self) -> DataLayout:
+        return DataLayout(self.root / "data")
+
+    def checkpoints(self, method: str) -> Path:
+        """Where ``method``'s trainer writes ``step-*`` directories and the latest/best pointers."""
+        return self.root / "checkpoints" / method
+
+    @property
+    def heads(self) -> Path:
+        return self.root / "heads"
+
+    def head(self, method: str) -> Path:
+        return self.heads / method
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def online_results(self) -> Path:
+        return self.eval / ONLINE_RESULTS_FILE
+
+    @property
+    def online_plot(self) -> Path:
+        return self.eval / ONLINE_PLOT_FILE
+
+    def warm_start(self, version: str | int) -> Path:
+        """A registry champion's head downloaded for ``train.init_from: champion``."""
+        return self.root / "warm_start" / f"v{version}"
+
+    def revision(self, key: str) -> Path:
+        """The run directory of a retraining revision (``flows/retrain.py``)."""
+        return self.root / "revisions" / key

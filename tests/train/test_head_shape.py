@@ -1,0 +1,63 @@
+"""The drafter's shape is the checkpoint's, not the dataset's (issue #11, point 2).
+
+Changing ``drafter.num_layers`` between two trainings on one cached dataset gives a head of
+the new shape through every later stage (offline evaluation, export, the model card),
+with the dataset untouched. Through the real stage functions and the real launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
+from test_deepspeed import build_tiny_dataset, build_tiny_target, tiny_config  # noqa: E402
+
+from peagle import pipeline as stages  # noqa: E402
+from peagle.facts import load_dataset_facts  # noqa: E402
+from peagle.layout import DataLayout, RunLayout  # noqa: E402
+from peagle.train.checkpoint import read_head_spec  # noqa: E402
+
+
+def head_layers(head: Path) -> set[int]:
+    with safe_open(str(head / "model.safetensors"), "pt") as f:
+        return {int(m.group(1)) for key in f.keys() if (m := re.match(r"layers\.(\d+)\.", key))}
+
+
+@pytest.fixture
+def cached_dataset(tmp_path):
+    target = build_tiny_target(tmp_path / "target")
+    data_dir = build_tiny_dataset(tmp_path / "data", target, num_samples=8, num_eval=2)
+    info = stages.TargetInfo(path=str(target), facts=load_dataset_facts(DataLayout(data_dir)))
+    return info, data_dir
+
+
+@pytest.mark.slow  # two trainings through the launcher: ~2 min on 2 shared cores
+def test_a_changed_drafter_depth_trains_and_ships_the_new_shape(cached_dataset, tmp_path):
+    from peagle.export.card import ModelCardInfo
+
+    target, data_dir = cached_dataset
+    dataset_files = {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()}
+    for layers in (1, 2):
+        cfg = tiny_config(drafter_layers=layers, max_steps=2, eval_every=2).model_copy(
+            update={"workdir": str(tmp_path / f"run-{layers}")})
+        trained = stages.train_head(cfg, target, data_dir)
+        spec = read_head_spec(trained.best_checkpoint)
+        assert (spec.num_layers, spec.method, spec.k_train) == (layers, "peagle", 3)
+
+        offline = stages.evaluate_offline(cfg, target, data_dir, trained.best_checkpoint)
+        assert set(offline.acceptance_length) == {1, 3}  # eval.ks within the checkpoint's k_train
+
+        head = stages.export_head(cfg, target, data_dir, trained.best_checkpoint)
+        assert head == RunLayout(cfg.run_dir).head("peagle")
+        assert head_layers(head) == set(range(layers))
+        assert json.loads((head / "config.json").read_text())["num_hidden_layers"] == layers
+        stages.write_card(head, ModelCardInfo(name=f"tiny-{layers}"), trained.best_checkpoint)
+        assert f"{layers} Llama decoder layers" in (head / "README.md").read_text()
+    # Both trainings read the one dataset; neither rewrote it.
+    assert {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()} == dataset_files
