@@ -206,17 +206,22 @@ def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated:
 
 
 @flow(name="peagle-publish")
-def publish_flow(config: PipelineConfig | str, head_dir: str, online_results: str, overrides: dict | None = None,
-                 mlflow_run_id: str | None = None, lineage: dict | None = None) -> PublishOutcome:
+def publish_flow(config: PipelineConfig | str, head_dir: str | None = None, online_results: str | None = None,
+                 overrides: dict | None = None, mlflow_run_id: str | None = None,
+                 lineage: dict | None = None) -> PublishOutcome:
     """Register the head (alias challenger) and promote it through the registry gate.
 
-    ``online_results``: the JSON the evaluate stage saved. With ``mlflow_run_id`` the head is
-    registered under that (running) pipeline run; otherwise under a run of its own.
+    ``head_dir`` / ``online_results``: by default the run directory's exported P-EAGLE head and
+    the JSON the evaluate stage saved there (so a deployment names no machine-local path). With
+    ``mlflow_run_id`` the head is registered under that (running) pipeline run; otherwise under
+    a run of its own.
     """
     from peagle.eval.online import OnlineResult
     from peagle.tracking import Tracker
 
     cfg = resolve_config(config, overrides)
+    head_dir = str(head_dir or cfg.run_dir / "heads" / "peagle")
+    online_results = str(online_results or cfg.run_dir / "eval" / "online_results.json")
     online = OnlineResult.load(online_results)
     lineage = lineage or {}
     validated = stages.drafted(online, stages.PEAGLE_LABEL)

@@ -205,21 +205,32 @@ def serve_cmd(
 
 @app.command("deploy")
 def deploy_cmd(
-    prefect_file: Path = typer.Option(Path("prefect.yaml"), help="The Prefect deployments file"),
+    prefect_file: Path = typer.Option(None, help="The Prefect deployments file (default: the checkout's prefect.yaml)"),
     name: list[str] = typer.Option(None, "--name", help="Only these deployments (repeatable); default: all"),
-    check: bool = typer.Option(False, help="Only validate the file and the flows' parameters; register nothing"),
+    check: bool = typer.Option(False, "--check", help="Only check the deployments (flows, parameters, configs, "
+                                                      "GPUs vs train.world_size); deploy nothing"),
 ):
-    """Register the Prefect deployments (and create their work pools) on PREFECT_API_URL's server."""
-    from flows.deploy import deploy, load_prefect_file
+    """Check prefect.yaml, create its missing work pools, then `prefect deploy` it (Prefect's own CLI)."""
+    from flows.deploy import PREFECT_FILE, DeployError, check_deployments, deploy
 
-    if check:
-        specs = load_prefect_file(prefect_file)
-        for s in specs:
-            console.print(f"[green]ok[/green] {s.name}: {s.entrypoint} on {s.work_pool}"
-                          + (f", cron {', '.join(c.cron for c in s.schedules)}" if s.schedules else ""))
-        return
-    ids = deploy(prefect_file, name or None)
-    console.print(f"registered {len(ids)} deployments from {prefect_file}")
+    prefect_file = prefect_file or PREFECT_FILE
+    try:
+        results = check_deployments(prefect_file, name or None)
+        for r in results:
+            console.print(f"[green]ok[/green] {r.message}" if r.ok else f"[red]refused[/red] {r.message}",
+                          soft_wrap=True)
+        refused = [r.deployment for r in results if not r.ok]
+        if refused:
+            console.print(f"[red]{prefect_file}: {len(refused)} deployment(s) refused: {', '.join(refused)}[/red]",
+                          soft_wrap=True)
+            raise typer.Exit(1)
+        if not check:
+            created = deploy(prefect_file, name or None)
+            console.print(f"deployed {len(results)} deployments from {prefect_file}"
+                          + (f" (work pools created: {', '.join(created)})" if created else ""), soft_wrap=True)
+    except (DeployError, ConfigError) as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 @app.command("retrain")

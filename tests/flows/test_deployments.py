@@ -1,72 +1,176 @@
-"""prefect.yaml: Prefect's own model of the file accepts it, every deployment's parameters
-fit its flow, and `peagle deploy` registers them (with their work pools) on a real server."""
+"""prefect.yaml as users deploy it: the committed work-pool templates and `prefect deploy --all`
+through Prefect's own CLI against a real `prefect server start`, read back through the API;
+`peagle deploy` (the thin wrapper) and `peagle deploy --check` run as the `peagle` command."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.prefect_server import PREFECT, isolated_env, prefect_server
 
 REPO = Path(__file__).resolve().parents[2]
+POOLS = {"peagle-process": "process", "peagle-docker": "docker", "peagle-k8s": "kubernetes"}
+DEPLOYMENTS = {"pipeline-demo", "data-demo", "train-demo", "evaluate-demo", "publish-demo", "retrain-demo",
+               "retrain-qwen3-8b", "retrain-llama-3.1-8b"}
 
 
-def test_prefect_yaml_validates_with_prefects_model():
-    import yaml
-    from prefect.cli.deploy._models import PrefectYamlModel
-
-    model = PrefectYamlModel.model_validate(yaml.safe_load((REPO / "prefect.yaml").read_text()))
-    names = {d.name for d in model.deployments}
-    assert {"pipeline-demo", "data-demo", "train-demo", "evaluate-demo", "publish-demo", "retrain-demo"} <= names
-    pools = {d.work_pool.name for d in model.deployments}
-    assert pools == {"peagle-process", "peagle-docker", "peagle-k8s"}
+def peagle(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """The `peagle` command of this checkout, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "peagle.cli", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout)
 
 
-def test_every_deployment_loads_its_flow_and_parameters():
-    from flows.deploy import load_prefect_file
-
-    specs = {s.name: s for s in load_prefect_file(REPO / "prefect.yaml")}
-    assert specs["retrain-demo"].schedules[0].cron == "0 3 * * *"
-    assert specs["retrain-qwen3-8b"].parameters["config_path"] == "configs/qwen3-8b.yaml"
-    assert specs["retrain-llama-3.1-8b"].job_variables["gpu_count"] == 1
-    for spec in specs.values():
-        config = spec.parameters.get("config_path") or spec.parameters.get("config")
-        assert (REPO / config).exists(), f"{spec.name}: {config} missing"
+def prefect(*args, env, timeout=600) -> subprocess.CompletedProcess:
+    result = subprocess.run([PREFECT, "--no-prompt", *args], cwd=REPO, env=env, text=True, capture_output=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"prefect {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+    return result
 
 
-def test_a_bad_parameter_is_refused(tmp_path):
-    from flows.deploy import load_prefect_file
-
-    original = (REPO / "prefect.yaml").read_text()
-    text = original.replace("warm_start: false}", "warm_start: false, epochs: 3}", 1)
-    assert text != original  # the retrain-demo deployment's inline parameters got the bad key
-    bad = tmp_path / "prefect.yaml"
-    bad.write_text(text)
-    with pytest.raises(Exception, match="epochs"):
-        load_prefect_file(bad)
+def doctored(tmp_path, edit) -> Path:
+    """A copy of prefect.yaml with ``edit`` applied to its parsed form (anchors expanded)."""
+    doc = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    edit({d["name"]: d for d in doc["deployments"]})
+    path = tmp_path / "prefect.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
 
 
-def test_kubernetes_pool_template_requests_gpus():
-    from flows.deploy import kubernetes_gpu_template
+# ----------------------------------------------------------------------------- --check
 
-    template = kubernetes_gpu_template()
-    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+
+def test_check_passes_the_repos_file():
+    result = peagle("deploy", "--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in DEPLOYMENTS:
+        assert f"ok {name}:" in result.stdout
+    assert "retrain-llama-3.1-8b: requests 8 GPUs (peagle-k8s gpu_count)" in result.stdout
+    assert "retrain-qwen3-8b: requests 8 GPUs (peagle-docker container_create_kwargs.device_requests)" in result.stdout
+
+
+def test_check_refuses_gpus_that_do_not_cover_the_world_size(tmp_path):
+    def too_few(d):
+        d["retrain-llama-3.1-8b"]["work_pool"]["job_variables"]["gpu_count"] = 1
+        d["retrain-qwen3-8b"]["work_pool"]["job_variables"]["container_create_kwargs"]["device_requests"][0]["count"] = 2
+
+    result = peagle("deploy", "--check", "--prefect-file", str(doctored(tmp_path, too_few)))
+    out = " ".join(result.stdout.split())  # rich may wrap long lines
+    assert result.returncode == 1, out
+    assert ("refused retrain-llama-3.1-8b: requests 1 GPU (peagle-k8s gpu_count) but its config starts "
+            "train.world_size 8 ranks") in out
+    assert "fix: set `gpu_count: 8` in its work_pool.job_variables" in out
+    assert "refused retrain-qwen3-8b: requests 2 GPUs" in out and "count: 8" in out
+    assert "ok retrain-demo:" in out
+
+
+def test_check_refuses_a_parameter_the_flow_does_not_take(tmp_path):
+    result = peagle("deploy", "--check", "--prefect-file",
+                    str(doctored(tmp_path, lambda d: d["retrain-demo"]["parameters"].update(epochs=3))))
+    assert result.returncode == 2
+    assert "retrain-demo: parameters do not fit flows/retrain.py:retrain_flow" in result.stdout
+    assert "epochs" in result.stdout
+
+
+def test_deploy_refuses_without_a_prefect_api(tmp_path):
+    """No PREFECT_API_URL: Prefect would deploy to a temporary server that vanishes; say so and stop."""
+    result = peagle("deploy", "--name", "retrain-demo", env=isolated_env(tmp_path))
+    assert result.returncode == 2
+    assert "no Prefect API configured" in result.stdout and "PREFECT_API_URL" in result.stdout
+
+
+def test_kubernetes_and_docker_templates_request_gpus_through_job_variables():
+    k8s = json.loads((REPO / "deploy/work-pools/kubernetes/peagle-k8s.json").read_text())
+    container = k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
-    assert "gpu_count" in template["variables"]["properties"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "{{ gpu_count }}"
+    assert container["args"] == "{{ command }}"  # the worker's command is the container's whole command
+    assert k8s["variables"]["properties"]["gpu_count"]["type"] == "integer"
+    docker = json.loads((REPO / "deploy/work-pools/docker/peagle-docker.json").read_text())
+    assert docker["job_configuration"]["container_create_kwargs"] == "{{ container_create_kwargs }}"
+    assert docker["variables"]["properties"]["container_create_kwargs"]["type"] == "object"
 
 
-def test_deploy_registers_every_deployment_and_pool(prefect_server):
+# ----------------------------------------------------------------------------- a real server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with prefect_server(tmp_path_factory.mktemp("prefect")) as s:
+        yield s
+
+
+def read_back(server) -> tuple[dict, dict]:
+    """Work pools and deployments as the server holds them (Prefect's client, the API)."""
     from prefect.client.orchestration import get_client
 
-    from flows.deploy import deploy
-
-    ids = deploy(REPO / "prefect.yaml")
-    with get_client(sync_client=True) as client:
-        pools = {p.name: p.type for p in client.read_work_pools()}
+    with server.settings(), get_client(sync_client=True) as client:
+        pools = {p.name: p for p in client.read_work_pools()}
         deployments = {d.name: d for d in client.read_deployments()}
-    assert len(ids) == 8
-    assert pools["peagle-process"] == "process" and pools["peagle-docker"] == "docker"
-    assert pools["peagle-k8s"] == "kubernetes"
+    return pools, deployments
+
+
+def test_prefect_deploy_all_registers_the_file(server):
+    """The documented commands: `prefect work-pool create` per committed template, `prefect deploy --all`."""
+    from flows.deploy import work_pool_templates
+
+    templates = work_pool_templates()
+    assert {name: t.type for name, t in templates.items()} == POOLS
+    for template in templates.values():
+        prefect(*template.create_command(), env=server.env)
+    prefect("deploy", "--all", env=server.env)
+
+    pools, deployments = read_back(server)
+    for name, template in templates.items():
+        assert pools[name].type == POOLS[name]
+        assert pools[name].base_job_template == json.loads(template.path.read_text())
+    assert set(deployments) == DEPLOYMENTS
+    pipeline = deployments["pipeline-demo"]
+    assert pipeline.entrypoint == "flows/pipeline.py:pipeline_flow" and pipeline.work_pool_name == "peagle-process"
+    assert pipeline.parameters == {"config_path": "configs/demo.yaml", "overrides": {}}
+    step = pipeline.pull_steps[0]["prefect.deployments.steps.set_working_directory"]
+    assert step["directory"] == "{{ $PEAGLE_REPO }}"  # resolved by the worker, where the code is
+    assert deployments["publish-demo"].parameters == {"config": "configs/demo.yaml"}
+
     retrain = deployments["retrain-demo"]
-    assert retrain.schedules and retrain.schedules[0].schedule.cron == "0 3 * * *"
-    assert retrain.parameters["config_path"] == "configs/demo.yaml"
-    assert deployments["retrain-llama-3.1-8b"].job_variables["gpu_count"] == 1
-    step = retrain.pull_steps[0]["prefect.deployments.steps.set_working_directory"]
-    assert step["directory"] == "{{ $PEAGLE_REPO }}"
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in retrain.schedules] == [("0 3 * * *", "UTC", True)]
+    assert retrain.parameters == {"config_path": "configs/demo.yaml", "overrides": {}, "force": False,
+                                  "warm_start": False}
+    llama = deployments["retrain-llama-3.1-8b"]
+    assert llama.work_pool_name == "peagle-k8s" and llama.work_queue_name == "gpu"
+    assert llama.job_variables["gpu_count"] == 8 and llama.job_variables["namespace"] == "peagle"
+    assert llama.schedules[0].schedule.cron == "0 4 * * 0"
+    qwen = deployments["retrain-qwen3-8b"]
+    assert qwen.work_pool_name == "peagle-docker"
+    assert qwen.job_variables["container_create_kwargs"]["device_requests"] == [
+        {"driver": "nvidia", "count": 8, "capabilities": [["gpu"]]}]
+
+
+def test_peagle_deploy_creates_a_missing_pool_and_keeps_every_schedule_kind(server, tmp_path):
+    """`peagle deploy` = the check, `prefect work-pool create` for missing pools, `prefect deploy`."""
+    def every_schedule_kind(d):
+        d["retrain-demo"]["schedules"] += [
+            {"interval": 3600, "anchor_date": "2026-01-01T00:00:00Z", "timezone": "UTC"},
+            {"rrule": "FREQ=WEEKLY;BYDAY=MO,WE;BYHOUR=2", "timezone": "UTC", "active": False},
+        ]
+
+    if "peagle-k8s" in read_back(server)[0]:  # the test above created it
+        prefect("work-pool", "delete", "peagle-k8s", env=server.env)
+    path = doctored(tmp_path, every_schedule_kind)
+    result = peagle("deploy", "--prefect-file", str(path), env=server.env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    created = " ".join(result.stdout.split()).split("work pools created: ")[1]
+    assert "peagle-k8s" in created
+
+    pools, deployments = read_back(server)
+    assert pools["peagle-k8s"].type == "kubernetes" and set(deployments) == DEPLOYMENTS
+    assert deployments["retrain-llama-3.1-8b"].work_pool_name == "peagle-k8s"
+    schedules = [(s.schedule, s.active) for s in deployments["retrain-demo"].schedules]
+    kinds = {type(s).__name__: (s, active) for s, active in schedules}
+    assert set(kinds) == {"CronSchedule", "IntervalSchedule", "RRuleSchedule"}
+    assert kinds["CronSchedule"][0].cron == "0 3 * * *"
+    assert kinds["IntervalSchedule"][0].interval.total_seconds() == 3600
+    assert "BYDAY=MO,WE" in kinds["RRuleSchedule"][0].rrule and kinds["RRuleSchedule"][1] is False

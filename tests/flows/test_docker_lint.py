@@ -70,8 +70,9 @@ def test_dockerfile_parses_and_holds_what_the_stack_needs(name):
 
     parser = DockerfileParser(fileobj=open(DOCKER / name, "rb"))
     instructions = [i["instruction"] for i in parser.structure if i["instruction"] != "COMMENT"]
-    assert instructions[0] == "FROM" and ":" in parser.baseimage and not parser.baseimage.endswith(":latest")
-    assert {"HEALTHCHECK", "ENTRYPOINT", "WORKDIR"} <= set(instructions)
+    assert [i for i in instructions if i != "ARG"][0] == "FROM"
+    assert ":" in parser.baseimage and not parser.baseimage.endswith(":latest")
+    assert {"HEALTHCHECK", "CMD", "WORKDIR"} <= set(instructions)
     env = parser.envs
     assert env["PEAGLE_HOME"] == "/var/lib/peagle" and env["PEAGLE_REPO"] == "/opt/peagle"
     assert not any(re.search("TOKEN|PASSWORD|SECRET", k) for k in env), "secrets belong in the runtime env"
@@ -82,3 +83,38 @@ def test_dockerfile_parses_and_holds_what_the_stack_needs(name):
                 assert (REPO / src).exists(), f"{name}: COPY {src} does not exist in the repository"
         if item["instruction"] == "RUN":
             assert not item["value"].rstrip().endswith("|| true"), f"{name}: a RUN that cannot fail"
+
+
+# The ENTRYPOINT each base image sets (docker inspect); an image inherits it unless it resets it.
+BASE_ENTRYPOINTS = {"python": [], "vllm/vllm-openai": ["vllm", "serve"]}
+WORKER_COMMAND = ["prefect", "flow-run", "execute"]  # what Prefect's docker/Kubernetes workers run
+
+
+def container_argv(name: str, command: list[str] | None) -> list[str]:
+    """What a container of the image runs, by Docker's rule: ENTRYPOINT + (the given command or CMD)."""
+    from dockerfile_parse import DockerfileParser
+
+    parser = DockerfileParser(fileobj=open(DOCKER / name, "rb"))
+    entrypoint = BASE_ENTRYPOINTS[parser.baseimage.split(":")[0]]
+    cmd = None
+    for item in parser.structure:
+        if item["instruction"] == "ENTRYPOINT":
+            entrypoint, cmd = json.loads(item["value"]), None  # a new ENTRYPOINT also resets CMD
+        elif item["instruction"] == "CMD":
+            cmd = json.loads(item["value"])
+    return entrypoint + (command if command else cmd or [])
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.gpu"])
+def test_the_workers_command_runs_as_given(name):
+    """No ENTRYPOINT captures `prefect flow-run execute` (it once became `peagle prefect flow-run execute`)."""
+    assert container_argv(name, WORKER_COMMAND) == WORKER_COMMAND
+    assert container_argv(name, None) == ["peagle", "--help"]  # `docker run IMAGE` alone
+    assert container_argv(name, ["peagle", "run", "configs/demo.yaml"])[0] == "peagle"
+
+
+def test_compose_workers_give_their_command_not_an_entrypoint():
+    for name in ("worker", "gpu-worker"):
+        service = compose()["services"][name]
+        assert "entrypoint" not in service
+        assert service["command"][:3] == ["prefect", "worker", "start"]
