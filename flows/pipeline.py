@@ -16,6 +16,7 @@ from flows.common import publish_mlflow_artifact
 from flows.stages import data_flow, evaluate_flow, export_task, publish_flow, target_task, train_flow
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
+from peagle.methods import trained_methods
 from peagle.paths import configure_environment
 
 
@@ -50,6 +51,7 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
     from peagle.tracking import Tracker
 
     data_cfg = data_cfg or cfg
+    method, *baseline = trained_methods(cfg.train)  # the head, then the EAGLE-3 baseline when asked for
     timer = stages.StageTimer()
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):
@@ -64,21 +66,21 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
             stages.record_training(run, trained)
             stages.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
-            head_dir = str(export_task(cfg, target, str(data.data_dir), trained.best_checkpoint, cfg.train.method))
-        head_key, baseline_dir = f"{trained.cache_key}/{cfg.train.method}", None
-        if cfg.train.eagle3_baseline:  # the same data, trained autoregressively: the comparison users ask for
-            with timer.stage("train_eagle3"), tracker.stage("train-eagle3") as run:
-                baseline = train_flow(cfg, str(data.data_dir), target=target, method="eagle3")
-                stages.record_training(run, baseline)
-                stages.record_offline(run, baseline.offline)
-            baseline_dir, head_key = baseline.head_dir, f"{head_key}+{baseline.cache_key}/eagle3"
+            head_dir = str(export_task(cfg, target, str(data.data_dir), trained.best_checkpoint, method.name))
+        head_key, baseline_dir = trained.cache_key, None
+        for other in baseline:  # the same data, trained autoregressively: the comparison users ask for
+            with timer.stage(f"train_{other.name}"), tracker.stage(f"train-{other.name}") as run:
+                compared = train_flow(cfg, str(data.data_dir), target=target, method=other.name)
+                stages.record_training(run, compared)
+                stages.record_offline(run, compared.offline)
+            baseline_dir, head_key = compared.head_dir, f"{head_key}+{compared.cache_key}"
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(cfg, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
             plot = stages.record_online(run, online, cfg.run_dir / "eval")
             stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline), data)
-            if baseline_dir is not None:
-                stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, baseline.offline,
-                                                                  method="eagle3"), data)
+            for other in baseline:
+                stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, compared.offline,
+                                                                  method=other), data)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(cfg, head_dir, str(cfg.run_dir / "eval" / "online_results.json"),
                                      mlflow_run_id=tracker.run_id, lineage=lineage)

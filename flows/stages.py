@@ -26,6 +26,7 @@ from flows.common import (
 )
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
+from peagle.methods import BASELINE, get_method, trained_methods
 from peagle.paths import configure_environment
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
@@ -135,7 +136,7 @@ def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overri
     acceptance of the best checkpoint, and the exported head directory."""
     cfg = stages.resolve_init_from(resolve_config(config, overrides))  # before the key: it names the champion
     target = target or target_task(cfg)
-    method = method or cfg.train.method
+    method = get_method(method or cfg.train.method).name
     data_dir = str(data_dir or cfg.run_dir / "data")
     ckpt_dir = stages.checkpoint_dir(cfg, method)
     refresh = not path_exists(ckpt_dir / "best")
@@ -162,7 +163,8 @@ def evaluation_key(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[s
 
 @task(name="evaluate-online", **CACHED, **TRANSIENT_RETRIES)
 def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str], key: str):
-    return stages.evaluate_online(cfg, target, {label: Path(d) for label, d in heads.items()})
+    """``heads``: method name -> head directory."""
+    return stages.evaluate_online(cfg, target, {name: Path(d) for name, d in heads.items()})
 
 
 @flow(name="peagle-evaluate")
@@ -172,20 +174,22 @@ def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, ove
     """Acceptance per K and tokens/s in vLLM (cached on the heads' training keys, or their file
     hashes); publishes the acceptance table as a Prefect markdown artifact.
 
-    ``baseline_dir``: an EAGLE-3 head trained on the same data, served alongside (without
-    parallel drafting); by default the run's ``heads/eagle3`` when ``train.eagle3_baseline``.
+    ``head_dir``: the ``train.method`` head (default the run's ``heads/<method>``);
+    ``baseline_dir``: the EAGLE-3 baseline trained on the same data, served alongside as its
+    method drafts (default the run's ``heads/eagle3`` when ``train.eagle3_baseline``).
+    Heads are keyed by method name; each is served as its method says (parallel or not).
     """
     cfg = resolve_config(config, overrides)
     target = target or target_task(cfg)
-    heads = {stages.PEAGLE_LABEL: str(head_dir or cfg.run_dir / "heads" / "peagle")}
-    if baseline_dir is None and cfg.train.eagle3_baseline:
-        baseline_dir = str(cfg.run_dir / "heads" / "eagle3")
-    if baseline_dir is not None:
-        heads[stages.EAGLE3_LABEL] = baseline_dir
-    for label, directory in heads.items():
+    head, *baseline = trained_methods(cfg.train)
+    if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:
+        baseline = [get_method(BASELINE)]
+    heads = {head.name: str(head_dir or stages.exported_head_dir(cfg, head))}
+    heads |= {m.name: str(baseline_dir or stages.exported_head_dir(cfg, m)) for m in baseline}
+    for name, directory in heads.items():
         if not path_exists(Path(directory) / "config.json"):
-            raise FileNotFoundError(f"no exported {label} head at {directory}: run the train flow first"
-                                    + (" (method eagle3)" if label == stages.EAGLE3_LABEL else ""))
+            raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
+                                    f"run the train flow first (method {name})")
     online = online_task(cfg, target, heads, evaluation_key(cfg, target, heads, head_key))
     publish_acceptance_artifact(online, cfg.name)
     return online
@@ -268,7 +272,7 @@ def publish_flow(config: PipelineConfig | str, head_dir: str, online_results: st
     cfg = resolve_config(config, overrides)
     online = OnlineResult.load(online_results)
     lineage = lineage or {}
-    validated = stages.drafted(online, stages.PEAGLE_LABEL)
+    validated = stages.drafted(online, get_method(cfg.train.method).label)
     if mlflow_run_id:
         tracker = Tracker(cfg.tracking, target_id=cfg.target.model, run_id=mlflow_run_id).start()
         return publish_task(cfg, tracker, head_dir, online, validated, lineage)

@@ -80,13 +80,13 @@ def data_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt, force: bool = t
 def train_cmd(
     config: Path = ConfigArg,
     set_: list[str] = SetOpt,
-    method: str = typer.Option(None, help="peagle (default) or eagle3"),
+    method: str = typer.Option(None, help="A drafting method (peagle, eagle3); default train.method"),
 ):
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
     from peagle import pipeline as stages
 
-    cfg = _load(config, set_)
-    result = stages.train_head(cfg, stages.prepare_target(cfg), cfg.run_dir / "data", method=method)
+    cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
+    result = stages.train_head(cfg, stages.prepare_target(cfg), cfg.run_dir / "data")
     console.print(stages.summary_json(result))
 
 
@@ -94,7 +94,7 @@ def train_cmd(
 def export_cmd(
     config: Path = ConfigArg,
     set_: list[str] = SetOpt,
-    method: str = typer.Option("peagle", help="peagle or eagle3: which trained head to export"),
+    method: str = typer.Option(None, help="Which trained head to export (peagle, eagle3); default train.method"),
     checkpoint: Path = typer.Option(None, help="A checkpoint dir (default: the best by offline acceptance)"),
     vllm_check: bool = typer.Option(True, help="Also load the head in vLLM and draft before publishing"),
 ):
@@ -102,12 +102,12 @@ def export_cmd(
     from peagle import pipeline as stages
     from peagle.export.validate import validate_head
 
-    cfg = _load(config, set_)
+    cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
     target = stages.prepare_target(cfg)
-    ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / "best"
-    head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt, method=method)
+    ckpt = checkpoint or stages.checkpoint_dir(cfg, cfg.train.method) / "best"
+    head = stages.export_head(cfg, target, cfg.run_dir / "data", ckpt)
     if vllm_check:
-        validate_head(head, target.path, vllm_cfg=cfg.vllm, parallel_drafting=method == "peagle")
+        validate_head(head, target.path, vllm_cfg=cfg.vllm, method=cfg.train.method)
     console.print(f"head: {head}")
 
 
@@ -115,11 +115,12 @@ def export_cmd(
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
     from peagle import pipeline as stages
+    from peagle.methods import available_methods
 
     cfg = _load(config, set_)
     target = stages.prepare_target(cfg)
-    labels = {"peagle": stages.PEAGLE_LABEL, "eagle3": stages.EAGLE3_LABEL}
-    heads = {label: cfg.run_dir / "heads" / m for m, label in labels.items() if (cfg.run_dir / "heads" / m).exists()}
+    heads = {m: stages.exported_head_dir(cfg, m) for m in available_methods()
+             if (stages.exported_head_dir(cfg, m) / "config.json").exists()}
     if not heads:
         console.print(f"[red]no exported head under {cfg.run_dir / 'heads'}: run `peagle export` first[/red]")
         raise typer.Exit(2)

@@ -17,10 +17,10 @@ from pathlib import Path
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, head_spec_from_target
 from peagle.fileio import sha256_file as file_digest
+from peagle.methods import DraftingMethod, get_method, trained_methods
 from peagle.paths import configure_environment
 
-PEAGLE_LABEL = "p-eagle"
-EAGLE3_LABEL = "eagle-3"
+Method = str | DraftingMethod  # a drafting method's name or object (peagle.methods)
 
 
 @dataclass
@@ -70,13 +70,13 @@ def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=changes)})
 
 
-def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
-    return cfg if method == cfg.train.method else with_train(cfg, method=method)
+def with_method(cfg: PipelineConfig, method: Method) -> PipelineConfig:
+    """The same config training ``method``'s head."""
+    return with_train(cfg, method=get_method(method).name)
 
 
-def checkpoint_dir(cfg: PipelineConfig, method: str) -> Path:
-    return cfg.run_dir / "checkpoints" / method
-
+def checkpoint_dir(cfg: PipelineConfig, method: Method) -> Path:
+    return cfg.run_dir / "checkpoints" / get_method(method).name
 
 
 def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
@@ -105,7 +105,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     return with_train(cfg, init_from=head)
 
 
-def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: str | None = None):
+def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: Method | None = None):
     """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
     Checkpoints are chosen by offline acceptance on the held-out split, not by loss.
@@ -123,32 +123,41 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
     )
 
 
-def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *, method: str = "peagle"):
-    """Simulated acceptance per K of a checkpoint on the held-out hidden states."""
+def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,
+                     method: Method | None = None):
+    """Simulated acceptance per K of a ``method`` checkpoint (default ``train.method``) on the
+    held-out hidden states, at the K the method can be evaluated at."""
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
+    from peagle.eval.offline import evaluable_ks
     from peagle.eval.offline import evaluate_offline as run_offline
     from peagle.model import PEagleDrafter
 
+    method = get_method(method or cfg.train.method)
     data_dir = Path(data_dir)
     spec = HeadSpec.load(data_dir / "head_spec.json")
     vocab = DraftVocab.load(data_dir / "vocab.safetensors")
     drafter = PEagleDrafter.load(Path(checkpoint) / "drafter.safetensors", spec).eval()
-    ks = [k for k in cfg.eval.ks if method != "peagle" or k <= cfg.train.k_train]
+    ks, limit = evaluable_ks(cfg, method)
     reader = ShardReader(data_dir / "splits" / "eval")
-    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method,
-                       k_train=cfg.train.k_train if method == "peagle" else None)
+    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method, max_k=limit)
+
+
+def exported_head_dir(cfg: PipelineConfig, method: Method) -> Path:
+    """Where the run exports ``method``'s head."""
+    return cfg.run_dir / "heads" / get_method(method).name
 
 
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
-                *, method: str = "peagle", card=None) -> Path:
-    """Write the vLLM head directory from a checkpoint; refuses a head that fails validation."""
+                *, method: Method | None = None, card=None) -> Path:
+    """Write the vLLM head directory of a ``method`` checkpoint (default ``train.method``);
+    refuses a head that fails validation."""
     configure_environment()
     from peagle.export.head import export_from_checkpoint
 
-    out_dir = cfg.run_dir / "heads" / method
-    return export_from_checkpoint(Path(checkpoint), Path(data_dir), out_dir, card, target_path=target.path,
-                                  overwrite=True, parallel_drafting=method == "peagle")
+    method = get_method(method or cfg.train.method)
+    return export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
+                                  target_path=target.path, overwrite=True, method=method)
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
@@ -160,21 +169,22 @@ def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
     return load_prompt_set(str(path) if path.exists() else prompts, cfg.eval.num_prompts)
 
 
-def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Path]):
-    """Acceptance per K and output tokens/s in vLLM, against the no-speculation baseline."""
+def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path]):
+    """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
+    method's label, drafting as the method does), against the no-speculation baseline."""
     configure_environment()
     from peagle.eval.online import evaluate_online as run_online
 
+    methods = {get_method(m).label: get_method(m) for m in heads}
     return run_online(
         target.path,
-        heads,
+        {get_method(m).label: Path(d) for m, d in heads.items()},
         cfg.vllm,
         load_eval_prompts(cfg),
         ks=cfg.eval.ks,
         concurrency=cfg.eval.concurrency,
         max_tokens=cfg.eval.max_tokens,
-        # EAGLE-3 heads ship an (unused) mask_hidden too: serve them autoregressively.
-        parallel_drafting={label: label != EAGLE3_LABEL for label in heads},
+        methods=methods,
         prompt_set=Path(cfg.eval.prompts).stem,
         target_revision=cfg.target.revision,
         trust_remote_code=cfg.target.trust_remote_code,
@@ -182,16 +192,16 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Pa
     )
 
 
-def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *, method: str = "peagle") -> object:
-    """The head's card: lineage, training, acceptance per K (and the other method's beside it)."""
+def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *, method: Method | None = None) -> object:
+    """The card of ``method``'s head (default ``train.method``): lineage, training, acceptance
+    per K, and beside it the other head the run trained (the EAGLE-3 baseline or its sibling)."""
     from peagle.export.card import ModelCardInfo
 
-    peagle = method == "peagle"
-    label, other = (PEAGLE_LABEL, EAGLE3_LABEL) if peagle else (EAGLE3_LABEL, PEAGLE_LABEL)
-    depth = {"K_train": str(cfg.train.k_train), "COD ratio": str(cfg.train.cod_ratio)} if peagle else {
-        "TTT steps": str(cfg.train.eagle3_ttt_steps)}
+    method = get_method(method or cfg.train.method)
+    primary = method is get_method(cfg.train.method)
+    other = next((m for m in trained_methods(cfg.train) if m is not method and m.label in online.methods()), None)
     return ModelCardInfo(
-        name=f"peagle-{cfg.name}" + ("" if peagle else "-eagle3"),
+        name=f"peagle-{cfg.name}" + ("" if primary else f"-{method.name}"),
         target_ref=cfg.target.model if not cfg.target.is_embedded else target.path,
         data_lineage={
             "prompts": ", ".join(s.path for s in cfg.data.sources),
@@ -201,17 +211,16 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
             "regenerated by target": str(cfg.data.regenerate.enabled),
         },
         training={
-            "method": "P-EAGLE" if peagle else "EAGLE-3 (training-time test)",
-            **depth,
+            **method.card_training(cfg.train),
             "epochs": str(cfg.train.epochs),
             "drafter layers": str(target.spec.num_layers),
             "offline acceptance (held-out)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },
-        acceptance=online.acceptance_by_k(label),
-        baseline_label="EAGLE-3" if peagle else "P-EAGLE",
-        baseline_acceptance=online.acceptance_by_k(other),
+        acceptance=online.acceptance_by_k(method.label),
+        baseline_label=other.display_name if other else "",
+        baseline_acceptance=online.acceptance_by_k(other.label) if other else {},
         acceptance_source=f"vLLM, prompt set {online.prompt_set}, max_tokens {online.max_tokens}, greedy",
-        parallel_drafting=peagle,
+        method=method.name,
     )
 
 
@@ -232,28 +241,30 @@ def drafted(online, label: str) -> bool:
     return bool(rows) and all(r.num_draft_tokens > 0 for r in rows)
 
 
-def promotion_score(cfg: PipelineConfig, online, label: str = PEAGLE_LABEL) -> float:
-    """Weighted acceptance length at the largest evaluated K over the configured benchmarks."""
+def promotion_score(cfg: PipelineConfig, online) -> float:
+    """Weighted acceptance length of the ``train.method`` head at the largest evaluated K over
+    the configured benchmarks."""
     from peagle.tracking.registry import weighted_score
 
-    acceptance = online.acceptance_by_k(label)
+    acceptance = online.acceptance_by_k(get_method(cfg.train.method).label)
     value = acceptance[max(acceptance)] if acceptance else 0.0
     benchmarks = {name: value for name in cfg.tracking.benchmark_weights}
     return weighted_score(benchmarks, cfg.tracking.benchmark_weights)
 
 
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
-    """Register the head as a model version (alias challenger); promote it only if it wins."""
+    """Register the ``train.method`` head as a model version (alias challenger); promote it only if it wins."""
     from peagle.tracking.mlflow_run import registered_model_name
     from peagle.tracking.registry import promote_if_better, register_head
 
+    method = get_method(cfg.train.method)
     name = registered_model_name(cfg.tracking, cfg.target.model)
     score = promotion_score(cfg, online)
-    acceptance = online.acceptance_by_k(PEAGLE_LABEL)
+    acceptance = online.acceptance_by_k(method.label)
     version = register_head(
         tracker, tracker.run_id, head_dir, name,
         tags={"target": cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
-              "method": "p-eagle", "config": cfg.name},
+              "method": method.label, "config": cfg.name},
         metrics={"score": score, **{f"acceptance_length_k{k}": v for k, v in acceptance.items()}},
     )
     decision = promote_if_better(tracker, name, version.version, score, cfg.tracking.promotion_margin, validated)

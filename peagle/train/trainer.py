@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +27,7 @@ from tqdm import tqdm
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
+from peagle.methods import Objective, get_method
 from peagle.train import checkpoint as ckpt
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
@@ -68,78 +68,12 @@ class TrainResult:
         )
 
 
-# ----------------------------------------------------------------------------- objectives
-
-
-@dataclass
-class Objective:
-    """What ``train.method`` trains: how examples are built, batched and scored.
-
-    A micro-batch stays a list of examples until it runs: with ``train.segments`` > 1 each
-    segment is collated (its mask built) only when it is reached, so the whole
-    micro-batch's [N, N] mask never exists (``peagle.train.partition.segment_batches``).
-    """
-
-    name: str
-    make_example: Callable[[Any, torch.Generator], Any]  # (sample, generator) -> Example
-    collate: Callable[[list], Any]  # examples -> Batch (padded, with its attention mask)
-    loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
-    depths: int  # K the loss is normalised over (train.k_train, or the EAGLE-3 TTT steps)
-    weighting: str  # train.loss_depth_weighting
-
-    def denominator(self, examples: list) -> Any:
-        """The whole micro-batch's normaliser: every segment's loss is divided by it."""
-        from peagle.train.partition import examples_denominator
-
-        return examples_denominator(examples, self.weighting, self.depths)
-
-    def batches(self, examples: list, segments: int):
-        """The micro-batch as ``segments`` batches (Algorithm 1), built one at a time."""
-        if segments == 1:
-            return iter([self.collate(examples)])
-        from peagle.train.partition import segment_batches
-
-        return segment_batches(examples, segments, self.collate)
-
-
-def peagle_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
-    from peagle.train.batch import build_peagle_example, collate
-    from peagle.train.loss import peagle_loss
-    from peagle.train.masks import PrecomputedMask
-
-    def make_example(sample, generator):
-        return build_peagle_example(
-            sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator
-        )
-
-    def loss(model, batch, denom):
-        return peagle_loss(model, target_head, batch, train.loss_depth_weighting, denom, k=train.k_train)
-
-    return Objective(
-        name="peagle",
-        make_example=make_example,
-        collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
-        loss=loss,
-        depths=train.k_train,
-        weighting=train.loss_depth_weighting,
-    )
-
-
-def eagle3_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
-    """The EAGLE-3 baseline (training-time test) on the same data, from ``peagle.train.eagle3``."""
-    try:
-        from peagle.train import eagle3
-    except ImportError as err:
-        raise RuntimeError(f"train.method 'eagle3' needs peagle.train.eagle3 ({err})") from None
-    return eagle3.objective(train, spec, target_head)
+# ----------------------------------------------------------------------------- objective
 
 
 def make_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
-    if train.method == "peagle":
-        return peagle_objective(train, spec, target_head)
-    if train.method == "eagle3":
-        return eagle3_objective(train, spec, target_head)
-    raise ValueError(f"train.method {train.method!r} is not 'peagle' or 'eagle3'")
+    """What ``train.method`` trains (its method object's objective)."""
+    return get_method(train.method).objective(train, spec, target_head)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -175,9 +109,11 @@ def train_config_hash(train: TrainConfig) -> str:
     """Identity of what is being trained (fields that only affect bookkeeping are left out)."""
     import hashlib
 
-    data = {k: v for k, v in train.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS}
-    if train.method == "peagle":
-        data.pop("eagle3_ttt_steps")  # the EAGLE-3 objective's only
+    from peagle.methods import available_methods
+
+    method = get_method(train.method)
+    others = {f for name in available_methods() for f in get_method(name).own_train_fields} - method.own_train_fields
+    data = {k: v for k, v in train.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS | others}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -416,13 +352,12 @@ def train_drafter(
 
     bar = tqdm(total=total_steps, initial=step, desc=f"train {objective.name}", disable=not (progress and dist_info.is_main))
     gas = micro_steps_per_step(train)
-    depths = max(train.k_train, train.eagle3_ttt_steps)  # per-depth statistics of either objective
     while step < total_steps:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, list, in_epoch * plan.grad_accum))
         for _ in range(plan.steps_per_epoch - in_epoch):
             start = time.perf_counter()
-            stats = StepStats(depths, engine.device)
+            stats = StepStats(objective.depths, engine.device)
             for _ in range(plan.grad_accum):
                 examples, tokens = next(batches)
                 stats.tokens += tokens
