@@ -16,6 +16,7 @@ from flows.common import publish_mlflow_artifact
 from flows.stages import data_flow, evaluate_flow, export_task, publish_flow, target_task, train_flow
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
+from peagle.identity import dataset_manifests
 from peagle.methods import trained_methods
 from peagle.paths import configure_environment
 
@@ -60,7 +61,7 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
         with timer.stage("data"), tracker.stage("data") as run:
             data = data_flow(data_cfg, force=force_data, target=target)
             stages.record_dataset(tracker, run, data)
-            lineage["data_manifests"] = str(stages.dataset_manifest_hashes(data.data_dir))
+            lineage["data_manifests"] = str(dataset_manifests(data.data_dir))
         with timer.stage("train"), tracker.stage("train") as run:
             trained = train_flow(cfg, str(data.data_dir), target=target, export=False)
             stages.record_training(run, trained)

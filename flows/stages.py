@@ -26,6 +26,7 @@ from flows.common import (
 )
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
+from peagle.identity import dataset_manifests, head_identity
 from peagle.methods import BASELINE, get_method, trained_methods
 from peagle.paths import configure_environment
 
@@ -109,9 +110,9 @@ class TrainOutcome:
 
 
 def training_key(cfg: PipelineConfig, data_dir: Path, method: str) -> str:
-    """What decides the trained head: the dataset actually built, drafter/train/eval config, method."""
-    manifests = stages.dataset_manifest_hashes(data_dir)
-    return "train-" + digest(manifests, cfg.section_hash("target", "drafter", "train", "eval"), method, cfg.run_dir)
+    """The trained head's identity (``peagle.identity``: the dataset actually built, the fields
+    that change the weights, the method) and the run directory its checkpoints are in."""
+    return "train-" + digest(head_identity(cfg, dataset_manifests(data_dir), method), cfg.run_dir)
 
 
 @task(name="train", **CACHED)
@@ -134,7 +135,7 @@ def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overri
                method: str | None = None, target: stages.TargetInfo | None = None, export: bool = True) -> TrainOutcome:
     """DeepSpeed training (cached on the dataset's manifests and the training config), offline
     acceptance of the best checkpoint, and the exported head directory."""
-    cfg = stages.resolve_init_from(resolve_config(config, overrides))  # before the key: it names the champion
+    cfg = stages.resolve_init_from(resolve_config(config, overrides))  # the champion's head, when asked for
     target = target or target_task(cfg)
     method = get_method(method or cfg.train.method).name
     data_dir = str(data_dir or cfg.run_dir / "data")

@@ -82,9 +82,9 @@ def checkpoint_dir(cfg: PipelineConfig, method: Method) -> Path:
 def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     """``train.init_from: champion`` -> the registry champion's head, downloaded into the run dir.
 
-    The directory is named after the champion's version, so the training cache key (which
-    hashes the train config) changes when the champion does. No champion yet (a first
-    scheduled run): train from the target's weights, and say so.
+    The directory is named after the champion's version. Where training starts is not part
+    of a head's identity (``peagle.identity``): a new champion alone retrains nothing. No
+    champion yet (a first scheduled run): train from the target's weights, and say so.
     """
     if cfg.train.init_from != INIT_FROM_CHAMPION:
         return cfg
@@ -356,12 +356,16 @@ def _digest_strings(parts) -> str:
 
 
 def lineage(cfg: PipelineConfig, target: TargetInfo) -> dict[str, str]:
-    """What a head is trained on, known before any work: the keys retraining compares."""
+    """What a head is trained on, known before any work: the keys retraining compares.
+
+    The dataset is named by what builds it (it is not built yet); the training part is the
+    head identity's own (``peagle.identity.training_hash``: bookkeeping never counts).
+    """
+    from peagle.identity import training_hash
+
     return {
         "data_config_hash": cfg.section_hash("target", "data"),
-        # Where training starts (train.init_from) is not what the head is trained on: a warm
-        # start alone is no reason to retrain.
-        "train_config_hash": with_train(cfg, init_from=None).section_hash("drafter", "train"),
+        "train_config_hash": training_hash(cfg),
         "target_revision": target_revision(cfg, target),
         "prompt_files": json.dumps(prompt_file_hashes(cfg), sort_keys=True),
     }
@@ -370,12 +374,6 @@ def lineage(cfg: PipelineConfig, target: TargetInfo) -> dict[str, str]:
 def lineage_key(values: dict[str, str]) -> str:
     """One short digest of a lineage: names a retraining revision's directory."""
     return _digest_strings(f"{k}={values[k]}" for k in sorted(values))[:12]
-
-
-def dataset_manifest_hashes(data_dir: Path) -> dict[str, str]:
-    """sha256 of each split's manifest.json: the identity of the dataset actually built."""
-    return {split: file_digest(Path(data_dir) / "splits" / split / "manifest.json")
-            for split in ("train", "eval") if (Path(data_dir) / "splits" / split / "manifest.json").exists()}
 
 
 def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
@@ -393,7 +391,7 @@ def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str
         elif old_files[path] != new_files[path]:
             changes.append(f"prompt file {path} changed (new prompt data)")
     for key, what in (("target_revision", "target revision"), ("data_config_hash", "data/target config"),
-                      ("train_config_hash", "drafter/train config")):
+                      ("train_config_hash", "drafter/train config or method")):
         if recorded.get(key) != current[key]:
             changes.append(f"{what} changed ({recorded.get(key)} -> {current[key]})")
     return changes

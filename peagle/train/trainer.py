@@ -10,7 +10,9 @@ supervised count. DeepSpeed reduces, clips and steps once per optimizer step.
 Outputs under ``out_dir``: ``step-NNNNNN/`` checkpoints (``checkpoint``), ``latest`` /
 ``best`` pointers, ``metrics.jsonl`` (one JSON object per step and per evaluation,
 written by rank 0) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
-from ``latest`` at the exact data position, optimizer, schedule and RNG state.
+from ``latest`` at the exact data position, optimizer, schedule and RNG state, if it trains
+the same head (``peagle.identity.head_identity``, kept in each checkpoint's
+``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tqdm import tqdm
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
+from peagle.identity import dataset_manifests, head_identity
 from peagle.methods import Objective, get_method
 from peagle.train import checkpoint as ckpt
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
@@ -36,9 +39,6 @@ METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "train_result.json"
 TRAIN_SPLIT = "train"
 STAT_KEYS = ("kl_sum", "correct", "count")
-# Fields that may change between a run and its resume without changing what is trained
-# (eagle3_baseline only asks the pipeline for a second head).
-RESUMABLE_FIELDS = {"eval_every", "save_every", "keep_last", "world_size", "eagle3_baseline"}
 
 EvalFn = Callable[[torch.nn.Module], float]
 MetricsCallback = Callable[[int, dict], None]
@@ -103,18 +103,6 @@ def load_training_inputs(data_dir: Path) -> TrainingInputs:
             f"{VOCAB_FILE} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
         )
     return TrainingInputs(spec=spec, samples=ShardReader(data_dir / "splits" / TRAIN_SPLIT), draft_ids=vocab.draft_ids)
-
-
-def train_config_hash(train: TrainConfig) -> str:
-    """Identity of what is being trained (fields that only affect bookkeeping are left out)."""
-    import hashlib
-
-    from peagle.methods import available_methods
-
-    method = get_method(train.method)
-    others = {f for name in available_methods() for f in get_method(name).own_train_fields} - method.own_train_fields
-    data = {k: v for k, v in train.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS | others}
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -307,7 +295,7 @@ def train_drafter(
         out_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out_dir / METRICS_FILE, dist_info.is_main, on_metrics)
     step = 0
-    config_hash = train_config_hash(train)
+    identity = head_identity(cfg, dataset_manifests(data_dir))  # what a resumed run must share
     previous = ckpt.latest_checkpoint(out_dir)
     if previous is not None and not resume:
         raise FileExistsError(
@@ -315,7 +303,7 @@ def train_drafter(
         )
     if previous is not None:
         state = ckpt.load_checkpoint(engine, previous)
-        _check_resumable(state, plan, total_steps, config_hash, previous)
+        _check_resumable(state, plan, total_steps, identity, previous)
         step = state.step
         log.resume_at(step)
     elif dist_info.is_main and (out_dir / METRICS_FILE).exists():
@@ -334,7 +322,7 @@ def train_drafter(
             micro_batch_size=plan.micro_batch_size,
             grad_accum=plan.grad_accum,
             total_steps=total_steps,
-            config_hash=config_hash,
+            config_hash=identity,
             acceptance=acceptance,
             metrics=record,
             replica_checksums=checksums,
@@ -405,11 +393,11 @@ def _save_due(train: TrainConfig, step: int, plan: BatchPlan) -> bool:
     return step % plan.steps_per_epoch == 0  # neither set: once per epoch
 
 
-def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int, config_hash: str, where: Path) -> None:
+def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int, identity: str, where: Path) -> None:
     mismatch = {
         name: (old, new)
         for name, old, new in [
-            ("train config", state.config_hash, config_hash),
+            ("head identity (dataset, weight-changing config, method)", state.config_hash, identity),
             ("steps per epoch", state.steps_per_epoch, plan.steps_per_epoch),
             ("micro batch size", state.micro_batch_size, plan.micro_batch_size),
             ("grad accumulation", state.grad_accum, plan.grad_accum),
