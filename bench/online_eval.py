@@ -27,12 +27,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from result_files import result_path, write_results  # noqa: E402
 from peagle.layout import LAUNCH_CONFIG_FILE, TRAIN_RESULT_FILE, CheckpointLayout, RunLayout  # noqa: E402
+from peagle.methods import BASELINE as BASELINE_METHOD  # noqa: E402
+from peagle.methods import DEFAULT_METHOD  # noqa: E402
 
 from peagle.paths import configure_environment  # noqa: E402
 
 NAME = "online_eval"
 CONFIG = "configs/demo.yaml"
-HEADS = {"p-eagle": "peagle", "eagle-3": "eagle3"}  # online label -> training method
+METHODS = (DEFAULT_METHOD, BASELINE_METHOD)  # P-EAGLE, then the EAGLE-3 baseline: measured, in table order
+
+
+def labels() -> list[str]:
+    """Result keys of the measured methods, in table order."""
+    from peagle.methods import get_method
+
+    return [get_method(m).label for m in METHODS]
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,7 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eagle3-epochs", type=int, default=None, help="EAGLE-3 epochs (default: the demo's)")
     p.add_argument("--eagle3-ttt-steps", type=int, default=None, help="EAGLE-3 TTT steps (default: the config's)")
     p.add_argument("--eagle3-max-steps", type=int, default=None, help="cap EAGLE-3 optimizer steps")
-    p.add_argument("--heads", type=lambda s: s.split(","), default=list(HEADS), help="heads to measure now")
+    p.add_argument("--heads", type=lambda s: s.split(","), default=list(METHODS),
+                   help="drafting methods whose heads to measure now")
     p.add_argument("--no-baseline", action="store_true", help="skip the no-speculation engine")
     p.add_argument("--out", type=Path, default=result_path(NAME, ""),
                    help="path stem of the result files (.json, .md, .online.json, .png)")
@@ -77,19 +87,18 @@ def eagle3_config(cfg, epochs: int | None, ttt_steps: int | None, max_steps: int
     return with_train(cfg, **train) if train else cfg
 
 
-def training_budget(cfg, method: str) -> dict:
+def training_budget(cfg, method) -> dict:
     """What the checkpoint was really trained with (from its launch config)."""
     from peagle import pipeline
 
     launched = json.loads((pipeline.checkpoint_dir(cfg, method) / LAUNCH_CONFIG_FILE).read_text())["train"]
-    keys = ("epochs", "max_steps", "k_train", "cod_ratio") if method == "peagle" else (
-        "epochs", "max_steps", "eagle3_ttt_steps")
+    keys = ("epochs", "max_steps", *sorted(method.own_train_fields))
     trained = json.loads((pipeline.checkpoint_dir(cfg, method) / TRAIN_RESULT_FILE).read_text())
     steps = max((int(m["step"]) for m in trained["metrics_history"] if "step" in m), default=0)
     return {**{k: launched[k] for k in keys}, "steps_run": steps}
 
 
-def trained_checkpoint(cfg, target, data_dir: Path, method: str) -> Path:
+def trained_checkpoint(cfg, target, data_dir: Path, method) -> Path:
     """The best checkpoint of ``method`` in the demo run; trains it (resuming) when absent."""
     from peagle import pipeline
     from peagle.train.trainer import TrainResult
@@ -101,15 +110,15 @@ def trained_checkpoint(cfg, target, data_dir: Path, method: str) -> Path:
         trained = pipeline.train_head(cfg, target, data_dir, method=method)
     checkpoint = trained.best_checkpoint or trained.last_checkpoint
     if checkpoint is None:
-        raise RuntimeError(f"{method} training wrote no checkpoint under {result_file.parent}")
+        raise RuntimeError(f"{method.name} training wrote no checkpoint under {result_file.parent}")
     return Path(checkpoint)
 
 
-def exported_head(cfg, target, data_dir: Path, checkpoint: Path, method: str) -> Path:
+def exported_head(cfg, target, data_dir: Path, checkpoint: Path, method) -> Path:
     """The head exported from ``checkpoint`` (re-exported when the head is older than it)."""
     from peagle import pipeline
 
-    head = RunLayout(cfg.run_dir).head(method)
+    head = pipeline.exported_head_dir(cfg, method)
     weights = head / "model.safetensors"
     if weights.exists() and weights.stat().st_mtime >= CheckpointLayout(checkpoint).drafter.stat().st_mtime:
         return head
@@ -127,7 +136,7 @@ def merge_online(new, path: Path):
         return new
     fresh = {r.method for r in new.rows}
     rows = [r for r in old.rows if r.method not in fresh] + new.rows
-    order = [BASELINE, *HEADS]
+    order = [BASELINE, *labels()]
     rows.sort(key=lambda r: (order.index(r.method) if r.method in order else len(order), r.k, r.concurrency))
     return OnlineResult(new.target, new.max_tokens, new.prompt_set, rows)
 
@@ -165,7 +174,7 @@ def markdown(online, offline: dict, ks: list[int], meta: dict) -> str:
     lines += ["", "Acceptance length per K, offline (held-out hidden states) vs online (vLLM, concurrency 1):", "",
               "| method | " + " | ".join(f"K={k} offline | K={k} online" for k in ks) + " |",
               "|---|" + "---:|" * (2 * len(ks))]
-    for label in [h for h in HEADS if h in offline]:
+    for label in [h for h in labels() if h in offline]:
         on = online.acceptance_by_k(label)
         off = offline[label].acceptance_length
         cells = [f"{off[k]:.2f}" if k in off else "n/a" for k in ks]
@@ -184,7 +193,7 @@ def offline_rich_table(offline: dict, online, ks: list[int]):
     for k in ks:
         table.add_column(f"K={k} off", justify="right")
         table.add_column(f"K={k} on", justify="right")
-    for label in [h for h in HEADS if h in offline]:
+    for label in [h for h in labels() if h in offline]:
         on, off = online.acceptance_by_k(label), offline[label].acceptance_length
         table.add_row(label, *[c for k in ks for c in (f"{off[k]:.2f}" if k in off else "n/a",
                                                        f"{on[k]:.2f}" if k in on else "-")])
@@ -199,6 +208,7 @@ def main() -> None:
     from peagle import pipeline
     from peagle.eval.online import evaluate_online
     from peagle.eval.plots import plot_online
+    from peagle.methods import get_method
 
     console = Console()
     started = time.perf_counter()
@@ -206,13 +216,14 @@ def main() -> None:
     target = pipeline.prepare_target(cfg)
     data_dir = dataset_dir(cfg, target)
 
-    heads, offline = {}, {}
-    for label in args.heads:
-        method = HEADS[label]
+    heads, offline, methods = {}, {}, {}
+    for name in args.heads:
+        method = get_method(name)
+        label = method.label
         train_cfg = eagle3_config(cfg, args.eagle3_epochs, args.eagle3_ttt_steps, args.eagle3_max_steps) \
-            if method == "eagle3" else cfg
+            if method is get_method(BASELINE_METHOD) else cfg
         checkpoint = trained_checkpoint(train_cfg, target, data_dir, method)
-        heads[label] = exported_head(cfg, target, data_dir, checkpoint, method)
+        heads[label], methods[label] = exported_head(cfg, target, data_dir, checkpoint, method), method
         offline[label] = pipeline.evaluate_offline(cfg, target, data_dir, checkpoint, method=method)
         console.print(f"{label}: {checkpoint} -> {heads[label]}; offline {offline[label].acceptance_length}")
     setup_s = time.perf_counter() - started
@@ -221,7 +232,7 @@ def main() -> None:
         target.path, heads, cfg.vllm, pipeline.load_eval_prompts(cfg.model_copy(
             update={"eval": cfg.eval.model_copy(update={"num_prompts": args.num_prompts})})),
         ks=args.ks, concurrency=args.concurrency, max_tokens=args.max_tokens,
-        parallel_drafting={"p-eagle": True, "eagle-3": False}, include_baseline=not args.no_baseline,
+        methods=methods, include_baseline=not args.no_baseline,
         prompt_set=Path(cfg.eval.prompts).stem,
         on_row=lambda r: console.print(f"  measured {r.method} K={r.k} c={r.concurrency}: "
                                        f"AL={r.acceptance_length} {r.output_tokens_per_s:.1f} tok/s"),
@@ -238,8 +249,9 @@ def main() -> None:
             "cpu": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
             "num_prompts": args.num_prompts, "k_train": cfg.train.k_train, "heads": {k: str(v) for k, v in heads.items()},
             "setup_s": round(setup_s, 1),
-            "training": {label: training_budget(cfg, method) for label, method in HEADS.items()
-                         if (pipeline.checkpoint_dir(cfg, method) / TRAIN_RESULT_FILE).exists()}, "total_s": round(time.perf_counter() - started, 1)}
+            "training": {get_method(m).label: training_budget(cfg, get_method(m)) for m in METHODS
+                         if (pipeline.checkpoint_dir(cfg, m) / TRAIN_RESULT_FILE).exists()},
+            "total_s": round(time.perf_counter() - started, 1)}
     payload = {"meta": meta, "online": online.to_records(), "offline": offline_table(offline),
                "offline_raw": {label: asdict(res) for label, res in offline.items()}}
     write_results(args.out.name, payload, markdown(online, offline, args.ks, meta), args.out.parent)

@@ -8,7 +8,7 @@ example, the trainer's micro-batch, and is timed over the whole set (one epoch):
 - P-EAGLE, per-pair mask: the same examples, the mask evaluated pair by pair per example
   (``brute_force_mask``; PARD-style per-example construction);
 - EAGLE-3 (this repo): ``build_eagle3_example`` (all anchors x ttt steps, ground-truth
-  tokens) + ``collate`` - what ``peagle.train.eagle3``'s objective loads per example;
+  tokens) + ``collate`` - what ``peagle.methods.eagle3``'s objective loads per example;
 - EAGLE-3 (classic loader): tokens, hidden states and one causal [L, L] mask, what an
   EAGLE-3 trainer that builds its TTT steps inside the model needs.
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from peagle.train.batch import build_peagle_example, collate  # noqa: E402
-from peagle.train.eagle3 import build_eagle3_example  # noqa: E402
+from peagle.methods.eagle3 import build_eagle3_example  # noqa: E402
 from peagle.train.masks import PrecomputedMask, brute_force_mask  # noqa: E402
 from train_common import Run, bench_spec, synthetic_sample  # noqa: E402
 

@@ -16,7 +16,9 @@ from flows.common import publish_mlflow_artifact
 from flows.stages import data_flow, evaluate_flow, export_task, publish_flow, target_task, train_flow
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
+from peagle.identity import dataset_manifests
 from peagle.layout import RunLayout
+from peagle.methods import trained_methods
 
 
 @dataclass
@@ -49,6 +51,7 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
     from peagle.tracking import Tracker
 
     data_cfg = data_cfg or cfg
+    method, *baseline = trained_methods(cfg.train)  # the head, then the EAGLE-3 baseline when asked for
     timer = stages.StageTimer()
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):
@@ -57,28 +60,28 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
         with timer.stage("data"), tracker.stage("data") as run:
             data = data_flow(data_cfg, force=force_data, target=target)
             stages.record_dataset(tracker, run, data)
-            lineage["data_manifests"] = str(stages.dataset_manifest_hashes(data.data_dir))
+            lineage["data_manifests"] = str(dataset_manifests(data.data_dir))
         with timer.stage("train"), tracker.stage("train") as run:
             trained = train_flow(cfg, str(data.data_dir), target=target, export=False)
             stages.record_training(run, trained)
             stages.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
-            head_dir = str(export_task(cfg, target, str(data.data_dir), trained.best_checkpoint, cfg.train.method))
-        head_key, baseline_dir = f"{trained.cache_key}/{cfg.train.method}", None
-        if cfg.train.eagle3_baseline:  # the same data, trained autoregressively: the comparison users ask for
-            with timer.stage("train_eagle3"), tracker.stage("train-eagle3") as run:
-                baseline = train_flow(cfg, str(data.data_dir), target=target, method="eagle3")
-                stages.record_training(run, baseline)
-                stages.record_offline(run, baseline.offline)
-            baseline_dir, head_key = baseline.head_dir, f"{head_key}+{baseline.cache_key}/eagle3"
+            head_dir = str(export_task(cfg, target, str(data.data_dir), trained.best_checkpoint, method.name))
+        head_key, baseline_dir = trained.cache_key, None
+        for other in baseline:  # the same data, trained autoregressively: the comparison users ask for
+            with timer.stage(f"train_{other.name}"), tracker.stage(f"train-{other.name}") as run:
+                compared = train_flow(cfg, str(data.data_dir), target=target, method=other.name)
+                stages.record_training(run, compared)
+                stages.record_offline(run, compared.offline)
+            baseline_dir, head_key = compared.head_dir, f"{head_key}+{compared.cache_key}"
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(cfg, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
             plot = stages.record_online(run, online, RunLayout(cfg.run_dir).eval)
             stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline),
                               trained.best_checkpoint)
-            if baseline_dir is not None:
-                stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, baseline.offline,
-                                                                  method="eagle3"), baseline.best_checkpoint)
+            for other in baseline:
+                stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, compared.offline,
+                                                                  method=other), compared.best_checkpoint)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(cfg, head_dir, str(RunLayout(cfg.run_dir).online_results),
                                      mlflow_run_id=tracker.run_id, lineage=lineage)

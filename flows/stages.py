@@ -26,7 +26,9 @@ from flows.common import (
 )
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config, with_overrides
+from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import RunLayout
+from peagle.methods import BASELINE, get_method, trained_methods
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -93,9 +95,9 @@ class TrainOutcome:
 
 
 def training_key(cfg: PipelineConfig, data_dir: Path, method: str) -> str:
-    """What decides the trained head: the dataset actually built, drafter/train/eval config, method."""
-    manifests = stages.dataset_manifest_hashes(data_dir)
-    return "train-" + digest(manifests, cfg.section_hash("target", "drafter", "train", "eval"), method, cfg.run_dir)
+    """The trained head's identity (``peagle.identity``: the dataset actually built, the fields
+    that change the weights, the method) and the run directory its checkpoints are in."""
+    return "train-" + digest(head_identity(cfg, dataset_manifests(data_dir), method), cfg.run_dir)
 
 
 @task(name="train", **CACHED)
@@ -118,9 +120,9 @@ def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overri
                method: str | None = None, target: stages.TargetInfo | None = None, export: bool = True) -> TrainOutcome:
     """DeepSpeed training (cached on the dataset's manifests and the training config), offline
     acceptance of the best checkpoint, and the exported head directory."""
-    cfg = stages.resolve_init_from(resolve_config(config, overrides))  # before the key: it names the champion
+    cfg = stages.resolve_init_from(resolve_config(config, overrides))  # the champion's head, when asked for
     target = target or target_task(cfg)
-    method = method or cfg.train.method
+    method = get_method(method or cfg.train.method).name
     data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
     ckpt_dir = stages.checkpoint_dir(cfg, method)
     refresh = not path_exists(ckpt_dir / "best")
@@ -147,7 +149,8 @@ def evaluation_key(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[s
 
 @task(name="evaluate-online", **CACHED, **TRANSIENT_RETRIES)
 def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str], key: str):
-    return stages.evaluate_online(cfg, target, {label: Path(d) for label, d in heads.items()})
+    """``heads``: method name -> head directory."""
+    return stages.evaluate_online(cfg, target, {name: Path(d) for name, d in heads.items()})
 
 
 @flow(name="peagle-evaluate")
@@ -157,21 +160,22 @@ def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, ove
     """Acceptance per K and tokens/s in vLLM (cached on the heads' training keys, or their file
     hashes); publishes the acceptance table as a Prefect markdown artifact.
 
-    ``baseline_dir``: an EAGLE-3 head trained on the same data, served alongside (without
-    parallel drafting); by default the run's ``heads/eagle3`` when ``train.eagle3_baseline``.
+    ``head_dir``: the ``train.method`` head (default the run's ``heads/<method>``);
+    ``baseline_dir``: the EAGLE-3 baseline trained on the same data, served alongside as its
+    method drafts (default the run's ``heads/eagle3`` when ``train.eagle3_baseline``).
+    Heads are keyed by method name; each is served as its method says (parallel or not).
     """
     cfg = resolve_config(config, overrides)
     target = target or target_task(cfg)
-    run = RunLayout(cfg.run_dir)
-    heads = {stages.PEAGLE_LABEL: str(head_dir or run.head("peagle"))}
-    if baseline_dir is None and cfg.train.eagle3_baseline:
-        baseline_dir = str(run.head("eagle3"))
-    if baseline_dir is not None:
-        heads[stages.EAGLE3_LABEL] = baseline_dir
-    for label, directory in heads.items():
+    head, *baseline = trained_methods(cfg.train)
+    if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:
+        baseline = [get_method(BASELINE)]
+    heads = {head.name: str(head_dir or stages.exported_head_dir(cfg, head))}
+    heads |= {m.name: str(baseline_dir or stages.exported_head_dir(cfg, m)) for m in baseline}
+    for name, directory in heads.items():
         if not path_exists(Path(directory) / "config.json"):
-            raise FileNotFoundError(f"no exported {label} head at {directory}: run the train flow first"
-                                    + (" (method eagle3)" if label == stages.EAGLE3_LABEL else ""))
+            raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
+                                    f"run the train flow first (method {name})")
     online = online_task(cfg, target, heads, evaluation_key(cfg, target, heads, head_key))
     publish_acceptance_artifact(online, cfg.name)
     return online
@@ -211,7 +215,7 @@ def publish_flow(config: PipelineConfig | str, head_dir: str | None = None, onli
                  lineage: dict | None = None) -> PublishOutcome:
     """Register the head (alias challenger) and promote it through the registry gate.
 
-    ``head_dir`` / ``online_results``: by default the run directory's exported P-EAGLE head and
+    ``head_dir`` / ``online_results``: by default the run directory's exported ``train.method`` head and
     the JSON the evaluate stage saved there (so a deployment names no machine-local path). With
     ``mlflow_run_id`` the head is registered under that (running) pipeline run; otherwise under
     a run of its own.
@@ -220,11 +224,11 @@ def publish_flow(config: PipelineConfig | str, head_dir: str | None = None, onli
     from peagle.tracking import Tracker
 
     cfg = resolve_config(config, overrides)
-    head_dir = str(head_dir or cfg.run_dir / "heads" / "peagle")
-    online_results = str(online_results or cfg.run_dir / "eval" / "online_results.json")
+    head_dir = str(head_dir or stages.exported_head_dir(cfg, cfg.train.method))
+    online_results = str(online_results or RunLayout(cfg.run_dir).online_results)
     online = OnlineResult.load(online_results)
     lineage = lineage or {}
-    validated = stages.drafted(online, stages.PEAGLE_LABEL)
+    validated = stages.drafted(online, get_method(cfg.train.method).label)
     if mlflow_run_id:
         tracker = Tracker(cfg.tracking, target_id=cfg.target.model, run_id=mlflow_run_id).start()
         return publish_task(cfg, tracker, head_dir, online, validated, lineage)

@@ -78,13 +78,13 @@ def data_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt, force: bool = t
 def train_cmd(
     config: Path = ConfigArg,
     set_: list[str] = SetOpt,
-    method: str = typer.Option(None, help="peagle (default) or eagle3"),
+    method: str = typer.Option(None, help="A drafting method (peagle, eagle3); default train.method"),
 ):
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
     from peagle import pipeline as stages
 
-    cfg = _load(config, set_)
-    result = stages.train_head(cfg, stages.prepare_target(cfg), RunLayout(cfg.run_dir).data.root, method=method)
+    cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
+    result = stages.train_head(cfg, stages.prepare_target(cfg), RunLayout(cfg.run_dir).data.root)
     console.print(stages.summary_json(result))
 
 
@@ -92,7 +92,7 @@ def train_cmd(
 def export_cmd(
     config: Path = ConfigArg,
     set_: list[str] = SetOpt,
-    method: str = typer.Option("peagle", help="peagle or eagle3: which trained head to export"),
+    method: str = typer.Option(None, help="Which trained head to export (peagle, eagle3); default train.method"),
     checkpoint: Path = typer.Option(None, help="A step dir or a latest/best pointer (default: the best by offline acceptance)"),
     vllm_check: bool = typer.Option(True, help="Also load the head in vLLM and draft before publishing"),
 ):
@@ -102,16 +102,16 @@ def export_cmd(
     from peagle.export.validate import validate_head
     from peagle.train.checkpoint import BEST
 
-    cfg = _load(config, set_)
+    cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
     target = stages.prepare_target(cfg)
-    ckpt = checkpoint or stages.checkpoint_dir(cfg, method) / BEST
+    ckpt = checkpoint or stages.checkpoint_dir(cfg, cfg.train.method) / BEST
     try:
-        head = stages.export_head(cfg, target, RunLayout(cfg.run_dir).data.root, ckpt, method=method)
+        head = stages.export_head(cfg, target, RunLayout(cfg.run_dir).data.root, ckpt)
     except ExportError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     if vllm_check:
-        validate_head(head, target.path, vllm_cfg=cfg.vllm, parallel_drafting=method == "peagle")
+        validate_head(head, target.path, vllm_cfg=cfg.vllm, method=cfg.train.method)
     console.print(f"head: {head}")
 
 
@@ -119,12 +119,13 @@ def export_cmd(
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
     from peagle import pipeline as stages
+    from peagle.methods import available_methods
 
     cfg = _load(config, set_)
     target = stages.prepare_target(cfg)
-    labels = {"peagle": stages.PEAGLE_LABEL, "eagle3": stages.EAGLE3_LABEL}
     run = RunLayout(cfg.run_dir)
-    heads = {label: run.head(m) for m, label in labels.items() if run.head(m).exists()}
+    heads = {m: stages.exported_head_dir(cfg, m) for m in available_methods()
+             if (stages.exported_head_dir(cfg, m) / "config.json").exists()}
     if not heads:
         console.print(f"[red]no exported head under {run.heads}: run `peagle export` first[/red]")
         raise typer.Exit(2)

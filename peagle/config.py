@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from peagle.methods import DEFAULT_METHOD, available_methods
 from peagle.paths import REPO_ROOT, peagle_home
 
 EMBEDDED_TARGET = "embedded"
@@ -166,7 +167,7 @@ INIT_FROM_CHAMPION = "champion"
 
 
 class TrainConfig(Strict):
-    method: Literal["peagle", "eagle3"] = "peagle"
+    method: str = DEFAULT_METHOD  # a drafting method of the catalogue (peagle.methods)
     k_train: int = Field(8, ge=1)
     cod_ratio: float = Field(0.8, gt=0, le=1)
     cod_floor: float = Field(0.2, ge=0, le=1)
@@ -195,6 +196,13 @@ class TrainConfig(Strict):
     # EAGLE-3 baseline trained on the same data (training-time-test steps).
     eagle3_baseline: bool = False
     eagle3_ttt_steps: int = Field(7, ge=1)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v):
+        if v not in available_methods():
+            raise ValueError(f"unknown drafting method {v!r}; available: {', '.join(available_methods())}")
+        return v
 
     @model_validator(mode="after")
     def _segments_fit(self):

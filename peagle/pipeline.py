@@ -18,9 +18,9 @@ from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.fileio import sha256_file as file_digest
 from peagle.layout import ONLINE_PLOT_FILE, ONLINE_RESULTS_FILE, SPLITS, CheckpointLayout, DataLayout, RunLayout
+from peagle.methods import DraftingMethod, get_method, trained_methods
 
-PEAGLE_LABEL = "p-eagle"
-EAGLE3_LABEL = "eagle-3"
+Method = str | DraftingMethod  # a drafting method's name or object (peagle.methods)
 
 
 @dataclass
@@ -70,21 +70,21 @@ def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=changes)})
 
 
-def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
-    return cfg if method == cfg.train.method else with_train(cfg, method=method)
+def with_method(cfg: PipelineConfig, method: Method) -> PipelineConfig:
+    """The same config training ``method``'s head."""
+    return with_train(cfg, method=get_method(method).name)
 
 
-def checkpoint_dir(cfg: PipelineConfig, method: str) -> Path:
-    return RunLayout(cfg.run_dir).checkpoints(method)
-
+def checkpoint_dir(cfg: PipelineConfig, method: Method) -> Path:
+    return RunLayout(cfg.run_dir).checkpoints(get_method(method).name)
 
 
 def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     """``train.init_from: champion`` -> the registry champion's head, downloaded into the run dir.
 
-    The directory is named after the champion's version, so the training cache key (which
-    hashes the train config) changes when the champion does. No champion yet (a first
-    scheduled run): train from the target's weights, and say so.
+    The directory is named after the champion's version. Where training starts is not part
+    of a head's identity (``peagle.identity``): a new champion alone retrains nothing. No
+    champion yet (a first scheduled run): train from the target's weights, and say so.
     """
     if cfg.train.init_from != INIT_FROM_CHAMPION:
         return cfg
@@ -105,7 +105,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     return with_train(cfg, init_from=head)
 
 
-def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: str | None = None):
+def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: Method | None = None):
     """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
     Checkpoints are chosen by offline acceptance on the held-out split, not by loss.
@@ -122,13 +122,13 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
     )
 
 
-def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *, method: str = "peagle"):
-    """Simulated acceptance per K of a checkpoint on the held-out hidden states.
-
-    The drafter's shape, method and k_train are the checkpoint's (its head_spec.json).
-    """
+def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,
+                     method: Method | None = None):
+    """Simulated acceptance per K of a checkpoint on the held-out hidden states, at the K its
+    method can be evaluated at. The drafter's shape, method and k_train are the checkpoint's."""
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
+    from peagle.eval.offline import evaluable_ks
     from peagle.eval.offline import evaluate_offline as run_offline
     from peagle.model import PEagleDrafter
 
@@ -136,12 +136,12 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
     drafter = PEagleDrafter.from_checkpoint(checkpoint).eval()
     spec = drafter.spec
     check_trained_on(spec, data, checkpoint)
+    method = get_method(method or spec.method or cfg.train.method)
     vocab = DraftVocab.load(data.vocab)
     k_train = spec.k_train or cfg.train.k_train  # a checkpoint of an older peagle does not record it
-    ks = [k for k in cfg.eval.ks if method != "peagle" or k <= k_train]
+    ks, limit = evaluable_ks(with_train(cfg, k_train=k_train), method)
     reader = ShardReader(data.eval)
-    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method,
-                       k_train=k_train if method == "peagle" else None)
+    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method, max_k=limit)
 
 
 def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
@@ -155,14 +155,20 @@ def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None
         )
 
 
+def exported_head_dir(cfg: PipelineConfig, method: Method) -> Path:
+    """Where the run exports ``method``'s head."""
+    return RunLayout(cfg.run_dir).head(get_method(method).name)
+
+
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
-                *, method: str = "peagle", card=None) -> Path:
-    """Write the vLLM head directory from a checkpoint; refuses a head that fails validation."""
+                *, method: Method | None = None, card=None) -> Path:
+    """Write the vLLM head directory of a ``method`` checkpoint (default ``train.method``);
+    refuses a head that fails validation."""
     from peagle.export.head import export_from_checkpoint
 
-    out_dir = RunLayout(cfg.run_dir).head(method)
-    return export_from_checkpoint(Path(checkpoint), Path(data_dir), out_dir, card, target_path=target.path,
-                                  overwrite=True, parallel_drafting=method == "peagle")
+    method = get_method(method or cfg.train.method)
+    return export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
+                                  target_path=target.path, overwrite=True, method=method)
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
@@ -174,20 +180,21 @@ def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
     return load_prompt_set(str(path) if path.exists() else prompts, cfg.eval.num_prompts)
 
 
-def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Path]):
-    """Acceptance per K and output tokens/s in vLLM, against the no-speculation baseline."""
+def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path]):
+    """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
+    method's label, drafting as the method does), against the no-speculation baseline."""
     from peagle.eval.online import evaluate_online as run_online
 
+    methods = {get_method(m).label: get_method(m) for m in heads}
     return run_online(
         target.path,
-        heads,
+        {get_method(m).label: Path(d) for m, d in heads.items()},
         cfg.vllm,
         load_eval_prompts(cfg),
         ks=cfg.eval.ks,
         concurrency=cfg.eval.concurrency,
         max_tokens=cfg.eval.max_tokens,
-        # EAGLE-3 heads ship an (unused) mask_hidden too: serve them autoregressively.
-        parallel_drafting={label: label != EAGLE3_LABEL for label in heads},
+        methods=methods,
         prompt_set=Path(cfg.eval.prompts).stem,
         target_revision=cfg.target.revision,
         trust_remote_code=cfg.target.trust_remote_code,
@@ -195,16 +202,16 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Pa
     )
 
 
-def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *, method: str = "peagle") -> object:
-    """The head's card: lineage, training, acceptance per K (and the other method's beside it)."""
+def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *, method: Method | None = None) -> object:
+    """The card of ``method``'s head (default ``train.method``): lineage, training, acceptance
+    per K, and beside it the other head the run trained (the EAGLE-3 baseline or its sibling)."""
     from peagle.export.card import ModelCardInfo
 
-    peagle = method == "peagle"
-    label, other = (PEAGLE_LABEL, EAGLE3_LABEL) if peagle else (EAGLE3_LABEL, PEAGLE_LABEL)
-    depth = {"K_train": str(cfg.train.k_train), "COD ratio": str(cfg.train.cod_ratio)} if peagle else {
-        "TTT steps": str(cfg.train.eagle3_ttt_steps)}
+    method = get_method(method or cfg.train.method)
+    primary = method is get_method(cfg.train.method)
+    other = next((m for m in trained_methods(cfg.train) if m is not method and m.label in online.methods()), None)
     return ModelCardInfo(
-        name=f"peagle-{cfg.name}" + ("" if peagle else "-eagle3"),
+        name=f"peagle-{cfg.name}" + ("" if primary else f"-{method.name}"),
         data_lineage={
             "prompts": ", ".join(s.path for s in cfg.data.sources),
             "samples (train/eval)": f"{data.num_train}/{data.num_eval}",
@@ -213,16 +220,15 @@ def model_card(cfg: PipelineConfig, target: TargetInfo, data, online, offline, *
             "regenerated by target": str(cfg.data.regenerate.enabled),
         },
         training={
-            "method": "P-EAGLE" if peagle else "EAGLE-3 (training-time test)",
-            **depth,
+            **method.card_training(cfg.train),
             "epochs": str(cfg.train.epochs),
             "offline acceptance (simulated on held-out states; vLLM's is below)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },
-        acceptance=online.acceptance_by_k(label),
-        baseline_label="EAGLE-3" if peagle else "P-EAGLE",
-        baseline_acceptance=online.acceptance_by_k(other),
+        acceptance=online.acceptance_by_k(method.label),
+        baseline_label=other.display_name if other else "",
+        baseline_acceptance=online.acceptance_by_k(other.label) if other else {},
         acceptance_source=f"vLLM, prompt set {online.prompt_set}, max_tokens {online.max_tokens}, greedy",
-        parallel_drafting=peagle,
+        method=method.name,
     )
 
 
@@ -246,28 +252,30 @@ def drafted(online, label: str) -> bool:
     return bool(rows) and all(r.num_draft_tokens > 0 for r in rows)
 
 
-def promotion_score(cfg: PipelineConfig, online, label: str = PEAGLE_LABEL) -> float:
-    """Weighted acceptance length at the largest evaluated K over the configured benchmarks."""
+def promotion_score(cfg: PipelineConfig, online) -> float:
+    """Weighted acceptance length of the ``train.method`` head at the largest evaluated K over
+    the configured benchmarks."""
     from peagle.tracking.registry import weighted_score
 
-    acceptance = online.acceptance_by_k(label)
+    acceptance = online.acceptance_by_k(get_method(cfg.train.method).label)
     value = acceptance[max(acceptance)] if acceptance else 0.0
     benchmarks = {name: value for name in cfg.tracking.benchmark_weights}
     return weighted_score(benchmarks, cfg.tracking.benchmark_weights)
 
 
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
-    """Register the head as a model version (alias challenger); promote it only if it wins."""
+    """Register the ``train.method`` head as a model version (alias challenger); promote it only if it wins."""
     from peagle.tracking.mlflow_run import registered_model_name
     from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
 
+    method = get_method(cfg.train.method)
     name = registered_model_name(cfg.tracking, cfg.target.model)
     score = promotion_score(cfg, online)
-    acceptance = online.acceptance_by_k(PEAGLE_LABEL)
+    acceptance = online.acceptance_by_k(method.label)
     version = register_head(
         tracker, tracker.run_id, head_dir, name,
         tags={TAG_TARGET: cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
-              "method": "p-eagle", "config": cfg.name},
+              "method": method.label, "config": cfg.name},
         metrics={"score": score, **{f"acceptance_length_k{k}": v for k, v in acceptance.items()}},
     )
     decision = promote_if_better(tracker, name, version.version, score, cfg.tracking.promotion_margin, validated)
@@ -359,12 +367,16 @@ def _digest_strings(parts) -> str:
 
 
 def lineage(cfg: PipelineConfig, target: TargetInfo) -> dict[str, str]:
-    """What a head is trained on, known before any work: the keys retraining compares."""
+    """What a head is trained on, known before any work: the keys retraining compares.
+
+    The dataset is named by what builds it (it is not built yet); the training part is the
+    head identity's own (``peagle.identity.training_hash``: bookkeeping never counts).
+    """
+    from peagle.identity import training_hash
+
     return {
         "data_config_hash": cfg.section_hash("target", "data"),
-        # Where training starts (train.init_from) is not what the head is trained on: a warm
-        # start alone is no reason to retrain.
-        "train_config_hash": with_train(cfg, init_from=None).section_hash("drafter", "train"),
+        "train_config_hash": training_hash(cfg),
         "target_revision": target_revision(cfg, target),
         "prompt_files": json.dumps(prompt_file_hashes(cfg), sort_keys=True),
     }
@@ -373,12 +385,6 @@ def lineage(cfg: PipelineConfig, target: TargetInfo) -> dict[str, str]:
 def lineage_key(values: dict[str, str]) -> str:
     """One short digest of a lineage: names a retraining revision's directory."""
     return _digest_strings(f"{k}={values[k]}" for k in sorted(values))[:12]
-
-
-def dataset_manifest_hashes(data_dir: Path) -> dict[str, str]:
-    """sha256 of each split's manifest.json: the identity of the dataset actually built."""
-    data = DataLayout(data_dir)
-    return {split: file_digest(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}
 
 
 def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
@@ -396,7 +402,7 @@ def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str
         elif old_files[path] != new_files[path]:
             changes.append(f"prompt file {path} changed (new prompt data)")
     for key, what in (("target_revision", "target revision"), ("data_config_hash", "data/target config"),
-                      ("train_config_hash", "drafter/train config")):
+                      ("train_config_hash", "drafter/train config or method")):
         if recorded.get(key) != current[key]:
             changes.append(f"{what} changed ({recorded.get(key)} -> {current[key]})")
     return changes

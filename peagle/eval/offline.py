@@ -15,12 +15,11 @@ Reference tokens (``reference``):
 - "target": argmax of the target's distribution (``TargetHead`` on the stored final
   hidden state, over the draft vocabulary, mapped to target ids), for sampled data.
 
-Drafting (K = max(ks); a drafter's draft k does not depend on later slots, so one pass
-gives every smaller K):
-- "peagle": one pass of the training layout with NO COD subsampling: depth 0 for every
-  anchor (the context), depths 1..K-1 for the drafted anchors, the exact attention rule.
-- "eagle3": K passes (``peagle.train.eagle3.ttt_passes``) feeding each step its own
-  drafted token and pre-norm hidden state, as vLLM's sequential EAGLE-3 proposer does.
+Drafting (K = max(ks); a drafter's draft k does not depend on later slots, so one run
+gives every smaller K) is the method's (``DraftingMethod.draft``) over one layout: depth 0
+for every anchor (the context), depths 1..K-1 (mask slots) for the drafted anchors, the
+exact attention rule. P-EAGLE drafts it in one pass; EAGLE-3 in K passes feeding each step
+its own drafted token and pre-norm hidden state, as vLLM's sequential proposer does.
 Anchors are processed ``chunk_anchors`` at a time (each chunk recomputes the depth-0
 context up to its last anchor) to bound memory on long sequences.
 """
@@ -38,12 +37,11 @@ from torch import nn
 from peagle.data.vocab import DraftVocab
 from peagle.facts import HeadSpec
 from peagle.layout import DataLayout
+from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 from peagle.train.batch import NUM_AUX_LAYERS, Batch
-from peagle.train.eagle3 import ttt_passes
 from peagle.train.loss import TargetHead
 from peagle.train.masks import brute_force_mask
 
-Method = Literal["peagle", "eagle3"]
 Reference = Literal["data", "target"]
 
 
@@ -53,7 +51,7 @@ class OfflineResult:
     per_position: list[float]  # P(draft k accepted), k = 1..max(ks)
     num_anchors: int
     num_samples: int = 0
-    method: str = "peagle"
+    method: str = DEFAULT_METHOD
     reference: str = "data"
 
     def to_json(self) -> str:
@@ -104,7 +102,7 @@ def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torc
 # ----------------------------------------------------------------------------- drafting
 
 
-def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, method: Method, device) -> Batch:
+def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, device) -> Batch:
     """One row: depth 0 for anchors 0..max(anchors) (context), depths 1..k-1 for ``anchors``.
 
     ``supervised`` marks the elements whose drafts are read (all elements of ``anchors``).
@@ -126,7 +124,7 @@ def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, method: 
     batch = Batch(
         input_ids=input_ids[None],
         aux_hidden=aux[None],
-        is_mask=(is_deep & (method == "peagle"))[None],
+        is_mask=is_deep[None],
         position_ids=(anchor + depth)[None],
         anchor=anchor[None],
         depth=depth[None],
@@ -155,39 +153,18 @@ def draft_tokens(
     vocab: DraftVocab,
     anchors: torch.Tensor,
     k: int,
-    method: Method = "peagle",
+    method: str | DraftingMethod = DEFAULT_METHOD,
     chunk_anchors: int = 1024,
 ) -> torch.Tensor:
     """Long [A, K]: the target ids the drafter proposes after each of the sorted ``anchors``."""
+    method = get_method(method)
     device = next(drafter.parameters()).device
     to_target = vocab.d2t.to(device)
     out = []
     for start in range(0, anchors.numel(), chunk_anchors):
         chunk = anchors[start : start + chunk_anchors]
-        batch = _draft_batch(sample, spec, chunk, k, method, device)
-        if method == "peagle":
-            result = drafter(
-                input_ids=batch.input_ids,
-                aux_hidden=batch.aux_hidden,
-                position_ids=batch.position_ids,
-                attention_mask=batch.attention_mask,
-                is_mask=batch.is_mask,
-                logits_mask=batch.supervised,
-            )
-            ids = result.logits.argmax(-1)
-            picked = batch.supervised
-            anchor, depth = batch.anchor[picked], batch.depth[picked]
-            tokens = ids + to_target[ids]
-        elif method == "eagle3":
-            anchor, depth, tokens = [], [], []
-            for st in ttt_passes(drafter, batch, k, to_target_ids=lambda i: i + to_target[i]):
-                ids = st.output.logits.argmax(-1)
-                anchor.append(st.batch.anchor[st.logits_mask])
-                depth.append(st.batch.depth[st.logits_mask])
-                tokens.append(ids + to_target[ids])
-            anchor, depth, tokens = torch.cat(anchor), torch.cat(depth), torch.cat(tokens)
-        else:
-            raise ValueError(f"method {method!r} is not 'peagle' or 'eagle3'")
+        batch = _draft_batch(sample, spec, chunk, k, device)
+        anchor, depth, tokens = method.draft(drafter, batch, k, lambda ids: ids + to_target[ids])
         out.append(_drafts_from(anchor.cpu(), depth.cpu(), tokens.cpu(), chunk, k))
     return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.long)
 
@@ -195,14 +172,13 @@ def draft_tokens(
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _check_inputs(ks: Sequence[int], method: str, spec: HeadSpec, vocab: DraftVocab, k_train: int | None) -> list[int]:
+def _check_inputs(ks: Sequence[int], spec: HeadSpec, vocab: DraftVocab, max_k: int | None) -> list[int]:
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must list draft lengths K >= 1, got {ks}")
-    if method not in ("peagle", "eagle3"):
-        raise ValueError(f"method {method!r} is not 'peagle' or 'eagle3'")
-    if k_train is not None and method == "peagle" and ks[-1] > k_train:
-        raise ValueError(f"K={ks[-1]} exceeds the depths the head was trained for (k_train={k_train}); lower eval.ks")
+    if max_k is not None and ks[-1] > max_k:
+        raise ValueError(f"K={ks[-1]} exceeds the largest K this head can be evaluated at ({max_k}: the depths it "
+                         "was trained for, train.k_train); lower eval.ks")
     if spec.draft_vocab_size != vocab.size:
         raise ValueError(f"spec.draft_vocab_size={spec.draft_vocab_size} but the draft vocabulary has {vocab.size} ids")
     return ks
@@ -216,16 +192,18 @@ def evaluate_offline(
     vocab: DraftVocab,
     ks: Sequence[int],
     max_samples: int | None = None,
-    method: Method = "peagle",
+    method: str | DraftingMethod = DEFAULT_METHOD,
     reference: Reference = "data",
-    k_train: int | None = None,
+    max_k: int | None = None,
     chunk_anchors: int = 1024,
 ) -> OfflineResult:
     """Simulated acceptance of ``drafter`` on the first ``max_samples`` samples of ``reader``.
 
-    ``target_head`` is only read with ``reference="target"`` (may be None otherwise).
+    ``target_head`` is only read with ``reference="target"`` (may be None otherwise);
+    ``max_k`` (the method's ``max_eval_k``) refuses larger K.
     """
-    ks = _check_inputs(ks, method, spec, vocab, k_train)
+    method = get_method(method)
+    ks = _check_inputs(ks, spec, vocab, max_k)
     k = ks[-1]
     was_training = drafter.training
     drafter.eval()
@@ -254,7 +232,7 @@ def evaluate_offline(
         per_position=[float((accepted >= j).float().mean()) for j in range(1, k + 1)],
         num_anchors=int(accepted.numel()),
         num_samples=num_samples,
-        method=method,
+        method=method.name,
         reference=reference,
     )
 
@@ -262,8 +240,8 @@ def evaluate_offline(
 def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Reference = "data") -> Callable[[nn.Module], float]:
     """The trainer's ``eval_fn``: acceptance length at the largest usable K on the eval split.
 
-    Usable as ``--eval-factory peagle.eval.offline:offline_eval_fn`` (K > k_train is
-    dropped for P-EAGLE heads).
+    Usable as ``--eval-factory peagle.eval.offline:offline_eval_fn`` (K beyond the method's
+    ``max_eval_k`` is dropped).
     """
     from peagle.data.store import ShardReader
     from peagle.facts import load_dataset_facts
@@ -275,9 +253,8 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     reader = ShardReader(split)
     if len(reader) == 0:
         raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")
-    method = cfg.train.method
-    limit = cfg.train.k_train if method == "peagle" else None
-    ks = [k for k in cfg.eval.ks if limit is None or k <= limit] or [limit]
+    method = get_method(cfg.train.method)
+    ks, limit = evaluable_ks(cfg, method)
     head = TargetHead.from_target(target_path, facts, vocab.draft_ids) if reference == "target" else None
 
     def eval_fn(drafter: nn.Module) -> float:
@@ -287,3 +264,10 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
         return result.acceptance_length[max(ks)]
 
     return eval_fn
+
+
+def evaluable_ks(cfg, method: str | DraftingMethod) -> tuple[list[int], int | None]:
+    """(eval.ks the method's head can be evaluated at offline, that limit); the limit itself
+    when every configured K is beyond it."""
+    limit = get_method(method).max_eval_k(cfg.train)
+    return [k for k in cfg.eval.ks if limit is None or k <= limit] or [limit], limit

@@ -18,11 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from safetensors import safe_open
-
 from peagle.config import VllmConfig, resolve_repo_path
 from peagle.export.contract import speculative_config
 from peagle.fileio import write_json_atomic
+from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 
 log = logging.getLogger(__name__)
 
@@ -231,12 +230,6 @@ class OnlineResult:
 # ---------------------------------------------------------------- measuring
 
 
-def head_has_mask_hidden(head_dir: Path) -> bool:
-    """A head can draft in parallel only if it ships mask_hidden (an EAGLE-3 head does not)."""
-    with safe_open(str(Path(head_dir) / "model.safetensors"), "pt") as f:
-        return "mask_hidden" in f.keys()
-
-
 def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, vllm_cfg: VllmConfig) -> None:
     """Fail before any engine starts: missing heads, bad levels, too small an engine."""
     for label, head in heads.items():
@@ -322,7 +315,7 @@ def evaluate_online(
     ks: Sequence[int],
     concurrency: Sequence[int] = (1,),
     max_tokens: int = 128,
-    parallel_drafting: Mapping[str, bool] | None = None,
+    methods: Mapping[str, str | DraftingMethod] | None = None,
     tokenizer=None,
     include_baseline: bool = True,
     prompt_set: str = "",
@@ -333,18 +326,21 @@ def evaluate_online(
 ) -> OnlineResult:
     """Serve each head at each K (plus the target alone) and measure every concurrency level.
 
-    ``heads`` maps a label (e.g. ``"p-eagle"``, ``"eagle-3"``) to a head directory;
+    ``heads`` maps a label (a method's ``label``, or any name) to a head directory;
     ``prompts`` are token-id lists or chat messages (tokenised with ``tokenizer``, by
-    default the target's). ``parallel_drafting`` per label defaults to whether the head
-    ships ``mask_hidden``. ``on_row`` sees each row as soon as it is measured.
+    default the target's). ``methods`` gives each label's drafting method (default
+    P-EAGLE): it decides whether vLLM drafts in parallel. ``on_row`` sees each row as soon
+    as it is measured.
     """
     from peagle.serving import open_llm
 
     heads = {label: Path(h) for label, h in heads.items()}
     ks, concurrency = sorted(set(ks)), sorted(set(concurrency))
     _check_inputs(heads, ks, concurrency, max_tokens, vllm_cfg)
-    parallel = {label: (parallel_drafting or {}).get(label) for label in heads}
-    parallel = {label: head_has_mask_hidden(heads[label]) if p is None else p for label, p in parallel.items()}
+    methods = dict(methods or {})
+    if set(methods) - set(heads):
+        raise ValueError(f"methods names heads {sorted(set(methods) - set(heads))} that are not in heads {sorted(heads)}")
+    parallel = {label: get_method(methods.get(label, DEFAULT_METHOD)).parallel_drafting for label in heads}
     if prompts and not isinstance(prompts[0][0] if prompts[0] else 0, int) and tokenizer is None:
         from transformers import AutoTokenizer
 

@@ -13,6 +13,7 @@ from huggingface_hub.utils import validate_repo_id
 from peagle.config import EMBEDDED_TARGET
 from peagle.export.contract import draft_vocab_size, speculative_config
 from peagle.facts import HeadSpec
+from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 
 # What the exported card names until `peagle pull` writes the puller's own paths: a path
 # of the training machine would be wrong everywhere else.
@@ -42,17 +43,17 @@ class ModelCardInfo:
     data_lineage: dict[str, str] = field(default_factory=dict)
     training: dict[str, str] = field(default_factory=dict)
     acceptance: dict[int, float] = field(default_factory=dict)
-    baseline_label: str = "EAGLE-3"
+    baseline_label: str = ""  # the comparison head's method, as people read it
     baseline_acceptance: dict[int, float] = field(default_factory=dict)
     acceptance_source: str = ""
     recommended_k: int | None = None
     license: str = "apache-2.0"
     notes: str = ""
-    parallel_drafting: bool = True  # False: an EAGLE-3 head (one draft token per forward pass)
+    method: str = DEFAULT_METHOD  # the drafting method's name (peagle.methods): text, tags, serve line
 
     @property
-    def method(self) -> str:
-        return "P-EAGLE" if self.parallel_drafting else "EAGLE-3"
+    def drafting(self) -> DraftingMethod:
+        return get_method(self.method)
 
 
 def serve_command(target_ref: str, head_ref: str, k: int, parallel_drafting: bool = True) -> str:
@@ -147,8 +148,7 @@ def recommended_k(info: ModelCardInfo) -> int:
 def _front_matter(info: ModelCardInfo, base_model: str | None) -> str:
     lines = ["---", f"license: {info.license}", *([f"base_model: {base_model}"] if base_model else []),
              "library_name: vllm", "tags:"]
-    tags = ("speculative-decoding", "eagle3") + (("p-eagle", "parallel-drafting") if info.parallel_drafting else ())
-    lines += [f"  - {t}" for t in tags]
+    lines += [f"  - {t}" for t in info.drafting.card_tags]
     return "\n".join([*lines, "---"])
 
 
@@ -164,7 +164,7 @@ def _acceptance_table(info: ModelCardInfo) -> list[str]:
         return [*lines, "Not measured yet (`peagle evaluate CONFIG` measures it in vLLM).", ""]
     ks = sorted(set(info.acceptance) | set(info.baseline_acceptance))
     with_base = bool(info.baseline_acceptance)
-    header = f"| K | {info.method} |" + (f" {info.baseline_label} |" if with_base else "")
+    header = f"| K | {info.drafting.display_name} |" + (f" {info.baseline_label or 'baseline'} |" if with_base else "")
     rule = "|---|---|" + ("---|" if with_base else "")
     lines += [header, rule]
     for k in ks:
@@ -184,8 +184,9 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
     target_ref = info.target_ref or hub_id(spec.target) or TARGET_PLACEHOLDER
     head_ref = info.head_ref or default_head_ref
     k = recommended_k(info)
+    method = info.drafting
     target_name = hub_id(info.target_ref) or describe_target(spec.target)
-    title = info.name or f"{info.method} head for {target_name}"
+    title = info.name or f"{method.display_name} head for {target_name}"
     architecture = {
         "target": target_name + (f" (revision {spec.target_revision})" if spec.target_revision else ""),
         "drafter": f"{spec.num_layers} Llama decoder layers, hidden {spec.hidden_size}, "
@@ -200,20 +201,16 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
         "",
         f"# {title}",
         "",
-        "A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
-        "tokens in one forward pass. Trained with peagle." if info.parallel_drafting else
-        "An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with peagle "
-        "on the same data as its P-EAGLE sibling for comparison. Serve it WITHOUT parallel drafting.",
+        method.card_summary,
         "",
         "## Serve it with vLLM",
         "",
         "```bash",
-        serve_command(target_ref, head_ref, k, info.parallel_drafting),
+        serve_command(target_ref, head_ref, k, method.parallel_drafting),
         "```",
         "",
         *([PLACEHOLDER_NOTE, ""] if TARGET_PLACEHOLDER == target_ref or HEAD_PLACEHOLDER == head_ref else []),
-        "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially)." if info.parallel_drafting else
-        "No mask_hidden is shipped: parallel drafting is not available for this head.",
+        method.card_serve_note,
         "",
         *_key_values("Architecture", architecture),
         *_key_values("Training data", info.data_lineage),

@@ -54,8 +54,11 @@ def fc_input_size(spec: HeadSpec) -> int:
     return len(spec.aux_layer_ids) * spec.target_hidden_size
 
 
-def expected_tensors(spec: HeadSpec, *, parallel_drafting: bool = True) -> dict[str, TensorRule]:
-    """Every tensor the head ships, with its shape: nothing more, nothing less."""
+def expected_tensors(spec: HeadSpec, method=None) -> dict[str, TensorRule]:
+    """Every tensor the head of ``method`` (a name or ``DraftingMethod``) ships, with its
+    shape: nothing more, nothing less. The method adds its own (P-EAGLE: ``mask_hidden``)."""
+    from peagle.methods import DEFAULT_METHOD, get_method
+
     h, v, vd = spec.hidden_size, spec.vocab_size, draft_vocab_size(spec)
     q_out = spec.num_heads * spec.head_dim
     kv_out = spec.num_kv_heads * spec.head_dim
@@ -83,9 +86,7 @@ def expected_tensors(spec: HeadSpec, *, parallel_drafting: bool = True) -> dict[
     rules["layers.0.hidden_norm.weight"] = TensorRule((h,), "float", "norms the projected hidden in layer 0")
     if ships_d2t(spec):
         rules["d2t"] = TensorRule((vd,), "int64", "offsets: target_id = i + d2t[i]")
-    if parallel_drafting:
-        rules["mask_hidden"] = TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")
-    return rules
+    return rules | get_method(method or DEFAULT_METHOD).head_tensors(spec)
 
 
 def rope_parameters(spec: HeadSpec) -> dict:
@@ -130,9 +131,15 @@ def head_config(spec: HeadSpec, dtype: torch.dtype) -> dict:
     return config
 
 
+# vLLM's speculative method for every head here (its EAGLE-3 drafter); not a peagle method name.
+VLLM_SPEC_METHOD = "eagle3"
+
+
 def speculative_config(head_ref: str, k: int, *, parallel_drafting: bool = True) -> dict:
-    """vLLM's ``--speculative-config`` for a head: P-EAGLE is EAGLE-3 with parallel drafting."""
-    return {"model": head_ref, "method": "eagle3", "num_speculative_tokens": k, "parallel_drafting": parallel_drafting}
+    """vLLM's ``--speculative-config`` for a head: P-EAGLE is EAGLE-3 with parallel drafting
+    (pass the drafting method's ``parallel_drafting``)."""
+    return {"model": head_ref, "method": VLLM_SPEC_METHOD, "num_speculative_tokens": k,
+            "parallel_drafting": parallel_drafting}
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""Write a trained drafter as a head directory vLLM serves with ``parallel_drafting``.
+"""Write a trained drafter as a head directory vLLM serves (as its drafting method says).
 
 ``config.json`` + ``model.safetensors`` + ``README.md``, assembled in a temporary
 directory beside the destination, validated against the contract, then renamed into
@@ -40,6 +40,7 @@ from peagle.export.validate import (
 )
 from peagle.facts import HeadSpec, load_dataset_facts
 from peagle.layout import VOCAB_FILE, CheckpointLayout, DataLayout
+from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 
 VOCAB_KEYS = ("draft_ids", "d2t", "t2d")
 
@@ -107,16 +108,16 @@ def _float_dtype(state_dict: Mapping[str, torch.Tensor], dtype) -> torch.dtype:
 
 def head_tensors(
     state_dict: Mapping[str, torch.Tensor], spec: HeadSpec, vocab: VocabMaps, dtype: torch.dtype,
-    *, parallel_drafting: bool = True,
+    *, method: str | DraftingMethod = DEFAULT_METHOD,
 ) -> dict[str, torch.Tensor]:
     """The drafter's state dict renamed to nothing, checked, cast, plus the vocab maps.
 
-    Without ``parallel_drafting`` (an EAGLE-3 head) the untrained ``mask_hidden`` is left
-    out, so nothing can serve the head with parallel drafting by mistake.
+    The drafting method's ``omitted_tensors`` are left out (an EAGLE-3 head drops the
+    untrained ``mask_hidden``, so nothing can serve it with parallel drafting by mistake).
     """
-    rules = expected_tensors(spec, parallel_drafting=parallel_drafting)
-    if not parallel_drafting:
-        state_dict = {k: v for k, v in state_dict.items() if k != "mask_hidden"}
+    method = get_method(method)
+    rules = expected_tensors(spec, method)
+    state_dict = {k: v for k, v in state_dict.items() if k not in method.omitted_tensors}
     from_vocab = {"d2t": vocab.d2t, "t2d": vocab.t2d}
     for name, maps_tensor in from_vocab.items():
         if name in state_dict and state_dict[name].shape == maps_tensor.shape:
@@ -187,12 +188,12 @@ def export_head(
     load_in_vllm: bool = False,
     vllm_cfg=None,
     overwrite: bool = False,
-    parallel_drafting: bool = True,
+    method: str | DraftingMethod = DEFAULT_METHOD,
 ) -> Path:
-    """Write the head directory for ``spec``'s target and return its path.
+    """Write the head directory of a ``method`` drafter for ``spec``'s target; return its path.
 
-    ``parallel_drafting`` False exports an EAGLE-3 head (no ``mask_hidden``; the card's
-    serve line drafts sequentially).
+    The method decides the tensors shipped (EAGLE-3: no ``mask_hidden``) and the card (its
+    serve line drafts in parallel only for a parallel-drafting method).
 
     ``vocab`` is a ``VocabMaps`` or anything with ``draft_ids``/``d2t``/``t2d``. Float
     tensors are cast to ``dtype`` (default: the state dict's). The head is validated
@@ -205,8 +206,9 @@ def export_head(
         spec = spec.with_draft_vocab(len(_as_vocab_maps(vocab).draft_ids))
     maps = check_vocab(vocab, spec)
     float_dtype = _float_dtype(state_dict, dtype)
-    tensors = head_tensors(state_dict, spec, maps, float_dtype, parallel_drafting=parallel_drafting)
-    card = replace(card or ModelCardInfo(), parallel_drafting=parallel_drafting)
+    method = get_method(method)
+    tensors = head_tensors(state_dict, spec, maps, float_dtype, method=method)
+    card = replace(card or ModelCardInfo(), method=method.name)
     target, target_ref = _target_for_checks(spec, target_path, target_embed)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -217,8 +219,7 @@ def export_head(
         (tmp / CONFIG_FILE).write_text(json.dumps(head_config(spec, float_dtype), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "peagle_format": str(FORMAT_VERSION)})
         (tmp / CARD_FILE).write_text(render_model_card(card, spec))
-        validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg,
-                        parallel_drafting=parallel_drafting)
+        validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg, method=method)
         _publish(tmp, out_dir, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -226,16 +227,15 @@ def export_head(
 
 
 def validate_export(
-    tmp: Path, target: TargetFacts, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg,
-    parallel_drafting: bool = True,
+    tmp: Path, target: TargetFacts, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg, method: str | DraftingMethod = DEFAULT_METHOD,
 ) -> ValidationReport:
     """Static checks always; the vLLM round trip only when asked and the target is a path."""
     if load_in_vllm and not target_ref:
         raise ExportError("load_in_vllm needs target_path (the target model's directory)")
     if load_in_vllm:
         return validate_head(tmp, target_ref, vllm_cfg=vllm_cfg, load_in_vllm=True, target_embed=target.embed,
-                             parallel_drafting=parallel_drafting)
-    return validate_head(tmp, target, load_in_vllm=False, parallel_drafting=parallel_drafting)
+                             method=method)
+    return validate_head(tmp, target, load_in_vllm=False, method=method)
 
 
 def export_from_checkpoint(

@@ -30,6 +30,7 @@ from peagle.export.contract import (
     speculative_config,
 )
 from peagle.facts import HeadSpec
+from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 from peagle.model.target_weights import read_target_tensor
 
 log = logging.getLogger(__name__)
@@ -422,9 +423,11 @@ def _check_mask_row(report: ValidationReport, tensors: dict, config: dict, targe
 
 
 def static_check(
-    head_dir: Path, target: TargetFacts, *, parallel_drafting: bool = True, report: ValidationReport | None = None
+    head_dir: Path, target: TargetFacts, *, method: str | DraftingMethod = DEFAULT_METHOD,
+    report: ValidationReport | None = None,
 ) -> ValidationReport:
-    """All checks that need no engine; fills and returns a report (does not raise)."""
+    """All checks that need no engine for a head of ``method``; fills and returns a report (does not raise)."""
+    method = get_method(method)
     report = report or ValidationReport(Path(head_dir))
     if not (report.head_dir / CARD_FILE).exists():
         report.warnings.append(f"{CARD_FILE} (model card) is missing")
@@ -432,21 +435,28 @@ def static_check(
     tensors = _read_tensors(report)
     if config is None or tensors is None:
         return report
-    _check_config(report, config, target, parallel_drafting)
+    _check_config(report, config, target, method.parallel_drafting)
     try:
         spec = spec_from_config(config, target)
         float_dtype = dtype_from_name(config["torch_dtype"]) if config.get("torch_dtype") else None
     except (KeyError, TypeError, ValueError) as err:
         report.problem(f"config.json values cannot describe a head ({err})", "re-export the head")
         return report
-    rules = expected_tensors(spec, parallel_drafting=parallel_drafting)
-    if not parallel_drafting and "mask_hidden" in tensors:
-        rules["mask_hidden"] = expected_tensors(spec)["mask_hidden"]  # allowed; vLLM skips it
-    _check_names_shapes_dtypes(report, tensors, rules, float_dtype)
+    _check_omitted(report, tensors, method)
+    shipped = {name: t for name, t in tensors.items() if _normalise(name) not in method.omitted_tensors}
+    _check_names_shapes_dtypes(report, shipped, expected_tensors(spec, method), float_dtype)
     _check_vocab_maps(report, tensors, config)
-    if parallel_drafting:
+    if method.parallel_drafting:
         _check_mask_row(report, tensors, config, target)
     return report
+
+
+def _check_omitted(report: ValidationReport, tensors: dict[str, torch.Tensor], method: DraftingMethod) -> None:
+    """A tensor the method's heads must not ship (an EAGLE-3 head's untrained ``mask_hidden``
+    would let vLLM serve it with parallel drafting)."""
+    for name in sorted(n for n in tensors if _normalise(n) in method.omitted_tensors):
+        report.problem(f"{name} is shipped, but {method.display_name} heads must not ship it",
+                       f"export the head as {method.name} (it leaves {name} out)")
 
 
 # ---------------------------------------------------------------- in vLLM
@@ -465,13 +475,15 @@ def check_in_vllm(
     vllm_cfg,
     *,
     num_speculative_tokens: int = 3,
-    parallel_drafting: bool = True,
+    method: str | DraftingMethod = DEFAULT_METHOD,
     max_tokens: int = 24,
     target_revision: str | None = None,
     trust_remote_code: bool = False,
     dtype: str = "auto",
 ) -> VllmCheck:
-    """Serve the head with its target and generate greedily; returns what the drafter did."""
+    """Serve the head with its target (drafting as ``method`` does) and generate greedily;
+    returns what the drafter did."""
+    parallel_drafting = get_method(method).parallel_drafting
     from peagle.serving import open_llm
     from peagle.serving.generation import generate_from_token_ids
     from peagle.serving.metrics import read_spec_decode_stats
@@ -533,14 +545,15 @@ def validate_head(
     vllm_cfg=None,
     load_in_vllm: bool = True,
     target_embed: torch.Tensor | None = None,
-    parallel_drafting: bool = True,
+    method: str | DraftingMethod = DEFAULT_METHOD,
     num_speculative_tokens: int = 3,
     min_acceptance_length: float | None = None,
     target_revision: str | None = None,
     trust_remote_code: bool = False,
     dtype: str = "auto",
 ) -> ValidationReport:
-    """Check a head against the vLLM contract, then (``load_in_vllm``) serve it with its target.
+    """Check a head of ``method`` against the vLLM contract, then (``load_in_vllm``) serve it
+    with its target, drafting as the method does.
 
     ``target_path`` is the target's directory (or ``TargetFacts``); ``target_embed``
     overrides the embedding table read from it. Raises ``HeadValidationError`` listing
@@ -555,7 +568,7 @@ def validate_head(
         target = read_target(target_path, revision=target_revision, with_embed=target_embed is None)
     if target_embed is not None:
         target.embed = target_embed
-    report = static_check(head_dir, target, parallel_drafting=parallel_drafting)
+    report = static_check(head_dir, target, method=method)
     report.raise_if_failed()
     if load_in_vllm:
         if isinstance(target_path, TargetFacts):
@@ -568,7 +581,7 @@ def validate_head(
                 target_path,
                 vllm_cfg or VllmConfig(),
                 num_speculative_tokens=num_speculative_tokens,
-                parallel_drafting=parallel_drafting,
+                method=method,
                 target_revision=target_revision,
                 trust_remote_code=trust_remote_code,
                 dtype=dtype,

@@ -10,7 +10,9 @@ supervised count. DeepSpeed reduces, clips and steps once per optimizer step.
 Outputs under ``out_dir``: ``step-NNNNNN/`` checkpoints (``checkpoint``), ``latest`` /
 ``best`` pointers, ``metrics.jsonl`` (one JSON object per step and per evaluation,
 written by rank 0) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
-from ``latest`` at the exact data position, optimizer, schedule and RNG state.
+from ``latest`` at the exact data position, optimizer, schedule and RNG state, if it trains
+the same head (``peagle.identity.head_identity``, kept in each checkpoint's
+``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,16 +29,15 @@ from tqdm import tqdm
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
+from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import METRICS_FILE, TRAIN_SPLIT
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
+from peagle.methods import Objective, get_method
 from peagle.train import checkpoint as ckpt
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
 
 STAT_KEYS = ("kl_sum", "correct", "count")
-# Fields that may change between a run and its resume without changing what is trained
-# (eagle3_baseline only asks the pipeline for a second head).
-RESUMABLE_FIELDS = {"eval_every", "save_every", "keep_last", "world_size", "eagle3_baseline"}
 
 EvalFn = Callable[[torch.nn.Module], float]
 MetricsCallback = Callable[[int, dict], None]
@@ -67,78 +67,12 @@ class TrainResult:
         )
 
 
-# ----------------------------------------------------------------------------- objectives
-
-
-@dataclass
-class Objective:
-    """What ``train.method`` trains: how examples are built, batched and scored.
-
-    A micro-batch stays a list of examples until it runs: with ``train.segments`` > 1 each
-    segment is collated (its mask built) only when it is reached, so the whole
-    micro-batch's [N, N] mask never exists (``peagle.train.partition.segment_batches``).
-    """
-
-    name: str
-    make_example: Callable[[Any, torch.Generator], Any]  # (sample, generator) -> Example
-    collate: Callable[[list], Any]  # examples -> Batch (padded, with its attention mask)
-    loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
-    depths: int  # K the loss is normalised over (train.k_train, or the EAGLE-3 TTT steps)
-    weighting: str  # train.loss_depth_weighting
-
-    def denominator(self, examples: list) -> Any:
-        """The whole micro-batch's normaliser: every segment's loss is divided by it."""
-        from peagle.train.partition import examples_denominator
-
-        return examples_denominator(examples, self.weighting, self.depths)
-
-    def batches(self, examples: list, segments: int):
-        """The micro-batch as ``segments`` batches (Algorithm 1), built one at a time."""
-        if segments == 1:
-            return iter([self.collate(examples)])
-        from peagle.train.partition import segment_batches
-
-        return segment_batches(examples, segments, self.collate)
-
-
-def peagle_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
-    from peagle.train.batch import build_peagle_example, collate
-    from peagle.train.loss import peagle_loss
-    from peagle.train.masks import PrecomputedMask
-
-    def make_example(sample, generator):
-        return build_peagle_example(
-            sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator
-        )
-
-    def loss(model, batch, denom):
-        return peagle_loss(model, target_head, batch, train.loss_depth_weighting, denom, k=train.k_train)
-
-    return Objective(
-        name="peagle",
-        make_example=make_example,
-        collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
-        loss=loss,
-        depths=train.k_train,
-        weighting=train.loss_depth_weighting,
-    )
-
-
-def eagle3_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
-    """The EAGLE-3 baseline (training-time test) on the same data, from ``peagle.train.eagle3``."""
-    try:
-        from peagle.train import eagle3
-    except ImportError as err:
-        raise RuntimeError(f"train.method 'eagle3' needs peagle.train.eagle3 ({err})") from None
-    return eagle3.objective(train, spec, target_head)
+# ----------------------------------------------------------------------------- objective
 
 
 def make_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective:
-    if train.method == "peagle":
-        return peagle_objective(train, spec, target_head)
-    if train.method == "eagle3":
-        return eagle3_objective(train, spec, target_head)
-    raise ValueError(f"train.method {train.method!r} is not 'peagle' or 'eagle3'")
+    """What ``train.method`` trains (its method object's objective)."""
+    return get_method(train.method).objective(train, spec, target_head)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -171,16 +105,6 @@ def load_training_inputs(data_dir: Path, cfg: PipelineConfig) -> TrainingInputs:
             f"{data.vocab.name} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
         )
     return TrainingInputs(spec=head_spec_for(cfg, facts), samples=ShardReader(data.train), draft_ids=vocab.draft_ids)
-
-
-def train_config_hash(train: TrainConfig) -> str:
-    """Identity of what is being trained (fields that only affect bookkeeping are left out)."""
-    import hashlib
-
-    data = {k: v for k, v in train.model_dump(mode="json").items() if k not in RESUMABLE_FIELDS}
-    if train.method == "peagle":
-        data.pop("eagle3_ttt_steps")  # the EAGLE-3 objective's only
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -376,7 +300,7 @@ def train_drafter(
         out_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out_dir / METRICS_FILE, dist_info.is_main, on_metrics)
     step = 0
-    config_hash = train_config_hash(train)
+    identity = head_identity(cfg, dataset_manifests(data_dir))  # what a resumed run must share
     previous = ckpt.latest_checkpoint(out_dir)
     if previous is not None and not resume:
         raise FileExistsError(
@@ -384,7 +308,7 @@ def train_drafter(
         )
     if previous is not None:
         state = ckpt.load_checkpoint(engine, previous)
-        _check_resumable(state, plan, total_steps, config_hash, previous)
+        _check_resumable(state, plan, total_steps, identity, previous)
         step = state.step
         log.resume_at(step)
     elif dist_info.is_main and (out_dir / METRICS_FILE).exists():
@@ -403,7 +327,7 @@ def train_drafter(
             micro_batch_size=plan.micro_batch_size,
             grad_accum=plan.grad_accum,
             total_steps=total_steps,
-            config_hash=config_hash,
+            config_hash=identity,
             acceptance=acceptance,
             metrics=record,
             replica_checksums=checksums,
@@ -421,13 +345,12 @@ def train_drafter(
 
     bar = tqdm(total=total_steps, initial=step, desc=f"train {objective.name}", disable=not (progress and dist_info.is_main))
     gas = micro_steps_per_step(train)
-    depths = max(train.k_train, train.eagle3_ttt_steps)  # per-depth statistics of either objective
     while step < total_steps:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, list, in_epoch * plan.grad_accum))
         for _ in range(plan.steps_per_epoch - in_epoch):
             start = time.perf_counter()
-            stats = StepStats(depths, engine.device)
+            stats = StepStats(objective.depths, engine.device)
             for _ in range(plan.grad_accum):
                 examples, tokens = next(batches)
                 stats.tokens += tokens
@@ -475,11 +398,11 @@ def _save_due(train: TrainConfig, step: int, plan: BatchPlan) -> bool:
     return step % plan.steps_per_epoch == 0  # neither set: once per epoch
 
 
-def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int, config_hash: str, where: Path) -> None:
+def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int, identity: str, where: Path) -> None:
     mismatch = {
         name: (old, new)
         for name, old, new in [
-            ("train config", state.config_hash, config_hash),
+            ("head identity (dataset, weight-changing config, method)", state.config_hash, identity),
             ("steps per epoch", state.steps_per_epoch, plan.steps_per_epoch),
             ("micro batch size", state.micro_batch_size, plan.micro_batch_size),
             ("grad accumulation", state.grad_accum, plan.grad_accum),

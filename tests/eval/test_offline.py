@@ -22,7 +22,7 @@ from peagle.eval.offline import (  # noqa: E402
     reference_tokens,
 )
 from peagle.train import PrecomputedMask, collate  # noqa: E402
-from peagle.train.eagle3 import build_eagle3_example, ttt_passes  # noqa: E402
+from peagle.methods.eagle3 import build_eagle3_example, ttt_passes  # noqa: E402
 
 K = 4
 
@@ -203,7 +203,7 @@ def test_evaluate_offline_from_a_shard_store(tmp_path):
         for i, s in enumerate(samples):
             writer.add(f"s{i}", s.token_ids, s.loss_mask, s.hidden)
     reader = ShardReader(tmp_path / "eval")
-    result = evaluate_offline(drafter, head, reader, spec, vocab, [1, 2, 4], max_samples=3, method="peagle", k_train=4)
+    result = evaluate_offline(drafter, head, reader, spec, vocab, [1, 2, 4], max_samples=3, method="peagle", max_k=4)
 
     accepted = []
     for i in range(len(reader)):
@@ -218,7 +218,7 @@ def test_evaluate_offline_from_a_shard_store(tmp_path):
     assert result.per_position == pytest.approx([(accepted >= j).float().mean().item() for j in range(1, 5)], abs=1e-12)
     assert result.acceptance_length[1] > 1.8
 
-    with pytest.raises(ValueError, match="k_train"):
-        evaluate_offline(drafter, head, reader, spec, vocab, [5], 3, k_train=4)
+    with pytest.raises(ValueError, match="largest K this head can be evaluated at"):
+        evaluate_offline(drafter, head, reader, spec, vocab, [5], 3, max_k=4)
     with pytest.raises(ValueError, match="target head"):
         evaluate_offline(drafter, None, reader, spec, vocab, [2], 3, reference="target")

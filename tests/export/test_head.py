@@ -129,16 +129,19 @@ def test_eagle3_head_ships_no_mask_hidden_and_says_to_draft_sequentially(tmp_pat
     from peagle.export.validate import static_check, target_facts_from_spec
 
     head = export_head(state, spec, vocab, tmp_path / "eagle3", ModelCardInfo(acceptance={3: 2.0}),
-                       target_path=tiny_target, parallel_drafting=False)
+                       target_path=tiny_target, method="eagle3")
     assert "mask_hidden" not in read_tensors(head)
-    assert set(read_tensors(head)) == set(read_tensors(export_head(state, spec, vocab, tmp_path / "p",
-                                                                    target_path=tiny_target))) - {"mask_hidden"}
+    peagle_head = export_head(state, spec, vocab, tmp_path / "p", target_path=tiny_target)
+    assert set(read_tensors(head)) == set(read_tensors(peagle_head)) - {"mask_hidden"}
     text = (head / "README.md").read_text()
     assert '"parallel_drafting": false' in text and '"parallel_drafting": true' not in text
     assert "# EAGLE-3 head for" in text and "| K | EAGLE-3 |" in text and "p-eagle" not in text
     target = target_facts_from_spec(spec)
-    assert static_check(head, target, parallel_drafting=False).ok
-    assert not static_check(head, target, parallel_drafting=True).ok  # refused for parallel drafting
+    assert static_check(head, target, method="eagle3").ok
+    assert "tensor mask_hidden is missing" in str(static_check(head, target, method="peagle").problems)
+    # a head that ships mask_hidden is no EAGLE-3 head: vLLM could serve it in parallel
+    refused = static_check(peagle_head, target, method="eagle3")
+    assert [p.what for p in refused.problems] == ["mask_hidden is shipped, but EAGLE-3 heads must not ship it"]
 
 
 def test_card_names_no_path_of_the_exporting_machine(head, tiny_target):

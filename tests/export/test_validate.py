@@ -141,7 +141,7 @@ def test_missing_mask_id_and_mask_hidden_for_parallel_drafting(head, tiny_target
     assert "no mask token id" in text
     assert "tensor mask_hidden is missing" in text
     # the same head is a valid EAGLE-3 (sequential) head
-    assert validate_head(head, tiny_target, load_in_vllm=False, parallel_drafting=False).ok
+    assert validate_head(head, tiny_target, load_in_vllm=False, method="eagle3").ok
 
 
 def test_zero_mask_hidden_is_reported(head, tiny_target):

@@ -14,7 +14,7 @@ from test_partition import grads, make_models, max_rel_error, one_thread, random
 
 from peagle.config import TrainConfig  # noqa: E402
 from peagle.train import PrecomputedMask, build_peagle_example, collate  # noqa: E402
-from peagle.train.eagle3 import build_eagle3_example, eagle3_loss, objective, ttt_passes  # noqa: E402
+from peagle.methods.eagle3 import METHOD as EAGLE3, build_eagle3_example, eagle3_loss, ttt_passes  # noqa: E402
 from peagle.train.loss import TargetHead  # noqa: E402
 from peagle.train.partition import partition_batch  # noqa: E402
 
@@ -164,7 +164,7 @@ def test_objective_plugs_into_the_trainer():
     spec = tiny_spec()
     drafter, head = make_models(spec, seed=2)
     train = TrainConfig(method="eagle3", eagle3_ttt_steps=3, max_len=64, segments=2, k_train=4)
-    obj = objective(train, spec, head)
+    obj = EAGLE3.objective(train, spec, head)
     assert obj.name == "eagle3" and obj.depths == 3
     g = torch.Generator().manual_seed(0)
     examples = [obj.make_example(random_sample(spec, n, n), g) for n in (30, 45)]

@@ -1,4 +1,4 @@
-"""The EAGLE-3 baseline: the same head trained autoregressively with training-time test (TTT).
+"""EAGLE-3: the same head trained autoregressively with training-time test (TTT), one draft per pass.
 
 EAGLE-3 drafts one token per forward pass. vLLM (``llm_base_proposer.py``, non-parallel
 path) runs step 0 on the accepted context, (x_{p+1}, fc(g_p)) at position p, then each
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from peagle.facts import HeadSpec
+from peagle.methods.base import DraftingMethod, Objective
 from peagle.model.drafter import DrafterOutput
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
 from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss
@@ -202,23 +203,52 @@ def eagle3_loss(
     return kl_loss(torch.cat(logits), torch.cat(target_logits), torch.cat(depths), k or ttt_steps, weighting, denominator)
 
 
-def objective(train, spec: HeadSpec, target_head: TargetHead):
-    """The trainer's ``Objective`` for ``train.method == "eagle3"`` (steps = eagle3_ttt_steps)."""
-    from peagle.train.trainer import Objective
+# ----------------------------------------------------------------------------- the method
 
-    steps = train.eagle3_ttt_steps
 
-    def make_example(sample, generator):
-        return build_eagle3_example(sample, spec, steps, train.max_len)
+class Eagle3(DraftingMethod):
+    name = "eagle3"
+    label = "eagle-3"
+    display_name = "EAGLE-3"
+    parallel_drafting = False
+    own_train_fields = frozenset({"eagle3_ttt_steps"})
+    # Untrained here; shipping it would let vLLM serve the head with parallel drafting.
+    omitted_tensors = frozenset({"mask_hidden"})
+    card_summary = ("An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with "
+                    "peagle on the same data as its P-EAGLE sibling for comparison. Serve it WITHOUT parallel "
+                    "drafting.")
+    card_serve_note = "No mask_hidden is shipped: parallel drafting is not available for this head."
 
-    def loss(model, batch: Batch, denom) -> LossOutput:
-        return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denom, k=steps)
+    def objective(self, train, spec: HeadSpec, target_head: TargetHead) -> Objective:
+        """Training-time test over ``train.eagle3_ttt_steps`` steps, no COD subsampling."""
+        steps = train.eagle3_ttt_steps
 
-    return Objective(
-        name="eagle3",
-        make_example=make_example,
-        collate=partial(collate, mask=PrecomputedMask(train.max_len, steps)),
-        loss=loss,
-        depths=steps,
-        weighting=train.loss_depth_weighting,
-    )
+        def make_example(sample, generator):
+            return build_eagle3_example(sample, spec, steps, train.max_len)
+
+        def loss(model, batch: Batch, denominator) -> LossOutput:
+            return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denominator, k=steps)
+
+        return Objective(
+            name=self.name,
+            make_example=make_example,
+            collate=partial(collate, mask=PrecomputedMask(train.max_len, steps)),
+            loss=loss,
+            depths=steps,
+            weighting=train.loss_depth_weighting,
+        )
+
+    def draft(self, drafter, batch, k, to_target_ids):
+        """K passes, each step fed its parent's drafted token and pre-norm hidden state (vLLM's)."""
+        anchor, depth, tokens = [], [], []
+        for st in ttt_passes(drafter, batch, k, to_target_ids=to_target_ids):
+            anchor.append(st.batch.anchor[st.logits_mask])
+            depth.append(st.batch.depth[st.logits_mask])
+            tokens.append(to_target_ids(st.output.logits.argmax(-1)))
+        return torch.cat(anchor), torch.cat(depth), torch.cat(tokens)
+
+    def card_training(self, train) -> dict[str, str]:
+        return {"method": "EAGLE-3 (training-time test)", "TTT steps": str(train.eagle3_ttt_steps)}
+
+
+METHOD = Eagle3()

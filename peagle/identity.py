@@ -1,0 +1,76 @@
+"""What identifies a trained head: the inputs that decide its weights, and nothing else.
+
+A head is a function of three things: the dataset it is trained on (its split manifests,
+which hash every shard and name the target and data config that built them), the config
+fields that change its weights, and its drafting method. ``head_identity`` digests them.
+Three places ask, and so agree:
+
+- the Prefect training cache (``flows.stages.training_key``): a cached head is reused
+  exactly when its identity is unchanged;
+- the trainer's resume check: a checkpoint directory continues only the run it began;
+- the lineage retraining compares with the registered champion (``peagle.pipeline.lineage``,
+  ``train_config_hash``): retraining is decided before the dataset is rebuilt, so there
+  the dataset is represented by what builds it (prompt files, target revision, data
+  config) and the training part is ``training_hash``, the same digest as here.
+
+What counts: the whole ``drafter`` section (the head's shape), every ``train`` field except
+the bookkeeping below and the fields only another drafting method reads (its
+``own_train_fields``: P-EAGLE's ``k_train``/``cod_*`` mean nothing to EAGLE-3, and
+``eagle3_ttt_steps`` nothing to P-EAGLE), and the method. A new ``train`` field counts
+until it is listed here: a stale head is worse than a retrain.
+
+Bookkeeping, which never counts (``BOOKKEEPING``):
+- ``keep_last``: how many checkpoints stay on disk.
+- ``save_every``: when checkpoints are written; every step's weights are the same.
+- ``eval_every``: when checkpoints are scored offline; it decides which of them is
+  "best", not what any of them holds, and can change on resume.
+- ``eagle3_baseline``: asks the pipeline for a second head beside this one.
+- ``init_from``: where training starts, not what it learns from: a warm start reaches a
+  head for the same inputs, so a head already trained (or registered) on them is reused
+  rather than retrained from another start; the start is recorded in
+  ``train_result.json`` (``warm_start``).
+``world_size`` counts: it sets the global batch and each rank's slice of the data order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+from peagle.methods import DraftingMethod, available_methods, get_method
+
+BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "init_from"})
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
+    """The config that decides a head's weights for ``method`` (default ``train.method``)."""
+    method = get_method(method or cfg.train.method)
+    others = {f for name in available_methods() for f in get_method(name).own_train_fields}
+    ignored = BOOKKEEPING | (others - method.own_train_fields)
+    train = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in ignored}
+    train["method"] = method.name
+    return {"drafter": cfg.drafter.model_dump(mode="json"), "train": train}
+
+
+def training_hash(cfg, method: str | DraftingMethod | None = None) -> str:
+    """Digest of ``training_fields``: the training half of a head's identity."""
+    return _digest(training_fields(cfg, method))
+
+
+def head_identity(cfg, dataset: Mapping[str, str], method: str | DraftingMethod | None = None) -> str:
+    """A head's identity: its dataset (``dataset_manifests``), ``training_hash`` and method."""
+    return _digest({"dataset": dict(dataset), "training": training_hash(cfg, method)})
+
+
+def dataset_manifests(data_dir) -> dict[str, str]:
+    """sha256 of each split's manifest.json: the identity of the dataset actually built."""
+    from peagle.fileio import sha256_file
+    from peagle.layout import SPLITS, DataLayout
+
+    data = DataLayout(data_dir)
+    return {split: sha256_file(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}

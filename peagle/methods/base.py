@@ -1,0 +1,95 @@
+"""What a drafting method is: the questions every stage asks it, and the trainer's ``Objective``.
+
+A method answers, for a head it trains: its name and labels, whether vLLM drafts with it in
+parallel (``parallel_drafting``), how it is trained (``objective``), how it drafts offline
+(``draft``), the largest K it can be evaluated at, the tensors its head ships beyond the
+EAGLE-3 contract and the drafter weights it leaves out, the ``train`` fields only it reads,
+and what its model card says. Subclass ``DraftingMethod`` (or an existing method) and
+override what differs; ``peagle.methods`` lists the methods by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # importing a method must stay cheap: config validation lists them
+    import torch
+
+    from peagle.export.contract import TensorRule
+    from peagle.facts import HeadSpec
+    from peagle.train.batch import Batch
+
+
+@dataclass
+class Objective:
+    """What the trainer runs for a method: how examples are built, batched and scored.
+
+    A micro-batch stays a list of examples until it runs: with ``train.segments`` > 1 each
+    segment is collated (its mask built) only when it is reached, so the whole
+    micro-batch's [N, N] mask never exists (``peagle.train.partition.segment_batches``).
+    """
+
+    name: str
+    make_example: Callable[[Any, Any], Any]  # (sample, torch.Generator) -> Example
+    collate: Callable[[list], Any]  # examples -> Batch (padded, with its attention mask)
+    loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
+    depths: int  # K the loss and the per-depth metrics run over
+    weighting: str  # train.loss_depth_weighting: how the micro-batch's normaliser is counted
+
+    def denominator(self, examples: list) -> Any:
+        """The whole micro-batch's normaliser: every segment's loss is divided by it."""
+        from peagle.train.partition import examples_denominator
+
+        return examples_denominator(examples, self.weighting, self.depths)
+
+    def batches(self, examples: list, segments: int):
+        """The micro-batch as ``segments`` batches (Algorithm 1), built one at a time."""
+        if segments == 1:
+            return iter([self.collate(examples)])
+        from peagle.train.partition import segment_batches
+
+        return segment_batches(examples, segments, self.collate)
+
+
+class DraftingMethod:
+    """One drafting method; class attributes say what it is, methods what it does."""
+
+    name: str  # train.method, the checkpoint and head directory names
+    label: str  # results are keyed by it (online rows, MLflow metrics, registry tag)
+    display_name: str  # what people read (model card, tables)
+    parallel_drafting: bool  # vLLM's speculative config flag: K drafts in one forward pass
+    own_train_fields: frozenset[str] = frozenset()  # train.* fields no other method reads
+    omitted_tensors: frozenset[str] = frozenset()  # drafter weights its head must not ship
+    card_summary: str = ""  # the model card's first paragraph
+    card_serve_note: str = ""  # the line under the card's serve command
+    card_tags: tuple[str, ...] = ("speculative-decoding", "eagle3")
+
+    def objective(self, train, spec: HeadSpec, target_head) -> Objective:
+        """How ``train`` trains a drafter for ``spec`` against the frozen ``target_head``."""
+        raise NotImplementedError(f"{self.name}: no training objective")
+
+    def draft(
+        self, drafter, batch: Batch, k: int, to_target_ids: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Offline drafting: (anchor, depth, target token id) of every draft vLLM would make.
+
+        ``batch`` (``peagle.eval.offline``) holds depth 0 for the context and depths
+        1..k-1 (mask token, ``is_mask``) for the ``supervised`` anchors that draft.
+        """
+        raise NotImplementedError(f"{self.name}: no offline drafting")
+
+    def max_eval_k(self, train) -> int | None:
+        """The largest K a head trained with ``train`` can be evaluated at offline (None: any)."""
+        return None
+
+    def head_tensors(self, spec: HeadSpec) -> dict[str, TensorRule]:
+        """Tensors the head ships beyond the EAGLE-3 contract (``peagle.export.contract``)."""
+        return {}
+
+    def card_training(self, train) -> dict[str, str]:
+        """The model card's training facts that belong to this method."""
+        return {"method": self.display_name}
+
+    def __repr__(self) -> str:
+        return f"<drafting method {self.name!r}>"

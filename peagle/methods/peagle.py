@@ -1,0 +1,74 @@
+"""P-EAGLE: K draft tokens in one forward pass (mask token + learned ``mask_hidden``).
+
+Training: every anchor's depth 0 plus COD-sampled depths 1..k_train-1 of mask slots, one
+pass, forward KL to the target (``peagle.train.batch`` / ``peagle.train.loss``). Drafting:
+one pass of that layout without COD subsampling. The head ships ``mask_hidden``; vLLM
+serves it with ``parallel_drafting``, at any K, but it is only evaluated offline at the
+depths it was trained for (K <= k_train).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from peagle.methods.base import DraftingMethod, Objective
+
+
+class PEagle(DraftingMethod):
+    name = "peagle"
+    label = "p-eagle"
+    display_name = "P-EAGLE"
+    parallel_drafting = True
+    own_train_fields = frozenset({"k_train", "cod_ratio", "cod_floor"})
+    card_summary = ("A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
+                    "tokens in one forward pass. Trained with peagle.")
+    card_serve_note = "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially)."
+    card_tags = ("speculative-decoding", "eagle3", "p-eagle", "parallel-drafting")
+
+    def objective(self, train, spec, target_head) -> Objective:
+        from peagle.train.batch import build_peagle_example, collate
+        from peagle.train.loss import peagle_loss
+        from peagle.train.masks import PrecomputedMask
+
+        def make_example(sample, generator):
+            return build_peagle_example(
+                sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator
+            )
+
+        def loss(model, batch, denominator):
+            return peagle_loss(model, target_head, batch, train.loss_depth_weighting, denominator, k=train.k_train)
+
+        return Objective(
+            name=self.name,
+            make_example=make_example,
+            collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
+            loss=loss,
+            depths=train.k_train,
+            weighting=train.loss_depth_weighting,
+        )
+
+    def draft(self, drafter, batch, k, to_target_ids):
+        out = drafter(
+            input_ids=batch.input_ids,
+            aux_hidden=batch.aux_hidden,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            is_mask=batch.is_mask,
+            logits_mask=batch.supervised,
+        )
+        picked = batch.supervised
+        return batch.anchor[picked], batch.depth[picked], to_target_ids(out.logits.argmax(-1))
+
+    def max_eval_k(self, train) -> int | None:
+        return train.k_train
+
+    def head_tensors(self, spec):
+        from peagle.export.contract import TensorRule, fc_input_size
+
+        return {"mask_hidden": TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")}
+
+    def card_training(self, train) -> dict[str, str]:
+        return {"method": self.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio)}
+
+
+METHOD = PEagle()

@@ -1,0 +1,128 @@
+"""Drafting methods as objects: the catalogue, what each method answers, and a new method
+registered here (in the test only) running through training, offline evaluation and export."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # the tiny-run builders
+from test_deepspeed import one_thread, tiny_config, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
+
+from peagle.config import ConfigError  # noqa: E402
+from peagle.methods import available_methods, get_method, register_method, trained_methods  # noqa: E402
+from peagle.methods.peagle import PEagle  # noqa: E402
+
+
+def test_catalogue_names_the_methods_and_refuses_unknown_ones():
+    assert available_methods() == ["eagle3", "peagle"]
+    peagle, eagle3 = get_method("peagle"), get_method("eagle3")
+    assert get_method(peagle) is peagle  # objects pass through
+    assert (peagle.label, peagle.display_name, peagle.parallel_drafting) == ("p-eagle", "P-EAGLE", True)
+    assert (eagle3.label, eagle3.display_name, eagle3.parallel_drafting) == ("eagle-3", "EAGLE-3", False)
+    with pytest.raises(ValueError, match="unknown drafting method 'medusa'; available: eagle3, peagle"):
+        get_method("medusa")
+    with pytest.raises(ConfigError, match=r"train.method: Value error, unknown drafting method 'medusa'; "
+                                          r"available: eagle3, peagle"):
+        tiny_config(method="medusa")
+    with pytest.raises(ValueError, match="exists already"):
+        register_method(PEagle())
+
+
+def test_each_method_answers_for_itself():
+    peagle, eagle3 = get_method("peagle"), get_method("eagle3")
+    train = tiny_config(k_train=4, eagle3_ttt_steps=2).train
+    assert peagle.max_eval_k(train) == 4 and eagle3.max_eval_k(train) is None
+    spec = tiny_spec()
+    assert set(peagle.head_tensors(spec)) == {"mask_hidden"} and eagle3.head_tensors(spec) == {}
+    assert eagle3.omitted_tensors == {"mask_hidden"} and not peagle.omitted_tensors
+    assert peagle.card_training(train) == {"method": "P-EAGLE", "K_train": "4", "COD ratio": "0.8"}
+    assert eagle3.card_training(train)["TTT steps"] == "2"
+    # the EAGLE-3 baseline trains beside a P-EAGLE head, never beside an EAGLE-3 one
+    assert trained_methods(tiny_config(eagle3_baseline=True).train) == [peagle, eagle3]
+    assert trained_methods(tiny_config(method="eagle3", eagle3_baseline=True).train) == [eagle3]
+    assert trained_methods(train) == [peagle]
+
+
+# ----------------------------------------------------------------------------- a new method
+
+
+class DecayedPEagle(PEagle):
+    """P-EAGLE whose loss weighs depth d by GAMMA**d (a depth weighting of its own)."""
+
+    name = "peagle-decay"
+    label = "p-eagle-decay"
+    display_name = "P-EAGLE (depth decay)"
+    GAMMA = 0.5
+
+    def objective(self, train, spec, target_head):
+        from peagle.train.loss import forward_kl, kl_loss
+
+        def loss(model, batch, denominator):
+            supervised = batch.supervised
+            out = model(input_ids=batch.input_ids, aux_hidden=batch.aux_hidden, position_ids=batch.position_ids,
+                        attention_mask=batch.attention_mask, is_mask=batch.is_mask, logits_mask=supervised)
+            with torch.no_grad():
+                target = target_head(batch.target_hidden[supervised])
+            depth = batch.depth[supervised]
+            result = kl_loss(out.logits, target, depth, train.k_train, "uniform", denominator)  # metrics
+            weights = self.GAMMA ** depth.float()
+            result.loss = (weights * forward_kl(out.logits, target)).sum() / max(float(denominator), 1.0)
+            return result
+
+        return replace(super().objective(train, spec, target_head), name=self.name, loss=loss)
+
+    def card_training(self, train):
+        return {**super().card_training(train), "depth weight": f"{self.GAMMA}^d"}
+
+
+@pytest.fixture
+def decayed():
+    from peagle.methods import unregister_method
+
+    method = register_method(DecayedPEagle())
+    yield method
+    unregister_method(method.name)
+
+
+def test_a_registered_method_trains_evaluates_and_exports(decayed, tiny_run, tmp_path):
+    """One new class and a register call, nothing else changed: the whole way to a head."""
+    from peagle.data.store import ShardReader
+    from peagle.data.vocab import VOCAB_FILE, DraftVocab
+    from peagle.eval.offline import evaluate_offline
+    from peagle.export.head import export_from_checkpoint
+    from peagle.export.validate import static_check, target_facts_from_spec
+    from peagle.facts import HeadSpec
+    from peagle.model import PEagleDrafter
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    assert decayed.name in available_methods()
+    runs = {}
+    for method in ("peagle", decayed.name):
+        cfg = tiny_config(method=method, max_steps=3)
+        runs[method] = train_drafter(cfg, data_dir, str(target), tmp_path / method, progress=False)
+    plain, toy = runs["peagle"].metrics_history[0], runs[decayed.name].metrics_history[0]
+    # the same examples and initial weights (same seed), scored by its own weighting:
+    assert toy["kl"] == pytest.approx(plain["kl"], rel=1e-6)  # unweighted KL, the same
+    assert decayed.GAMMA ** 2 * plain["loss"] < toy["loss"] < plain["loss"]  # deeper depths count less
+    assert runs[decayed.name].metrics_history[-1]["step"] == 3
+
+    checkpoint = runs[decayed.name].last_checkpoint
+    spec = HeadSpec.load(checkpoint / "head_spec.json")
+    vocab = DraftVocab.load(data_dir / VOCAB_FILE)
+    drafter = PEagleDrafter.load(checkpoint / "drafter.safetensors", spec).eval()
+    reader = ShardReader(data_dir / "splits" / "train")
+    offline = evaluate_offline(drafter, None, reader, spec, vocab, [1, 3], max_samples=4, method=decayed.name,
+                               max_k=decayed.max_eval_k(cfg.train))
+    assert offline.method == decayed.name and offline.num_anchors > 0
+    assert 1.0 <= offline.acceptance_length[1] <= offline.acceptance_length[3] <= 4.0
+
+    head = export_from_checkpoint(checkpoint, data_dir, tmp_path / "head", target_path=str(target), method=decayed)
+    card = (head / "README.md").read_text()
+    assert "# P-EAGLE (depth decay) head for" in card and '"parallel_drafting": true' in card
+    assert static_check(head, target_facts_from_spec(spec), method=decayed.name).ok

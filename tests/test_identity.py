@@ -1,0 +1,97 @@
+"""One identity of a trained head (peagle.identity): bookkeeping never counts, weights do,
+and the Prefect training key, the retraining lineage and the resume check agree."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))  # the tiny-run builders
+from test_deepspeed import one_thread, tiny_config, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
+
+from peagle.identity import BOOKKEEPING, head_identity, training_hash  # noqa: E402
+from peagle.pipeline import TargetInfo, changes_since, lineage, with_train  # noqa: E402
+
+BOOKKEEPING_CHANGES = {"keep_last": 7, "save_every": 3, "eval_every": 5, "eagle3_baseline": True,
+                       "init_from": "/heads/champion-v3"}
+WEIGHT_CHANGES = {"learning_rate": 3e-4, "k_train": 5, "method": "eagle3", "seed": 1, "world_size": 2,
+                  "epochs": 2, "loss_depth_weighting": "per_depth_mean"}
+DATASET = {"train": "aa", "eval": "bb"}
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """A config whose prompt file and target directory exist (lineage reads both)."""
+    (tmp_path / "prompts.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    cfg = tiny_config().model_copy(update={"data": tiny_config().data.model_copy(
+        update={"sources": [tiny_config().data.sources[0].model_copy(update={"path": str(tmp_path / "prompts.jsonl")})]})})
+    return cfg, TargetInfo(path=str(tmp_path / "target"), spec=tiny_spec())
+
+
+def key_of(cfg, target):
+    """Every definition of a head's identity, side by side."""
+    from flows.stages import training_key
+
+    return {"identity": head_identity(cfg, DATASET), "lineage": lineage(cfg, target)["train_config_hash"],
+            "prefect": training_key(cfg, Path("/nonexistent-data"), cfg.train.method)}
+
+
+def test_bookkeeping_is_documented_and_never_counts(inputs):
+    cfg, target = inputs
+    assert set(BOOKKEEPING_CHANGES) == BOOKKEEPING
+    before = key_of(cfg, target)
+    for field, value in BOOKKEEPING_CHANGES.items():
+        changed = with_train(cfg, **{field: value})
+        assert key_of(changed, target) == before, field
+        assert changes_since(lineage(cfg, target), lineage(changed, target)) == [], field  # retraining: nothing new
+
+
+@pytest.mark.parametrize("field", sorted(WEIGHT_CHANGES))
+def test_a_field_that_changes_the_weights_changes_every_key(inputs, field):
+    cfg, target = inputs
+    changed = with_train(cfg, **{field: WEIGHT_CHANGES[field]})
+    before, after = key_of(cfg, target), key_of(changed, target)
+    assert all(before[k] != after[k] for k in before), (field, before, after)
+    assert changes_since(lineage(cfg, target), lineage(changed, target)) == [
+        f"drafter/train config or method changed ({before['lineage']} -> {after['lineage']})"]
+
+
+def test_the_drafter_shape_and_the_dataset_count(inputs):
+    cfg, target = inputs
+    deeper = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"num_layers": cfg.drafter.num_layers + 1})})
+    assert training_hash(deeper) != training_hash(cfg)
+    assert head_identity(cfg, {**DATASET, "train": "cc"}) != head_identity(cfg, DATASET)
+
+
+def test_fields_of_another_method_do_not_count():
+    peagle, eagle3 = tiny_config(), tiny_config(method="eagle3")
+    assert training_hash(with_train(peagle, eagle3_ttt_steps=3)) == training_hash(peagle)
+    assert training_hash(with_train(eagle3, k_train=7, cod_ratio=0.5)) == training_hash(eagle3)
+    assert training_hash(with_train(eagle3, eagle3_ttt_steps=3)) != training_hash(eagle3)
+    # a head of another method on the same config is another head
+    assert training_hash(peagle, "eagle3") == training_hash(eagle3) != training_hash(peagle)
+
+
+def test_resume_follows_the_identity(tiny_run, tmp_path):
+    """keep_last may change between a run and its resume; the learning rate may not."""
+    from peagle.train import checkpoint as ckpt
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    out = tmp_path / "out"
+    train_drafter(tiny_config(max_steps=1), data_dir, str(target), out, progress=False)
+    resumed = train_drafter(tiny_config(max_steps=1, keep_last=5, save_every=1), data_dir, str(target), out,
+                            progress=False)
+    assert resumed.last_checkpoint == out / "step-000001"  # resumed at its end: nothing retrained
+    state = json.loads((out / "step-000001" / "trainer_state.json").read_text())
+    from peagle.identity import dataset_manifests
+
+    assert state["config_hash"] == head_identity(tiny_config(max_steps=1), dataset_manifests(data_dir))
+    assert ckpt.latest_checkpoint(out) == out / "step-000001"
+    with pytest.raises(ValueError, match=r"cannot resume .*\(head identity \(dataset, weight-changing config"):
+        train_drafter(tiny_config(max_steps=1, learning_rate=1e-2), data_dir, str(target), out, progress=False)
