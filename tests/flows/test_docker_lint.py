@@ -118,3 +118,4 @@ def test_compose_workers_give_their_command_not_an_entrypoint():
         service = compose()["services"][name]
         assert "entrypoint" not in service
         assert service["command"][:3] == ["prefect", "worker", "start"]
+        assert "shm_size" in service  # vLLM refuses Docker's 64 MiB /dev/shm, on CPU too
