@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))  # the tiny-run builders
-from test_deepspeed import one_thread, tiny_config, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
+from test_deepspeed import one_thread, tiny_config, tiny_facts, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
 
 from peagle.identity import BOOKKEEPING, head_identity, training_hash  # noqa: E402
 from peagle.pipeline import TargetInfo, changes_since, lineage, with_train  # noqa: E402
@@ -30,7 +30,7 @@ def inputs(tmp_path):
     (tmp_path / "target" / "config.json").write_text("{}")
     cfg = tiny_config().model_copy(update={"data": tiny_config().data.model_copy(
         update={"sources": [tiny_config().data.sources[0].model_copy(update={"path": str(tmp_path / "prompts.jsonl")})]})})
-    return cfg, TargetInfo(path=str(tmp_path / "target"), spec=tiny_spec())
+    return cfg, TargetInfo(path=str(tmp_path / "target"), facts=tiny_facts())
 
 
 def key_of(cfg, target):

@@ -11,6 +11,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from peagle.config import load_config
+from peagle.facts import head_spec_for
 from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, read_serve_line
 from peagle.export.selftest import draft_vocab_skipping_low_ids, random_head_state_dict
 from peagle.train.checkpoint import BEST, write_pointer
@@ -19,10 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 DRAFT_VOCAB = 256
 
 
-def trained_run(run_dir: Path, spec) -> Path:
-    """What the data and train stages leave: the draft vocabulary and a pointed-at best step."""
+def trained_run(run_dir: Path, facts, spec) -> Path:
+    """What the data and train stages leave: the target facts, the draft vocabulary and a
+    pointed-at best step."""
     vocab = draft_vocab_skipping_low_ids(spec.vocab_size, DRAFT_VOCAB, spec.mask_token_id)
     (run_dir / "data").mkdir(parents=True)
+    facts.save(run_dir / "data" / "target_facts.json")
     save_file(dict(vocab), str(run_dir / "data" / "vocab.safetensors"))
     step = run_dir / "checkpoints" / "peagle" / "step-000012"
     step.mkdir(parents=True)
@@ -36,8 +39,8 @@ def test_readme_export_command_follows_the_best_pointer(embedded_target, tmp_pat
     from peagle import pipeline as stages
 
     cfg = load_config("configs/demo.yaml", {"workdir": str(tmp_path / "run")})
-    spec = stages.prepare_target(cfg).spec.with_draft_vocab(DRAFT_VOCAB)
-    trained_run(cfg.run_dir, spec)
+    facts = stages.prepare_target(cfg).facts.with_draft_vocab(DRAFT_VOCAB)
+    trained_run(cfg.run_dir, facts, head_spec_for(cfg, facts))
 
     done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/demo.yaml",
                            "--set", f"workdir={tmp_path / 'run'}", "--no-vllm-check"],
