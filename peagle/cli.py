@@ -200,6 +200,9 @@ def print_summary(result) -> None:
 
 
 def main() -> None:
+    from peagle.logs import show_on_console
+
+    show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
     try:
         app()
     except ConfigError as err:

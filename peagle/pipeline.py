@@ -9,6 +9,7 @@ functions turn stage results into the values the tracker logs.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,8 @@ from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, head_spec_from_target
 from peagle.fileio import sha256_file as file_digest
 from peagle.paths import configure_environment
+
+log = logging.getLogger(__name__)
 
 PEAGLE_LABEL = "p-eagle"
 EAGLE3_LABEL = "eagle-3"
@@ -95,7 +98,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     name = registered_model_name(cfg.tracking, cfg.target.model)
     champion = champion_version(client, name)
     if champion is None:
-        print(f"train.init_from: {name!r} has no champion yet; training from the target's weights")
+        log.info("train.init_from: %r has no champion yet; training from the target's weights", name)
         head = None
     else:
         head = cfg.run_dir / "warm_start" / f"v{champion.version}"

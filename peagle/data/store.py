@@ -20,6 +20,7 @@ import bisect
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import struct
@@ -30,6 +31,8 @@ import torch
 from safetensors import safe_open
 
 from peagle.fileio import fsync_dir, sha256_file
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -111,7 +114,7 @@ def check_free_space(path: str | Path, needed: int, force: bool = False) -> int:
         )
         if not force:
             raise DiskSpaceError(msg)
-        print(f"warning: {msg}")
+        log.warning(msg)
     return free
 
 
