@@ -330,11 +330,12 @@ def prompt_file_hashes(cfg: PipelineConfig) -> dict[str, str]:
 
 
 def target_revision(cfg: PipelineConfig, target: TargetInfo) -> str:
-    """The configured revision, else a digest of the resolved target's config and weight files."""
+    """The configured revision, else a digest of the resolved target's config and weight files
+    (and the directory's name, never its absolute path: the CLI and a worker may differ)."""
     if cfg.target.revision:
         return cfg.target.revision
     root = Path(target.path)
-    parts = [str(root.resolve())]
+    parts = [root.resolve().name]
     if (root / "config.json").exists():
         parts.append(file_digest(root / "config.json"))
     parts += [f"{p.name}:{p.stat().st_size}" for p in sorted(root.glob("*.safetensors"))]
