@@ -136,8 +136,8 @@ def export_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, c
 
 
 def run_export(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str, method: str):
-    """The export task under the run's time limit for publishing-sized work."""
-    return export_task.with_options(**limits(cfg, "publish"))(cfg, target, data_dir, checkpoint, method)
+    """The export task under the run's time limit for it."""
+    return export_task.with_options(**limits(cfg, "export"))(cfg, target, data_dir, checkpoint, method)
 
 
 @flow(name="peagle-train", flow_run_name=run_namer("train-{method}"))

@@ -246,7 +246,8 @@ class StageTimeouts(Strict):
     target: int = Field(6 * 3600, ge=60)  # building the embedded target, or downloading a hub model
     data: int = Field(24 * 3600, ge=60)
     train: int = Field(72 * 3600, ge=60)
-    evaluate: int = Field(12 * 3600, ge=60)
+    evaluate: int = Field(12 * 3600, ge=60)  # online (vLLM) and offline evaluation, each
+    export: int = Field(2 * 3600, ge=60)
     publish: int = Field(2 * 3600, ge=60)
 
 
