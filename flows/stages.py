@@ -32,6 +32,7 @@ from flows.common import (
     resolve_config,
     result_storage,
     retry_if_transient,
+    run_logger,
     run_logs,
     run_namer,
 )
@@ -75,7 +76,9 @@ def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
 
 def resolve_target(cfg: PipelineConfig) -> stages.TargetInfo:
     """The target task under the run's time limit for it."""
-    return target_task.with_options(**limits(cfg, "target"))(cfg)
+    target = target_task.with_options(**limits(cfg, "target"))(cfg)
+    run_logger().info("target %s: %s (revision %s)", cfg.target.model, target.path, stages.target_revision(cfg, target))
+    return target
 
 
 @task(name="generate-data", **CACHED, **TRANSIENT_RETRIES)
