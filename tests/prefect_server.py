@@ -1,0 +1,96 @@
+"""A real ``prefect server start`` for tests: its own PREFECT_HOME, a free 127.0.0.1 port.
+
+    with prefect_server(tmp_path) as server:
+        subprocess.run(["prefect", "deploy", "--all"], env=server.env)   # the CLI as users run it
+        with server.settings():                                        # this process's client
+            ...
+
+The server runs as users start it (a subprocess of Prefect's CLI); start-up takes 10-60 s on
+a loaded 2-core machine. Stopped (and its process group killed) on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+@dataclass(frozen=True)
+class PrefectServer:
+    api_url: str
+    home: Path
+    env: dict  # the environment a CLI subprocess needs to talk to this server (and only to it)
+
+    @contextlib.contextmanager
+    def settings(self):
+        """Point this process's Prefect client at the server."""
+        from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.api_url, PREFECT_HOME: self.home}):
+            yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def isolated_env(home: Path, api_url: str | None = None) -> dict:
+    """os.environ with Prefect confined to ``home`` (no user profile, no telemetry, no network)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_PROFILES_PATH=str(home / "profiles.toml"),
+               PREFECT_MEMO_STORE_PATH=str(home / "memo_store.toml"),
+               PREFECT_LOCAL_STORAGE_PATH=str(home / "storage"),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def wait_healthy(api_url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{api_url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        time.sleep(1)
+    raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def prefect_server(root: Path, timeout_s: float = 180):
+    """Start ``prefect server start --host 127.0.0.1 --port P`` under ``root``; yield a PrefectServer."""
+    home = Path(root) / "prefect-home"
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    log = home / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                env=isolated_env(home), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_healthy(api_url, proc, log, timeout_s)
+        yield PrefectServer(api_url, home, isolated_env(home, api_url))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
