@@ -55,7 +55,8 @@ def limits(cfg: PipelineConfig, stage: str, cached: bool = False) -> dict:
 
 
 def dataset_key(cfg: PipelineConfig, target: stages.TargetInfo) -> str:
-    """What decides the dataset: target+data config, prompt-file contents, target revision, where."""
+    """What decides the dataset: target+data config, prompt-file contents, target revision (no
+    machine-local path: results are stored in the run directory, ``limits(..., cached=True)``)."""
     values = stages.lineage(cfg, target)
     return "data-" + digest(values["data_config_hash"], values["prompt_files"], values["target_revision"])
 
