@@ -1,21 +1,184 @@
-"""What every peagle flow shares: retry rules, cache keys and Prefect artifacts.
+"""What every peagle flow shares: parameters, run names, logs, the accelerator limit,
+retry rules, cache keys and Prefect artifacts.
 
 Caching: a cached task's key is computed by a named function from the inputs that
 decide its output (config section hashes, prompt-file hashes, target revision, dataset
-manifests, head file hashes). Results are stored as JSON (no pickle). A key is only
-trusted while the files it points to still exist: the caller passes ``refresh_cache``
-when they do not.
+manifests, head file hashes), never from machine-local paths. Results are stored as JSON
+(no pickle) in the run directory itself (``result_storage``), so the CLI and a worker
+that share the run directory share the cache, whatever their Prefect settings. A key is
+only trusted while the files it points to still exist: the caller passes
+``refresh_cache`` when they do not.
+
+Parameters: Prefect stores every flow run's parameters. Stage flows take a config file
+path and overrides, never a config object: the pipeline writes the resolved config into
+the run directory (``config_file``) and passes its path, so no tracking URI or other
+secret a config may hold is stored by Prefect.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import tempfile
 from pathlib import Path
+
+from peagle.config import PipelineConfig, load_config
+from peagle.fileio import fsync_dir
+from peagle.logs import LIBRARY_LOG, ROOT, library_output_to
 
 RESULT_SERIALIZER = "json"
 RETRIES = 2
 RETRY_DELAY_S = 15
+RESULTS_DIR = "prefect-results"  # cached task results, inside the run directory
+RESOLVED_CONFIG = "config.resolved.json"  # what the stage subflows of a run load
+LOGS_DIR = "logs"
+
+# ----------------------------------------------------------------------------- config parameters
+
+
+def config_file(cfg: PipelineConfig) -> str:
+    """Write ``cfg`` (resolved: overrides applied) into its run directory; returns the path the
+    stage subflows take as their ``config`` parameter."""
+    path = cfg.run_dir / RESOLVED_CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = cfg.model_dump_json(by_alias=True, indent=1)
+    if path.exists() and path.read_text() == text:
+        return str(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return str(path)
+
+
+def resolve_config(config: str, overrides: dict | None = None) -> PipelineConfig:
+    """The config a stage flow was given: a YAML file (a deployment) or a run's resolved config."""
+    if str(config).endswith(".json"):
+        from peagle.config import parse_config, with_overrides
+
+        return with_overrides(parse_config(json.loads(Path(config).read_text()), config), overrides)
+    return load_config(config, overrides)
+
+
+# ----------------------------------------------------------------------------- run names
+
+
+def target_label(model: str) -> str:
+    """A hub id's model name or a local directory's name ("Llama-3.1-8B-Instruct", "embedded")."""
+    return Path(model.rstrip("/")).name or model
+
+
+def run_namer(what: str, config_param: str = "config"):
+    """A ``flow_run_name`` callable: "<what> <config name> (<target>)", e.g. "train-peagle demo (embedded)".
+
+    ``what`` may name a parameter in braces ("train-{method}"); an unset one falls back to
+    the config's value (``train.method``).
+    """
+
+    def name() -> str:
+        from prefect.runtime import flow_run
+
+        params = flow_run.parameters
+        try:
+            cfg = resolve_config(params[config_param], params.get("overrides"))
+        except Exception:  # the flow itself reports a bad config, with the reason
+            return f"{what.split('-{')[0]} {Path(str(params.get(config_param, '?'))).stem}"
+        method = params.get("method") or cfg.train.method
+        return f"{what.format(method=method)} {cfg.name} ({target_label(cfg.target.model)})"
+
+    return name
+
+
+# ----------------------------------------------------------------------------- logs
+
+
+class _InARun(logging.Filter):
+    """Only records emitted inside a flow or task run can be attached to one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+def send_peagle_logs_to_prefect(level: int = logging.INFO) -> None:
+    """Attach Prefect's API log handler to the ``peagle`` logger (what
+    ``PREFECT_LOGGING_EXTRA_LOGGERS=peagle`` does, but also when Prefect was imported
+    first, as in a worker's flow-run process) and log at ``level``; idempotent."""
+    from prefect.logging.handlers import APILogHandler
+
+    logger = logging.getLogger(ROOT)
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
+    if not any(isinstance(h, APILogHandler) for h in logger.handlers):
+        handler = APILogHandler()
+        handler.addFilter(_InARun())
+        logger.addHandler(handler)
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The current flow/task run's logger; a plain logger when called outside any run."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("flows")
+
+
+@contextlib.contextmanager
+def run_logs(cfg: PipelineConfig):
+    """Library output (vLLM, DeepSpeed, torch, transformers) into ``<run>/logs/libraries.log``
+    for the flow's duration; our own lines stay on the console and in Prefect."""
+    path = cfg.run_dir / LOGS_DIR / LIBRARY_LOG
+    with library_output_to(path):
+        yield path
+
+
+# ----------------------------------------------------------------------------- accelerator limit
+
+
+def ensure_accelerator_limit(cfg: PipelineConfig) -> None:
+    """Create the global concurrency limit (``orchestration.accelerator_limit``) if missing,
+    with ``accelerator_slots`` slots; an existing limit is left as its owner set it
+    (``prefect gcl create peagle-accelerator --limit 1``, or update it in the UI)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    orch = cfg.orchestration
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(orch.accelerator_limit)
+            return
+        except ObjectNotFound:
+            pass
+        with contextlib.suppress(ObjectAlreadyExists):  # another run created it meanwhile
+            client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=orch.accelerator_limit, limit=orch.accelerator_slots))
+            logging.getLogger(__name__).info("created global concurrency limit %r with %d slot(s)",
+                                             orch.accelerator_limit, orch.accelerator_slots)
+
+
+@contextlib.contextmanager
+def on_accelerator(cfg: PipelineConfig):
+    """Hold one slot of the accelerator limit: a second run on the host waits here."""
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(cfg.orchestration.accelerator_limit, occupy=1, strict=True):
+        yield
+
+
+def result_storage(cfg: PipelineConfig) -> Path:
+    """Where cached task results of this run live: inside the run directory."""
+    return cfg.run_dir / RESULTS_DIR
 
 
 def digest(*parts) -> str:

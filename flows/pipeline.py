@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 
 from prefect import flow
 
-from flows.common import publish_mlflow_artifact
-from flows.stages import data_flow, evaluate_flow, export_task, publish_flow, target_task, train_flow
+from flows.common import (
+    config_file,
+    ensure_accelerator_limit,
+    publish_mlflow_artifact,
+    run_logger,
+    run_logs,
+    run_namer,
+)
+from flows.stages import data_flow, evaluate_flow, publish_flow, resolve_target, run_export, train_flow
 from peagle import pipeline as stages
 from peagle.config import PipelineConfig, load_config
 from peagle.identity import dataset_manifests
@@ -39,7 +46,7 @@ class PipelineResult:
     lineage: dict = field(default_factory=dict)
 
 
-@flow(name="peagle-pipeline")
+@flow(name="peagle-pipeline", flow_run_name=run_namer("pipeline", config_param="config_path"))
 def pipeline_flow(config_path: str = "configs/demo.yaml", overrides: dict | None = None) -> PipelineResult:
     """Run every stage on one config; returns paths, measured acceptance and the MLflow run."""
     return run_pipeline(load_config(config_path, overrides))
@@ -48,34 +55,43 @@ def pipeline_flow(config_path: str = "configs/demo.yaml", overrides: dict | None
 def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None, force_data: bool = False) -> PipelineResult:
     """The stages in order under one MLflow run. ``data_cfg`` (default ``cfg``) says where the
     dataset lives: retraining trains a new revision directory on the shared dataset."""
+    data_cfg = data_cfg or cfg
+    with run_logs(cfg) as library_log:
+        run_logger().info("library output (vLLM, DeepSpeed, torch) goes to %s", library_log)
+        ensure_accelerator_limit(cfg)
+        return _run_stages(cfg, data_cfg, force_data)
+
+
+def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool) -> PipelineResult:
     from peagle.tracking import Tracker
 
-    data_cfg = data_cfg or cfg
     method, *baseline = trained_methods(cfg.train)  # the head, then the EAGLE-3 baseline when asked for
+    # Subflows get the resolved config's path, not the config: Prefect stores parameters.
+    config, data_config = config_file(cfg), config_file(data_cfg)
     timer = stages.StageTimer()
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):
-            target = target_task(cfg)
+            target = resolve_target(cfg)
             lineage = stages.lineage(cfg, target)
         with timer.stage("data"), tracker.stage("data") as run:
-            data = data_flow(data_cfg, force=force_data, target=target)
+            data = data_flow(data_config, force=force_data, target=target)
             stages.record_dataset(tracker, run, data)
             lineage["data_manifests"] = str(dataset_manifests(data.data_dir))
         with timer.stage("train"), tracker.stage("train") as run:
-            trained = train_flow(cfg, str(data.data_dir), target=target, export=False)
+            trained = train_flow(config, str(data.data_dir), target=target, export=False)
             stages.record_training(run, trained)
             stages.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
-            head_dir = str(export_task(cfg, target, str(data.data_dir), trained.best_checkpoint, method.name))
+            head_dir = str(run_export(cfg, target, str(data.data_dir), trained.best_checkpoint, method.name))
         head_key, baseline_dir = trained.cache_key, None
         for other in baseline:  # the same data, trained autoregressively: the comparison users ask for
             with timer.stage(f"train_{other.name}"), tracker.stage(f"train-{other.name}") as run:
-                compared = train_flow(cfg, str(data.data_dir), target=target, method=other.name)
+                compared = train_flow(config, str(data.data_dir), target=target, method=other.name)
                 stages.record_training(run, compared)
                 stages.record_offline(run, compared.offline)
             baseline_dir, head_key = compared.head_dir, f"{head_key}+{compared.cache_key}"
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
-            online = evaluate_flow(cfg, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
+            online = evaluate_flow(config, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
             plot = stages.record_online(run, online, RunLayout(cfg.run_dir).eval)
             stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline),
                               trained.best_checkpoint)
@@ -83,7 +99,7 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
                 stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, compared.offline,
                                                                   method=other), compared.best_checkpoint)
         with timer.stage("publish"), tracker.stage("publish"):
-            published = publish_flow(cfg, head_dir, str(RunLayout(cfg.run_dir).online_results),
+            published = publish_flow(config, head_dir, str(RunLayout(cfg.run_dir).online_results),
                                      mlflow_run_id=tracker.run_id, lineage=lineage)
         tracker.log_metrics({f"seconds_{name}": s for name, s in timer.seconds.items()})
         publish_mlflow_artifact(tracker.run_url(), tracker.run_id, cfg.name)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from prefect import flow, get_run_logger
 
-from flows.common import artifact_key
+from flows.common import artifact_key, run_logs, run_namer
 from flows.pipeline import PipelineResult, run_pipeline
-from flows.stages import target_task
+from flows.stages import resolve_target
 from peagle import pipeline as stages
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
 from peagle.layout import RunLayout
@@ -47,19 +47,24 @@ def registry_state(cfg: PipelineConfig, current: dict[str, str]):
     return champion, stages.recorded_lineage(champion), latest
 
 
-@flow(name="peagle-retrain")
+@flow(name="peagle-retrain", flow_run_name=run_namer("retrain", config_param="config_path"))
 def retrain_flow(config_path: str = "configs/demo.yaml", overrides: dict | None = None,
                  force: bool = False, warm_start: bool = False) -> RetrainResult:
     """Retrain a custom model's head when its prompt data, target or config changed since the
     champion was trained; promote through the registry gate. ``force`` retrains regardless;
     ``warm_start`` starts from the champion's weights (``train.init_from: champion``)."""
-    from prefect.artifacts import create_markdown_artifact
-
     if warm_start:
         overrides = {**(overrides or {}), "train.init_from": INIT_FROM_CHAMPION}
     cfg = load_config(config_path, overrides)
+    with run_logs(cfg):
+        return _retrain(cfg, force)
+
+
+def _retrain(cfg: PipelineConfig, force: bool) -> RetrainResult:
+    from prefect.artifacts import create_markdown_artifact
+
     log = get_run_logger()
-    target = target_task(cfg)
+    target = resolve_target(cfg)
     current = stages.lineage(cfg, target)
     champion, recorded, already = registry_state(cfg, current)
     before = str(champion.version) if champion else None

@@ -1,8 +1,12 @@
 """One Prefect flow per pipeline stage: data, train, evaluate, publish.
 
-Each flow takes the typed config (``PipelineConfig``; a deployment passes a YAML path plus
-overrides instead) and calls the stage functions of ``peagle.pipeline``. The pipeline and
-retraining flows compose them as subflows; each also runs alone (``prefect.yaml``).
+Each flow takes a config file (a YAML path plus overrides from a deployment, or the
+resolved config the pipeline wrote into the run directory: ``flows.common.config_file``)
+and calls the stage functions of ``peagle.pipeline``. The pipeline and retraining flows
+compose them as subflows; each also runs alone (``prefect.yaml``). Runs are named
+"<stage> <config> (<target>)"; tasks by what they do ("train-peagle", "train-eagle3").
+Stage tasks have time limits (``orchestration.timeouts_s``); data generation, training
+and online evaluation each hold a slot of the accelerator concurrency limit.
 """
 
 from __future__ import annotations
@@ -18,14 +22,22 @@ from flows.common import (
     RESULT_SERIALIZER,
     RETRIES,
     RETRY_DELAY_S,
+    acceptance_markdown,
     cache_key_from_param,
     digest,
+    ensure_accelerator_limit,
+    on_accelerator,
     path_exists,
     publish_acceptance_artifact,
+    resolve_config,
+    result_storage,
     retry_if_transient,
+    run_logger,
+    run_logs,
+    run_namer,
 )
 from peagle import pipeline as stages
-from peagle.config import PipelineConfig, load_config, with_overrides
+from peagle.config import PipelineConfig
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import RunLayout
 from peagle.methods import BASELINE, get_method, trained_methods
@@ -34,20 +46,22 @@ CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_ser
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
 
 
-def resolve_config(config: PipelineConfig | str, overrides: dict | None = None) -> PipelineConfig:
-    """A config model as given, or loaded from a YAML path (what deployments pass)."""
-    if isinstance(config, PipelineConfig):
-        return with_overrides(config, overrides)
-    return load_config(config, overrides)
+def limits(cfg: PipelineConfig, stage: str, cached: bool = False) -> dict:
+    """Task options of one run: the stage's time limit, and where cached results are stored."""
+    options = {"timeout_seconds": getattr(cfg.orchestration.timeouts_s, stage)}
+    if cached:
+        options["result_storage"] = result_storage(cfg)
+    return options
 
 
 # ----------------------------------------------------------------------------- data
 
 
 def dataset_key(cfg: PipelineConfig, target: stages.TargetInfo) -> str:
-    """What decides the dataset: target+data config, prompt-file contents, target revision, where."""
+    """What decides the dataset: target+data config, prompt-file contents, target revision (no
+    machine-local path: results are stored in the run directory, ``limits(..., cached=True)``)."""
     values = stages.lineage(cfg, target)
-    return "data-" + digest(values["data_config_hash"], values["prompt_files"], values["target_revision"], cfg.run_dir)
+    return "data-" + digest(values["data_config_hash"], values["prompt_files"], values["target_revision"])
 
 
 def dataset_on_disk(cfg: PipelineConfig) -> bool:
@@ -58,27 +72,38 @@ def dataset_on_disk(cfg: PipelineConfig) -> bool:
     return json.loads(data.build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
 
 
-@task(name="target", cache_policy=NO_CACHE)
+@task(name="resolve-target", cache_policy=NO_CACHE)
 def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
     return stages.prepare_target(cfg)
 
 
-@task(name="data", **CACHED, **TRANSIENT_RETRIES)
+def resolve_target(cfg: PipelineConfig) -> stages.TargetInfo:
+    """The target task under the run's time limit for it."""
+    target = target_task.with_options(**limits(cfg, "target"))(cfg)
+    run_logger().info("target %s: %s (revision %s)", cfg.target.model, target.path, stages.target_revision(cfg, target))
+    return target
+
+
+@task(name="generate-data", **CACHED, **TRANSIENT_RETRIES)
 def data_task(cfg: PipelineConfig, target: stages.TargetInfo, key: str, force: bool = False):
-    return stages.generate_data(cfg, target, force=force)
+    with on_accelerator(cfg):
+        return stages.generate_data(cfg, target, force=force)
 
 
-@flow(name="peagle-data")
-def data_flow(config: PipelineConfig | str, overrides: dict | None = None, force: bool = False,
+@flow(name="peagle-data", flow_run_name=run_namer("data"))
+def data_flow(config: str, overrides: dict | None = None, force: bool = False,
               target: stages.TargetInfo | None = None):
     """Prompts -> regenerated responses -> hidden states; an unchanged dataset is reused from cache."""
     cfg = resolve_config(config, overrides)
-    target = target or target_task(cfg)
-    refresh = force or not dataset_on_disk(cfg)
-    info = data_task.with_options(refresh_cache=refresh)(cfg, target, dataset_key(cfg, target), force)
-    get_run_logger().info("dataset %s: %d train + %d eval samples (%s)", info.data_dir, info.num_train,
-                          info.num_eval, "built" if refresh else "cache key matched; reused if unchanged")
-    return info
+    with run_logs(cfg):
+        ensure_accelerator_limit(cfg)
+        target = target or resolve_target(cfg)
+        refresh = force or not dataset_on_disk(cfg)
+        info = data_task.with_options(refresh_cache=refresh, **limits(cfg, "data", cached=True))(
+            cfg, target, dataset_key(cfg, target), force)
+        get_run_logger().info("dataset %s: %d train + %d eval samples (%s)", info.data_dir, info.num_train,
+                              info.num_eval, "built" if refresh else "cache key matched; reused if unchanged")
+        return info
 
 
 # ----------------------------------------------------------------------------- train
@@ -96,42 +121,53 @@ class TrainOutcome:
 
 def training_key(cfg: PipelineConfig, data_dir: Path, method: str) -> str:
     """The trained head's identity (``peagle.identity``: the dataset actually built, the fields
-    that change the weights, the method) and the run directory its checkpoints are in."""
-    return "train-" + digest(head_identity(cfg, dataset_manifests(data_dir), method), cfg.run_dir)
+    that change the weights, the method). No path: cached results live in the run directory."""
+    return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
 
 
-@task(name="train", **CACHED)
+@task(name="train", task_run_name="train-{method}", **CACHED)
 def train_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, key: str, method: str):
-    return stages.train_head(cfg, target, Path(data_dir), method=method)
+    with on_accelerator(cfg):
+        return stages.train_head(cfg, target, Path(data_dir), method=method)
 
 
-@task(name="evaluate-offline", cache_policy=NO_CACHE)
+@task(name="evaluate-offline", task_run_name="evaluate-offline-{method}", cache_policy=NO_CACHE)
 def offline_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str, method: str):
     return stages.evaluate_offline(cfg, target, Path(data_dir), Path(checkpoint), method=method)
 
 
-@task(name="export", cache_policy=NO_CACHE)
+@task(name="export", task_run_name="export-{method}", cache_policy=NO_CACHE)
 def export_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str, method: str):
     return stages.export_head(cfg, target, Path(data_dir), Path(checkpoint), method=method)
 
 
-@flow(name="peagle-train")
-def train_flow(config: PipelineConfig | str, data_dir: str | None = None, overrides: dict | None = None,
+def run_export(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, checkpoint: str, method: str):
+    """The export task under the run's time limit for it."""
+    return export_task.with_options(**limits(cfg, "export"))(cfg, target, data_dir, checkpoint, method)
+
+
+@flow(name="peagle-train", flow_run_name=run_namer("train-{method}"))
+def train_flow(config: str, data_dir: str | None = None, overrides: dict | None = None,
                method: str | None = None, target: stages.TargetInfo | None = None, export: bool = True) -> TrainOutcome:
     """DeepSpeed training (cached on the dataset's manifests and the training config), offline
     acceptance of the best checkpoint, and the exported head directory."""
-    cfg = stages.resolve_init_from(resolve_config(config, overrides))  # the champion's head, when asked for
-    target = target or target_task(cfg)
-    method = get_method(method or cfg.train.method).name
-    data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
-    ckpt_dir = stages.checkpoint_dir(cfg, method)
-    refresh = not path_exists(ckpt_dir / "best")
-    key = training_key(cfg, Path(data_dir), method)
-    trained = train_task.with_options(refresh_cache=refresh)(cfg, target, data_dir, key, method)
-    offline = offline_task(cfg, target, data_dir, str(trained.best_checkpoint), method)
-    head_dir = export_task(cfg, target, data_dir, str(trained.best_checkpoint), method) if export else None
-    return TrainOutcome(str(ckpt_dir), str(trained.best_checkpoint), head_dir and str(head_dir),
-                        trained.metrics_history, offline, key)
+    cfg = resolve_config(config, overrides)
+    with run_logs(cfg):
+        ensure_accelerator_limit(cfg)
+        cfg = stages.resolve_init_from(cfg)  # before the key: it names the champion
+        target = target or resolve_target(cfg)
+        method = get_method(method or cfg.train.method).name
+        data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
+        ckpt_dir = stages.checkpoint_dir(cfg, method)
+        refresh = not path_exists(ckpt_dir / "best")
+        key = training_key(cfg, Path(data_dir), method)
+        trained = train_task.with_options(refresh_cache=refresh, **limits(cfg, "train", cached=True))(
+            cfg, target, data_dir, key, method)
+        offline = offline_task.with_options(**limits(cfg, "evaluate"))(
+            cfg, target, data_dir, str(trained.best_checkpoint), method)
+        head_dir = run_export(cfg, target, data_dir, str(trained.best_checkpoint), method) if export else None
+        return TrainOutcome(str(ckpt_dir), str(trained.best_checkpoint), head_dir and str(head_dir),
+                            trained.metrics_history, offline, key)
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -144,17 +180,18 @@ def evaluation_key(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[s
     head = head_key or {label: {p.name: stages.file_digest(p) for p in sorted(Path(d).glob("*"))
                                 if p.is_file() and p.name != "README.md"} for label, d in heads.items()}
     return "eval-" + digest(head, sorted(heads), stages.target_revision(cfg, target),
-                            cfg.section_hash("vllm", "eval"), cfg.target.dtype, cfg.run_dir)
+                            cfg.section_hash("vllm", "eval"), cfg.target.dtype)
 
 
 @task(name="evaluate-online", **CACHED, **TRANSIENT_RETRIES)
 def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str], key: str):
     """``heads``: method name -> head directory."""
-    return stages.evaluate_online(cfg, target, {name: Path(d) for name, d in heads.items()})
+    with on_accelerator(cfg):
+        return stages.evaluate_online(cfg, target, {name: Path(d) for name, d in heads.items()})
 
 
-@flow(name="peagle-evaluate")
-def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, overrides: dict | None = None,
+@flow(name="peagle-evaluate", flow_run_name=run_namer("evaluate"))
+def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | None = None,
                   target: stages.TargetInfo | None = None, head_key: str | None = None,
                   baseline_dir: str | None = None):
     """Acceptance per K and tokens/s in vLLM (cached on the heads' training keys, or their file
@@ -166,7 +203,6 @@ def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, ove
     Heads are keyed by method name; each is served as its method says (parallel or not).
     """
     cfg = resolve_config(config, overrides)
-    target = target or target_task(cfg)
     head, *baseline = trained_methods(cfg.train)
     if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:
         baseline = [get_method(BASELINE)]
@@ -176,9 +212,14 @@ def evaluate_flow(config: PipelineConfig | str, head_dir: str | None = None, ove
         if not path_exists(Path(directory) / "config.json"):
             raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
                                     f"run the train flow first (method {name})")
-    online = online_task(cfg, target, heads, evaluation_key(cfg, target, heads, head_key))
-    publish_acceptance_artifact(online, cfg.name)
-    return online
+    with run_logs(cfg):
+        ensure_accelerator_limit(cfg)
+        target = target or resolve_target(cfg)
+        key = evaluation_key(cfg, target, heads, head_key)
+        online = online_task.with_options(**limits(cfg, "evaluate", cached=True))(cfg, target, heads, key)
+        get_run_logger().info("%s", acceptance_markdown(online))
+        publish_acceptance_artifact(online, cfg.name)
+        return online
 
 
 # ----------------------------------------------------------------------------- publish
@@ -191,7 +232,7 @@ class PublishOutcome:
     reused: bool  # an identical head was already registered: nothing new registered
 
 
-@task(name="publish", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
+@task(name="register-and-gate", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
 def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict):
     from peagle.tracking.mlflow_run import registered_model_name
     from peagle.tracking.registry import PromotionDecision, champion_version, registered_twin, tag_head_content
@@ -209,8 +250,8 @@ def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated:
     return PublishOutcome(str(version.version), decision, False)
 
 
-@flow(name="peagle-publish")
-def publish_flow(config: PipelineConfig | str, head_dir: str | None = None, online_results: str | None = None,
+@flow(name="peagle-publish", flow_run_name=run_namer("publish"))
+def publish_flow(config: str, head_dir: str | None = None, online_results: str | None = None,
                  overrides: dict | None = None, mlflow_run_id: str | None = None,
                  lineage: dict | None = None) -> PublishOutcome:
     """Register the head (alias challenger) and promote it through the registry gate.
@@ -229,8 +270,13 @@ def publish_flow(config: PipelineConfig | str, head_dir: str | None = None, onli
     online = OnlineResult.load(online_results)
     lineage = lineage or {}
     validated = stages.drafted(online, get_method(cfg.train.method).label)
-    if mlflow_run_id:
-        tracker = Tracker(cfg.tracking, target_id=cfg.target.model, run_id=mlflow_run_id).start()
-        return publish_task(cfg, tracker, head_dir, online, validated, lineage)
-    with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg, run_name=f"{cfg.name}-publish") as tracker:
-        return publish_task(cfg, tracker, head_dir, online, validated, lineage)
+    publish = publish_task.with_options(**limits(cfg, "publish"))
+    with run_logs(cfg):
+        if mlflow_run_id:
+            tracker = Tracker(cfg.tracking, target_id=cfg.target.model, run_id=mlflow_run_id).start()
+            outcome = publish(cfg, tracker, head_dir, online, validated, lineage)
+        else:
+            with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg, run_name=f"{cfg.name}-publish") as tracker:
+                outcome = publish(cfg, tracker, head_dir, online, validated, lineage)
+        get_run_logger().info("registered %s version %s: %s", cfg.name, outcome.version, outcome.promotion.reason)
+        return outcome

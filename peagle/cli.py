@@ -269,6 +269,9 @@ def print_summary(result) -> None:
 
 def main() -> None:
     configure_environment()  # once, before any library the commands import reads its settings
+    from peagle.logs import show_on_console
+
+    show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
     try:
         app()
     except ConfigError as err:

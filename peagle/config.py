@@ -249,6 +249,28 @@ class TrackingConfig(Strict):
     wandb: WandbConfig = WandbConfig()
 
 
+class StageTimeouts(Strict):
+    """Seconds a stage may run before the orchestrator stops it (generous: a hung engine or
+    rank should not hold a GPU host forever, a slow real run must not be killed)."""
+
+    target: int = Field(6 * 3600, ge=60)  # building the embedded target, or downloading a hub model
+    data: int = Field(24 * 3600, ge=60)
+    train: int = Field(72 * 3600, ge=60)
+    evaluate: int = Field(12 * 3600, ge=60)  # online (vLLM) and offline evaluation, each
+    export: int = Field(2 * 3600, ge=60)
+    publish: int = Field(2 * 3600, ge=60)
+
+
+class OrchestrationConfig(Strict):
+    """How the flows run the stages: their time limits, and the accelerator concurrency limit
+    (a global limit of this name holds the stages that load models on the accelerator, so two
+    runs sharing a GPU host queue instead of running out of memory)."""
+
+    timeouts_s: StageTimeouts = StageTimeouts()
+    accelerator_limit: str = Field("peagle-accelerator", min_length=1)
+    accelerator_slots: int = Field(1, ge=1)  # used when the limit is created because it is missing
+
+
 class PipelineConfig(Strict):
     name: str
     workdir: str | None = None  # None: <PEAGLE_HOME>/runs/<name>
@@ -259,6 +281,7 @@ class PipelineConfig(Strict):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
 
     @model_validator(mode="after")
     def _consistent(self):

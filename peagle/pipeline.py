@@ -9,6 +9,7 @@ functions turn stage results into the values the tracker logs.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,7 @@ from peagle.layout import ONLINE_PLOT_FILE, ONLINE_RESULTS_FILE, SPLITS, Checkpo
 from peagle.methods import DraftingMethod, get_method, trained_methods
 
 Method = str | DraftingMethod  # a drafting method's name or object (peagle.methods)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,7 +97,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     name = registered_model_name(cfg.tracking, cfg.target.model)
     champion = champion_version(client, name)
     if champion is None:
-        print(f"train.init_from: {name!r} has no champion yet; training from the target's weights")
+        log.info("train.init_from: %r has no champion yet; training from the target's weights", name)
         head = None
     else:
         head = RunLayout(cfg.run_dir).warm_start(champion.version)
@@ -349,11 +351,12 @@ def prompt_file_hashes(cfg: PipelineConfig) -> dict[str, str]:
 
 
 def target_revision(cfg: PipelineConfig, target: TargetInfo) -> str:
-    """The configured revision, else a digest of the resolved target's config and weight files."""
+    """The configured revision, else a digest of the resolved target's config and weight files
+    (and the directory's name, never its absolute path: the CLI and a worker may differ)."""
     if cfg.target.revision:
         return cfg.target.revision
     root = Path(target.path)
-    parts = [str(root.resolve())]
+    parts = [root.resolve().name]
     if (root / "config.json").exists():
         parts.append(file_digest(root / "config.json"))
     parts += [f"{p.name}:{p.stat().st_size}" for p in sorted(root.glob("*.safetensors"))]

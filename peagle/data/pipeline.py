@@ -25,6 +25,7 @@ rebuilds from scratch).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections import Counter
@@ -33,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from tqdm.auto import tqdm
 
 from peagle.config import ConfigError, PipelineConfig
@@ -42,7 +42,9 @@ from peagle.data.prompts import Conversation, load_prompts, split_heldout
 from peagle.data.store import ShardReader, ShardWriter, check_free_space, estimate_bytes, format_bytes
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
-from peagle.layout import BUILD_FILE, SAMPLES_FILE, SPLITS, DataLayout, RunLayout
+from peagle.layout import SAMPLES_FILE, SPLITS, DataLayout, RunLayout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,18 +89,17 @@ def build_dataset(
     """Build (or finish building) the dataset of ``cfg`` for the target at ``target_path``."""
     from transformers import AutoTokenizer
 
-    console = Console(quiet=not progress)
     layout = RunLayout(cfg.run_dir).data
     data_dir = layout.root
     config_hash = cfg.section_hash("target", "data")
     draft_vocab_size = cfg.data.draft_vocab_size or facts.vocab_size
     final_facts = facts.with_draft_vocab(draft_vocab_size)  # ConfigError now rather than after extraction
-    prepare_data_dir(data_dir, config_hash, force, console)
+    prepare_data_dir(data_dir, config_hash, force)
     tokenizer = AutoTokenizer.from_pretrained(
         target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
 
-    records = plan_records(cfg, data_dir, console)
+    records = plan_records(cfg, data_dir)
     max_len = min(cfg.data.max_seq_len, cfg.vllm.max_model_len - 1)  # extraction needs one spare position
     meta = {"config_hash": config_hash, "target": cfg.target.model, "target_revision": cfg.target.revision}
     with ExitStack() as stack:
@@ -109,7 +110,7 @@ def build_dataset(
             ))
             for split in SPLITS
         }
-        engine = _LazyEngine(stack, cfg, target_path, facts, layout.work, console)
+        engine = _LazyEngine(stack, cfg, target_path, facts, layout.work)
         pending_regen = [r for r in records if cfg.data.regenerate.enabled and r.regen is None]
         if pending_regen:
             with engine.for_regeneration() as llm:
@@ -117,7 +118,7 @@ def build_dataset(
         render_records(tokenizer, records, cfg, max_len, progress)
         require_training_samples(records)
         todo = [r for r in records if r.status == "ok" and r.id not in writers[r.split].done_ids()]
-        check_disk(todo, facts, cfg, data_dir, force, console)
+        check_disk(todo, facts, cfg, data_dir, force)
         if todo:
             extract_into(engine.get(), todo, writers, cfg, progress)
     write_samples(layout.samples, records)
@@ -128,19 +129,19 @@ def build_dataset(
     final_facts.save(layout.facts)
     layout.legacy_head_spec.unlink(missing_ok=True)  # an older peagle's, with a stale drafter shape
     info = dataset_info(data_dir, config_hash, records)
-    console.print(
+    log.info(
         f"data: {info.num_train} train + {info.num_eval} eval samples, {info.num_tokens} tokens, "
         f"{info.num_failed} failed, {format_bytes(info.bytes_on_disk)} in {data_dir}"
     )
     for reason, count in failure_reasons(records).most_common(5):
-        console.print(f"  {count} x {reason}")
+        log.info(f"  {count} x {reason}")
     return info
 
 
 # ----------------------------------------------------------------------------- run directory
 
 
-def prepare_data_dir(data_dir: Path, config_hash: str, force: bool, console: Console) -> None:
+def prepare_data_dir(data_dir: Path, config_hash: str, force: bool) -> None:
     """Refuse to mix configurations: a different config hash needs ``force`` (then rebuild)."""
     layout = DataLayout(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +158,7 @@ def prepare_data_dir(data_dir: Path, config_hash: str, force: bool, console: Con
                 f"{config_hash}: the target or data section changed); rerun with --force to rebuild it, "
                 "or give this run another name/workdir"
             )
-        console.print(f"data: config changed ({old} -> {config_hash}), --force: rebuilding {data_dir}")
+        log.info(f"data: config changed ({old} -> {config_hash}), --force: rebuilding {data_dir}")
         for path in (layout.splits_dir, layout.work, layout.samples, layout.vocab, layout.facts,
                      layout.legacy_head_spec, layout.build):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -166,9 +167,9 @@ def prepare_data_dir(data_dir: Path, config_hash: str, force: bool, console: Con
     tmp.replace(build)
 
 
-def plan_records(cfg: PipelineConfig, data_dir: Path, console: Console) -> list[Record]:
+def plan_records(cfg: PipelineConfig, data_dir: Path) -> list[Record]:
     """Every prompt as a Record, with regenerated responses of an earlier run restored."""
-    prompts = load_prompts(cfg.data, verbose=console.quiet is False)
+    prompts = load_prompts(cfg.data, verbose=True)
     previous = read_samples(DataLayout(data_dir).samples)
     splits = {sample_id: rec.get("split") for sample_id, rec in previous.items()}
     train, heldout = split_heldout(prompts, cfg.data.heldout_samples, cfg.data.seed, splits)
@@ -177,7 +178,7 @@ def plan_records(cfg: PipelineConfig, data_dir: Path, console: Console) -> list[
         for conv in convs:
             records.append(_record(conv, split, previous.get(conv.id), cfg.data.regenerate.enabled))
     restored = sum(r.regen is not None for r in records)
-    console.print(
+    log.info(
         f"data: {len(train)} train + {len(heldout)} held-out prompts"
         + (f"; {restored} regenerated responses restored from {SAMPLES_FILE}" if restored else "")
     )
@@ -230,16 +231,15 @@ def write_samples(path: Path, records: list[Record]) -> None:
 class _LazyEngine:
     """Starts the one data engine (regeneration + extraction) only if some work needs it."""
 
-    def __init__(self, stack: ExitStack, cfg: PipelineConfig, target_path: str, facts: TargetFacts, work_dir: Path,
-                 console: Console):
+    def __init__(self, stack: ExitStack, cfg: PipelineConfig, target_path: str, facts: TargetFacts, work_dir: Path):
         self.stack, self.cfg, self.target_path, self.facts, self.work_dir = stack, cfg, target_path, facts, work_dir
-        self.console, self.llm = console, None
+        self.llm = None
 
     def get(self):
         if self.llm is None:
             from peagle.data.extract import open_data_engine
 
-            self.console.print(f"data: starting vLLM for {self.target_path}")
+            log.info(f"data: starting vLLM for {self.target_path}")
             t = self.cfg.target
             self.llm = self.stack.enter_context(open_data_engine(
                 self.target_path, self.cfg.vllm, self.facts.stored_layer_ids, self.work_dir,
@@ -255,7 +255,7 @@ class _LazyEngine:
         from peagle.serving.engine import open_llm
 
         t = self.cfg.target
-        self.console.print(f"data: starting vLLM for sampled regeneration with {self.target_path}")
+        log.info(f"data: starting vLLM for sampled regeneration with {self.target_path}")
         return open_llm(self.target_path, self.cfg.vllm, revision=t.revision,
                         trust_remote_code=t.trust_remote_code, dtype=t.dtype)
 
@@ -352,14 +352,13 @@ def require_training_samples(records: list[Record]) -> None:
         )
 
 
-def check_disk(todo: list[Record], facts: TargetFacts, cfg: PipelineConfig, data_dir: Path, force: bool,
-               console: Console) -> None:
+def check_disk(todo: list[Record], facts: TargetFacts, cfg: PipelineConfig, data_dir: Path, force: bool) -> None:
     tokens = sum(r.num_tokens for r in todo)
     nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
     needed = estimate_bytes(tokens, nl, ht, cfg.data.storage_dtype) if todo else 0
     truncated = sum(r.truncated_from is not None for r in todo)
     free = check_free_space(data_dir, needed, force)
-    console.print(
+    log.info(
         f"data: {len(todo)} sequences ({tokens} tokens, {truncated} truncated to {cfg.data.max_seq_len}) to "
         f"extract: {format_bytes(needed)} on disk ({nl} layers x {ht} x {cfg.data.storage_dtype}); "
         f"{format_bytes(free)} free"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -26,6 +27,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from peagle.config import ConfigError, DataConfig, PromptSource, resolve_repo_path
+
+log = logging.getLogger(__name__)
 
 SCHEMA_FIELDS = {
     "messages": {"messages": "messages", "role": "role", "content": "content"},
@@ -239,7 +242,8 @@ def load_prompts(data_cfg: DataConfig, *, verbose: bool = False) -> list[Convers
             out.append(conv)
             taken += 1
         if verbose:
-            print(f"prompts: {source_label(src)}: {taken} of {len(ds)} rows (quota {quota}, {duplicates} duplicates)")
+            log.info("prompts: %s: %d of %d rows (quota %d, %d duplicates)", source_label(src), taken, len(ds),
+                     quota, duplicates)
     if not out:
         raise ConfigError("data.sources yielded no usable conversation (every row was empty or malformed)")
     random.Random(data_cfg.seed).shuffle(out)

@@ -20,6 +20,7 @@ import bisect
 import fcntl
 import hashlib
 import json
+import logging
 import shutil
 import struct
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from safetensors import safe_open
 
 from peagle.fileio import atomic_open, is_temp_name, sha256_file, write_json_atomic
 from peagle.layout import MANIFEST_FILE
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = MANIFEST_FILE  # named in peagle.layout
@@ -111,7 +114,7 @@ def check_free_space(path: str | Path, needed: int, force: bool = False) -> int:
         )
         if not force:
             raise DiskSpaceError(msg)
-        print(f"warning: {msg}")
+        log.warning(msg)
     return free
 
 

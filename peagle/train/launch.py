@@ -23,9 +23,12 @@ Entry point (what every rank runs)::
   (on its host: picks the GPU), ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``;
   ``engine.init_process_group`` reads exactly those.
 
-The child's output is streamed through; a non-zero exit raises ``TrainingFailed`` with
-its last lines. Rank 0 writes ``train_result.json``, which becomes the returned
-``TrainResult``.
+Every rank's output (DeepSpeed, torch, tracebacks) goes to ``OUT/train.log`` as it comes
+(and to the ``peagle.train.ranks`` logger at DEBUG); a non-zero exit raises
+``TrainingFailed`` with its last lines. While the ranks run, rank 0's ``metrics.jsonl`` is
+followed and each step's progress (step, loss, tokens/s, ETA) is logged at INFO on
+``peagle.train.launch``, so whoever shows peagle's logs (the CLI, a Prefect run) shows
+training live. Rank 0 writes ``train_result.json``, which becomes the returned ``TrainResult``.
 """
 
 from __future__ import annotations
@@ -34,18 +37,29 @@ import argparse
 import collections
 import importlib
 import json
+import logging
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig, load_config, parse_config, parse_overrides
 from peagle.fileio import write_text_atomic
-from peagle.layout import LAUNCH_CONFIG_FILE
+from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
 LAUNCH_CONFIG = LAUNCH_CONFIG_FILE
+RANK_OUTPUT = "train.log"  # every rank's stdout/stderr, in the checkpoint directory
 TAIL_LINES = 40
+POLL_S = 1.0  # how often metrics.jsonl is read while the ranks run
+PROGRESS_EVERY_S = 10.0  # at most one progress line per this many seconds (first and last step always)
+log = logging.getLogger(__name__)
+rank_log = logging.getLogger("peagle.train.ranks")
 DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 
@@ -105,31 +119,178 @@ def launch_training(
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    run_streaming(cmd, child_env)
+    total = planned_steps(cfg, Path(data_dir))
+    progress_log = TrainingProgress(out_dir / METRICS_FILE, total, f"train {cfg.train.method}",
+                                    resumed_at=resume_step(out_dir))
+    log.info("training %s: %d rank(s), %s optimizer steps; rank output in %s", cfg.train.method,
+             cfg.train.world_size, total if total is not None else "?", out_dir / RANK_OUTPUT)
+    run_streaming(cmd, child_env, output=out_dir / RANK_OUTPUT, on_poll=progress_log.poll)
+    progress_log.poll(final=True)
     result_path = out_dir / RESULT_FILE
     if not result_path.exists():
         raise TrainingFailed(f"training exited cleanly but wrote no {result_path}")
     return TrainResult.from_json(result_path.read_text())
 
 
-def run_streaming(cmd: list[str], env: dict[str, str] | None = None) -> None:
-    """Run ``cmd`` echoing its output line by line; a non-zero exit raises ``TrainingFailed``."""
+def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
+    """The optimizer steps the ranks will run (for the ETA); None when the dataset is unreadable
+    (the ranks then fail with the reason)."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    from peagle.data.store import ShardReader
+    from peagle.train.data import BatchPlan
+
+    try:
+        samples = len(ShardReader(Path(data_dir) / "splits" / "train", verify=False))
+    except (OSError, ValueError, KeyError):
+        return None
+    plan = BatchPlan(samples, cfg.train.world_size, cfg.train.micro_batch_size, cfg.train.grad_accum)
+    return plan.steps_per_epoch * cfg.train.epochs or None
+
+
+def resume_step(out_dir: Path) -> int:
+    """The step the ranks resume from (their latest checkpoint's), 0 for a fresh start."""
+    from peagle.train.checkpoint import latest_checkpoint, read_trainer_state
+
+    latest = latest_checkpoint(out_dir)
+    return read_trainer_state(latest).step if latest is not None else 0
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass
+class TrainingProgress:
+    """Follows rank 0's ``metrics.jsonl`` while the ranks run and logs progress lines.
+
+    Reads only whole lines past its offset; a file replaced or truncated (a fresh start, or a
+    resume dropping steps its checkpoint lacks) is read again from the top. Steps up to
+    ``resumed_at`` (the checkpoint the ranks resume from) and steps already reported are skipped.
+    """
+
+    path: Path
+    total_steps: int | None
+    label: str
+    resumed_at: int = 0
+    every_s: float = PROGRESS_EVERY_S
+    _offset: int = 0
+    _inode: int | None = None
+    _reported_step: int = -1
+    _last_line_at: float = float("-inf")
+    _first: tuple[int, float] | None = None  # (step, time) of the first step seen by this launch
+    _pending: dict | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._reported_step = max(self._reported_step, self.resumed_at)
+
+    def poll(self, final: bool = False) -> None:
+        now = time.monotonic()
+        for record in self._new_records():
+            if record.get("step", 0) <= self.resumed_at:
+                continue
+            if "eval/acceptance" in record:
+                log.info("%s: step %d offline acceptance %.3f (held-out)", self.label, record["step"],
+                         record["eval/acceptance"])
+            elif "loss" in record and record["step"] > self._reported_step:
+                self._pending = record
+                if self._first is None:
+                    self._first = (record["step"] - 1, now - float(record.get("step_time_s", 0.0)))
+                first_or_last = record["step"] == self.resumed_at + 1 or record["step"] == self.total_steps
+                if first_or_last or now - self._last_line_at >= self.every_s:
+                    self._report(record, now)
+        if final and self._pending is not None and self._pending["step"] > self._reported_step:
+            self._report(self._pending, now)
+
+    def _report(self, record: dict, now: float) -> None:
+        step = record["step"]
+        parts = [f"{self.label}: step {step}" + (f"/{self.total_steps}" if self.total_steps else ""),
+                 f"loss {record['loss']:.4f}"]
+        if "acc" in record:
+            parts.append(f"acc {record['acc']:.3f}")
+        parts.append(f"{record.get('tokens_per_s', 0.0):,.0f} tokens/s")
+        if self.total_steps and self._first is not None and step < self.total_steps:
+            done = step - self._first[0]
+            per_step = (now - self._first[1]) / done if done > 0 else float(record.get("step_time_s", 0.0))
+            parts.append(f"ETA {format_duration(per_step * (self.total_steps - step))}")
+        log.info(", ".join(parts))
+        self._reported_step, self._last_line_at = step, now
+
+    def _new_records(self) -> list[dict]:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return []
+        if stat.st_ino != self._inode or stat.st_size < self._offset:
+            self._inode, self._offset = stat.st_ino, 0
+        if stat.st_size == self._offset:
+            return []
+        with self.path.open("rb") as fh:
+            fh.seek(self._offset)
+            chunk = fh.read(stat.st_size - self._offset)
+        whole = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is read next time
+        self._offset += len(whole)
+        records = []
+        for line in whole.decode("utf-8", errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+
+def run_streaming(cmd: list[str], env: dict[str, str] | None = None, *, output: Path | None = None,
+                  on_poll: Callable[[], None] | None = None, poll_s: float = POLL_S) -> None:
+    """Run ``cmd``; its output lines go to ``output`` (appended) and the ``peagle.train.ranks``
+    logger (DEBUG) as they come, and ``on_poll()`` runs every ``poll_s`` seconds in the calling
+    thread (which keeps the caller's logging context, e.g. a Prefect task run). A non-zero
+    exit raises ``TrainingFailed`` with the last lines."""
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1)
     except FileNotFoundError as err:
         raise TrainingFailed(f"cannot start the launcher ({err}); is DeepSpeed installed in this environment?") from None
     assert proc.stdout is not None
-    try:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
         for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            tail.append(line.rstrip("\n"))
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, name="rank-output", daemon=True)
+    sink = open(output, "a", encoding="utf-8") if output is not None else None  # noqa: SIM115
+    try:
+        reader.start()
+        next_poll = time.monotonic() + poll_s
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                text = line.rstrip("\n")
+                tail.append(text)
+                rank_log.debug(text)
+                if sink is not None:
+                    sink.write(line)
+                    sink.flush()
+            if on_poll is not None and time.monotonic() >= next_poll:
+                on_poll()
+                next_poll = time.monotonic() + poll_s
         code = proc.wait()
     except BaseException:
         proc.kill()
         proc.wait()
         raise
+    finally:
+        if sink is not None:
+            sink.close()
     if code != 0:
         raise TrainingFailed(
             f"training exited with code {code}\ncommand: {' '.join(cmd)}\nlast output:\n" + "\n".join(tail)

@@ -180,7 +180,7 @@ def hf_states(target_dir, token_ids, layer_ids):
 
 
 @pytest.mark.slow
-def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, capsys):
+def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
     from transformers import AutoConfig, AutoTokenizer
 
     from peagle.data.chat import render_with_loss_mask
@@ -220,9 +220,10 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, capsys):
     assert json.loads((info.train_dir / "manifest.json").read_text())["config_hash"] == info.config_hash
 
     # Rerun with nothing to do: no engine, same dataset.
-    capsys.readouterr()
+    caplog.set_level("INFO", logger="peagle.data")
+    caplog.clear()
     again = build_dataset(cfg, str(target), spec)
-    assert "starting vLLM" not in capsys.readouterr().out
+    assert "starting vLLM" not in caplog.text
     assert (again.num_train, again.num_eval, again.num_tokens) == (info.num_train, info.num_eval, info.num_tokens)
 
     # A crash before the eval split was written: the rerun extracts it again but does not
@@ -236,9 +237,9 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, capsys):
         if d["id"] == eval_id:
             d["messages"][-1]["content"] = "MARKER " + d["messages"][-1]["content"]
     (info.data_dir / "samples.jsonl").write_text("".join(json.dumps(d) + "\n" for d in marked))
+    caplog.clear()
     resumed = build_dataset(cfg, str(target), spec)
-    out = capsys.readouterr()
-    assert "starting vLLM" in out.out and "regenerate" not in out.err
+    assert "starting vLLM" in caplog.text and "regenerated responses restored" in caplog.text
     assert resumed.num_eval == info.num_eval and resumed.num_train == info.num_train
     stored = {s.id: s for s in ShardReader(resumed.eval_dir)}
     marker_ids = tok("MARKER", add_special_tokens=False)["input_ids"]

@@ -112,3 +112,86 @@ def test_a_bookkeeping_change_does_not_make_retraining_retrain(prefect_server, e
     result = retrain_flow(config, {**overrides, "train.keep_last": 9, "train.eval_every": 50})
     assert not result.retrained and result.pipeline is None and "nothing new" in result.message
     assert not (tmp_path / "run" / "revisions").exists()
+
+
+# ----------------------------------------------------------------------------- names, parameters, limits
+
+
+def demo_config(tmp_path, **overrides):
+    from peagle.config import load_config
+
+    return load_config(REPO / "configs" / "demo.yaml", {"workdir": str(tmp_path / "run"), **overrides})
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_subflows_get_a_config_file_not_the_config(tmp_path):
+    from flows.common import config_file, resolve_config
+
+    cfg = demo_config(tmp_path, **{"tracking.tracking_uri": "postgresql://peagle:s3cret@db/mlflow",
+                                   "train.learning_rate": 0.01})
+    path = config_file(cfg)
+    assert path == str(cfg.run_dir / "config.resolved.json")
+    assert resolve_config(path) == cfg  # the subflow sees exactly the run's config
+    assert resolve_config(path, {"train.epochs": 3}).train.epochs == 3
+    assert config_file(cfg) == path  # unchanged: not rewritten
+
+
+def test_stage_time_limits_come_from_the_config(tmp_path):
+    from flows.stages import limits
+
+    cfg = demo_config(tmp_path, **{"orchestration.timeouts_s.train": 600})
+    assert limits(cfg, "train", cached=True) == {"timeout_seconds": 600,
+                                                 "result_storage": cfg.run_dir / "prefect-results"}
+    assert limits(cfg, "data")["timeout_seconds"] == 24 * 3600  # generous defaults
+
+
+def test_runs_are_named_by_stage_config_and_target(prefect_server, tmp_path):
+    from prefect import flow
+
+    from flows.common import config_file, run_namer
+
+    @flow(flow_run_name=run_namer("train-{method}"))
+    def named(config: str, method: str | None = None):
+        from prefect.runtime import flow_run
+
+        return flow_run.name
+
+    path = config_file(demo_config(tmp_path, name="nightly"))
+    assert named(path) == "train-peagle nightly (embedded)"
+    assert named(path, method="eagle3") == "train-eagle3 nightly (embedded)"
+    assert named(str(tmp_path / "missing.yaml")) == "train missing"  # the flow itself reports the bad path
+
+
+def test_two_runs_on_one_accelerator_queue(prefect_server, tmp_path):
+    """The accelerator limit is created when missing; two holders never overlap."""
+    import threading
+    import time
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from flows.common import ensure_accelerator_limit, on_accelerator
+
+    cfg = demo_config(tmp_path, **{"orchestration.accelerator_limit": "test-accelerator"})
+    ensure_accelerator_limit(cfg)
+    ensure_accelerator_limit(cfg)  # idempotent
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name("test-accelerator").limit == 1
+    spans = []
+
+    @flow
+    def gpu_stage(label: str):
+        with on_accelerator(cfg):
+            start = time.monotonic()
+            time.sleep(2)
+            spans.append((start, time.monotonic(), label))
+
+    threads = [threading.Thread(target=gpu_stage, args=(label,)) for label in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    (s1, e1, _), (s2, e2, _) = sorted(spans)
+    assert len(spans) == 2 and s2 >= e1  # the second waited for the first to release the slot

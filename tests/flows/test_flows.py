@@ -151,7 +151,7 @@ def test_retraining_with_nothing_new_does_nothing(two_runs, setup):
     assert not (tmp / "run" / "revisions").exists()
 
 
-def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two_runs, setup, capfd):
+def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two_runs, setup, caplog):
     from mlflow import MlflowClient
 
     from flows.retrain import retrain_flow
@@ -160,11 +160,12 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     before = samples(tmp / "run")
     with open(tmp / "prompts.jsonl", "a") as fh:
         fh.write("\n".join(prompt_lines()[FIRST_PROMPTS:FIRST_PROMPTS + NEW_PROMPTS]) + "\n")
-    capfd.readouterr()
+    caplog.set_level("INFO", logger="peagle")
+    caplog.clear()
     start = time.perf_counter()
     result = retrain_flow(str(REPO / "configs" / "demo.yaml"), overrides, warm_start=True)
     seconds = time.perf_counter() - start
-    out = "".join(capfd.readouterr())
+    out = caplog.text  # peagle's log lines (the data stage's included)
     print(f"\nretrain on {NEW_PROMPTS} new prompts (warm start): {seconds:.1f} s; {result.message}")
 
     assert result.retrained and any("prompt file" in c for c in result.changes)

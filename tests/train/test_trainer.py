@@ -205,11 +205,13 @@ def test_a_dataset_of_an_older_peagle_names_the_fix(tiny_run, tmp_path):
         train_drafter(tiny_config(), old.root, str(target), tmp_path / "out", progress=False)
 
 
-def test_launcher_streams_output_and_reports_a_failing_child(capsys, tmp_path):
+def test_launcher_streams_output_and_reports_a_failing_child(caplog, tmp_path):
     from peagle.train.launch import TrainingFailed, run_streaming, training_command
 
-    run_streaming([sys.executable, "-c", "print('step 1'); print('step 2')"])
-    assert capsys.readouterr().out == "step 1\nstep 2\n"  # echoed as it comes
+    caplog.set_level("DEBUG", logger="peagle.train.ranks")
+    run_streaming([sys.executable, "-c", "print('step 1'); print('step 2')"], output=tmp_path / "train.log")
+    assert (tmp_path / "train.log").read_text() == "step 1\nstep 2\n"  # the ranks' output, in the run dir
+    assert [r.message for r in caplog.records if r.name == "peagle.train.ranks"] == ["step 1", "step 2"]
     failing = [sys.executable, "-c", "print('loading'); raise SystemExit('rank 0: target not found')"]
     with pytest.raises(TrainingFailed, match="exited with code 1") as err:
         run_streaming(failing)

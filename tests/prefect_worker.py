@@ -1,0 +1,100 @@
+"""A real ``prefect worker start`` and Prefect's CLI, for tests that run deployments as users do.
+
+    with prefect_server(tmp) as server:                        # tests/prefect_server.py
+        env = {**server.env, "PEAGLE_REPO": str(REPO)}
+        prefect_cli(["work-pool", "create", "peagle-process", "--type", "process"], env)
+        prefect_cli(["--no-prompt", "deploy", "--name", "pipeline-demo"], env, cwd=REPO)
+        with prefect_worker("peagle-process", env, tmp / "worker.log"):
+            run_id = start_deployment_run("peagle-pipeline/pipeline-demo", {...}, env)
+            with server.settings():
+                state = wait_for_flow_run(run_id, timeout_s=1800)
+
+The worker runs each flow run in a subprocess of its own (a process pool), exactly as a
+user's worker does; it is stopped (its process group killed) on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.prefect_server import PREFECT
+
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def prefect_cli(args: list[str], env: dict, cwd: Path | None = None, timeout_s: float = 300) -> str:
+    """Run ``prefect ARGS`` as a user would; returns its output, raises with it on failure."""
+    proc = subprocess.run([PREFECT, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"prefect {' '.join(args)} exited with {proc.returncode}:\n{output[-4000:]}")
+    return output
+
+
+def start_deployment_run(deployment: str, parameters: dict, env: dict) -> str:
+    """``prefect deployment run NAME --params JSON``; returns the new flow run's id."""
+    output = prefect_cli(["deployment", "run", deployment, "--params", json.dumps(parameters)], env)
+    match = UUID_RE.search(output)
+    if match is None:
+        raise RuntimeError(f"no flow run id in the output of `prefect deployment run`:\n{output}")
+    return match.group(0)
+
+
+@contextlib.contextmanager
+def prefect_worker(pool: str, env: dict, log: Path, cwd: Path | None = None):
+    """``prefect worker start --pool POOL`` until the block ends; yields the process."""
+    out = open(log, "w")  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool], env=env, cwd=cwd, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        time.sleep(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.close()
+
+
+def wait_for_flow_run(flow_run_id, timeout_s: float, poll_s: float = 5.0, worker: subprocess.Popen | None = None):
+    """Poll the API (this process's Prefect settings) until the flow run is final; returns it."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            if worker is not None and worker.poll() is not None:
+                raise RuntimeError(f"the worker exited ({worker.returncode}) while {flow_run_id} was {run.state_name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flow run {flow_run_id} still {run.state_name} after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+
+def read_all_logs(client, flow_run_ids: list) -> list:
+    """Every log record of these flow runs (and their task runs), oldest first, page by page."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    logs, page = [], 200
+    while True:
+        batch = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=flow_run_ids)),
+                                 limit=page, offset=len(logs), sort=LogSort.TIMESTAMP_ASC)
+        logs += batch
+        if len(batch) < page:
+            return logs

@@ -1,0 +1,60 @@
+"""Training progress reaches peagle's logs while the ranks run, not after."""
+
+import json
+import logging
+import sys
+import textwrap
+
+from peagle.train.launch import TrainingProgress, format_duration, run_streaming
+
+# A stand-in for rank 0: appends one metrics record per step (as MetricsLog does), slowly,
+# and prints when it wrote its last one.
+FAKE_RANK = textwrap.dedent("""
+    import json, sys, time
+    path, steps = sys.argv[1], int(sys.argv[2])
+    for step in range(1, steps + 1):
+        time.sleep(0.4)
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": step, "loss": 3.0 / step, "acc": 0.1 * step,
+                                 "tokens_per_s": 1000.0 + step, "step_time_s": 0.4}) + "\\n")
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"step": steps, "eval/acceptance": 2.5}) + "\\n")
+    print("finished at", time.time(), flush=True)
+""")
+
+
+def test_progress_lines_are_logged_while_the_ranks_run(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="peagle.train.launch")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # history before the checkpoint resumed from
+    progress = TrainingProgress(metrics, total_steps=6, label="train peagle", resumed_at=1, every_s=0.0)
+    run_streaming([sys.executable, "-c", FAKE_RANK, str(metrics), "6"], output=tmp_path / "train.log",
+                  on_poll=progress.poll, poll_s=0.1)
+    progress.poll(final=True)
+
+    lines = [r for r in caplog.records if r.name == "peagle.train.launch"]
+    steps = [r for r in lines if "loss" in r.getMessage()]
+    assert [r.getMessage().split(",")[0] for r in steps] == [f"train peagle: step {s}/6" for s in range(2, 7)]
+    assert "loss 1.5000" in steps[0].getMessage() and "1,002 tokens/s" in steps[0].getMessage()
+    assert all("ETA" in r.getMessage() for r in steps[:-1]) and "ETA" not in steps[-1].getMessage()
+    assert any("offline acceptance 2.500" in r.getMessage() for r in lines)
+    finished = float((tmp_path / "train.log").read_text().split()[-1])
+    assert steps[0].created < finished - 1.0  # logged while the rank was still training
+
+
+def test_progress_is_throttled_but_keeps_first_and_last_step(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="peagle.train.launch")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0, "tokens_per_s": 10.0}) + "\n" for s in range(1, 51)))
+    progress = TrainingProgress(metrics, total_steps=50, label="train eagle3", every_s=3600)
+    progress.poll()
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m.split(",")[0] for m in messages] == ["train eagle3: step 1/50", "train eagle3: step 50/50"]
+    with metrics.open("a") as fh:
+        fh.write('{"step": 51, "loss"')  # a line being written is not read half
+    progress.poll()
+    assert len(caplog.records) == 2
+
+
+def test_durations_read_like_an_eta():
+    assert [format_duration(s) for s in (7, 75, 3725)] == ["7s", "1m15s", "1h02m"]
