@@ -9,11 +9,11 @@ here every one of them, fc, mask_hidden, the embedding rows and lm_head decides 
 How the drafts are observed: the target is the marker target (it always emits ``TOKEN``),
 so vLLM accepts a draft exactly when it is ``TOKEN``, and vLLM's per-request metrics
 (``--per-request-spec-decode-metrics detailed``) list, for every verify step, how many
-leading drafts were accepted. The head's lm_head rows for ``TOKEN`` and a rival token are
-``+/- alpha * w``: each draft is ``TOKEN`` or not by the sign of ``w . norm(h)``, one bit
+leading drafts were accepted. The head's lm_head row for ``TOKEN`` is ``alpha * w``: a draft
+is ``TOKEN`` when ``alpha * w . norm(h)`` beats every other (random) row, one bit per draft
 that flips with any wrong weight, norm, name or position. ``w`` is drawn orthogonal to the
-final states' dominant directions (they separate real rows from mask slots) so the bit
-varies from draft to draft. The drafter's drafts come from ``peagle.eval.offline.draft_tokens``
+final states' dominant directions (what the rows of a prompt, or all mask slots, share) so
+the bit varies from draft to draft; ``alpha`` sets how often it is ``TOKEN``. The drafter's drafts come from ``peagle.eval.offline.draft_tokens``
 (the training layout: mask slots at their positions) on the target's hidden states
 (transformers, fp32) for the sequence vLLM produces; walking them as greedy speculative
 decoding gives the accepted counts vLLM must report, every step of every request.
@@ -39,7 +39,7 @@ from peagle.config import TrackingConfig
 pytestmark = pytest.mark.slow
 K = 3
 DRAFT_VOCAB = 128
-TOKEN, RIVAL = 101, 103  # the marker target's constant token (selftest.build_golden_pair) and another draft id
+TOKEN = 101  # the marker target's constant token (selftest.build_golden_pair)
 PROMPT_LENGTHS = (9, 17, 30)
 MAX_TOKENS = 40
 MIN_LOGIT_GAP = 1e-3  # TOKEN's logit vs the best other one; vLLM's fp32 drafter differs from torch's by ~1e-5
