@@ -1,4 +1,6 @@
-"""Suite-wide set-up: offline libraries, an isolated Prefect home, shared targets.
+"""Suite-wide set-up: offline libraries, an isolated Prefect home, and the expensive things
+built once per test run and shared: the embedded target, the golden head, one Prefect server
+and ONE pipeline run (the flows and end-to-end tests all read it).
 
 The suite must not use or write the machine's own Prefect profile, API or stores: Prefect
 gets a throw-away home (its settings are read at import, so before anything imports it).
@@ -9,6 +11,8 @@ PEAGLE_HOME as for users.
 import os
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,10 @@ from peagle.paths import configure_environment  # noqa: E402
 
 configure_environment()
 
+REPO = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = str(REPO / "configs" / "demo.yaml")
+PIPELINE_PROMPTS = 160  # the shared run's prompt file: the first lines of data/prompts/code_train.jsonl
+
 
 def pytest_unconfigure(config):
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
@@ -41,3 +49,87 @@ def embedded_target():
     from peagle.target import build_embedded_target
 
     return build_embedded_target(EmbeddedTargetRecipe(), progress=False)
+
+
+@pytest.fixture(scope="session")
+def golden_pair(tmp_path_factory):
+    """(marker target, golden head) of ``peagle.export.selftest``, built once for every test."""
+    from peagle.export.selftest import build_golden_pair
+
+    return build_golden_pair(tmp_path_factory.mktemp("golden"))
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def code_train_prompt_lines() -> list[str]:
+    return (REPO / "data" / "prompts" / "code_train.jsonl").read_text().splitlines()
+
+
+def pipeline_overrides(tmp: Path) -> dict:
+    """demo.yaml shrunk to fit the CI budget, every code path kept (the EAGLE-3 baseline too).
+
+    The prompts come from a file of the run's own, so the retraining tests can append to it.
+    """
+    return {
+        "name": "suite",
+        "workdir": str(tmp / "run"),
+        "tracking.tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "data.sources": [{"kind": "jsonl", "path": str(tmp / "prompts.jsonl"), "schema": "messages"}],
+        "data.max_samples": None,
+        "data.heldout_samples": 16,
+        "data.regenerate.max_tokens": 128,
+        "train.epochs": 1,
+        "train.eagle3_baseline": True,
+        "train.eagle3_ttt_steps": 3,
+        "eval.ks": [3],
+        "eval.num_prompts": 8,
+        "eval.max_tokens": 64,
+    }
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """The shared pipeline run: what a user would have after ``peagle run`` once."""
+
+    tmp: Path  # prompts.jsonl, mlflow.db and run/ live here
+    config: str
+    overrides: dict
+    result: object  # flows.pipeline.PipelineResult
+    seconds: float
+    champion_after: str  # the registry's champion version right after the run
+
+    def append_new_prompts(self, n: int) -> None:
+        """Append the next ``n`` prompts of code_train.jsonl to the run's prompt file."""
+        path = self.tmp / "prompts.jsonl"
+        have = len(path.read_text().splitlines())
+        with open(path, "a") as fh:
+            fh.write("\n".join(code_train_prompt_lines()[have:have + n]) + "\n")
+
+    @property
+    def first_prompts(self) -> int:
+        return PIPELINE_PROMPTS
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, embedded_target, prefect_server) -> PipelineRun:
+    """One real pipeline run (vLLM, DeepSpeed, MLflow, Prefect) shared by the whole test run."""
+    from mlflow import MlflowClient
+
+    from flows.pipeline import pipeline_flow
+
+    tmp = tmp_path_factory.mktemp("pipeline")
+    (tmp / "prompts.jsonl").write_text("\n".join(code_train_prompt_lines()[:PIPELINE_PROMPTS]) + "\n")
+    overrides = pipeline_overrides(tmp)
+    start = time.perf_counter()
+    result = pipeline_flow(DEMO_CONFIG, overrides)
+    seconds = time.perf_counter() - start
+    print(f"\nshared pipeline run: {seconds:.1f} s; stages {result.stage_seconds}")
+    champion = MlflowClient(tracking_uri=overrides["tracking.tracking_uri"]).get_model_version_by_alias(
+        "peagle-embedded", "champion")
+    return PipelineRun(tmp, DEMO_CONFIG, overrides, result, seconds, str(champion.version))

@@ -1,8 +1,8 @@
 """The whole pipeline as one Prefect flow on the embedded default, for real.
 
-vLLM regenerates and extracts, DeepSpeed trains, vLLM serves the exported head with
-parallel drafting, MLflow records and registers it. The head must beat a random head
-of the same shape served the same way.
+vLLM regenerates and extracts, DeepSpeed trains P-EAGLE and the EAGLE-3 baseline, vLLM
+serves the exported heads, MLflow records and registers. Every test reads the one shared
+run of ``tests/conftest.py::pipeline_run`` (the flows tests read it too).
 """
 
 import json
@@ -13,41 +13,16 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+# The shared run (144 training samples, 1 epoch, K_train 6) measured an online acceptance
+# length at K = 3 of MEASURED_TRAINED for the trained head and MEASURED_UNTRAINED for a
+# target-initialised untrained head of the same shape; README's demo (288 samples,
+# 2 epochs) reaches 2.17. The bound sits between them, well above the untrained head.
+TRAINED_AT_K3_AT_LEAST = 1.5
+MARGIN_OVER_UNTRAINED = 0.4
 
 
-def small_demo_overrides(tmp_path: Path) -> dict:
-    """The demo config, shrunk so the flow fits a CI budget (same code paths)."""
-    return {
-        "name": "e2e",
-        "workdir": str(tmp_path / "run"),
-        "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "data.max_samples": 160,
-        "data.heldout_samples": 16,
-        "data.regenerate.max_tokens": 128,
-        "train.epochs": 1,
-        "train.eagle3_baseline": True,
-        "train.eagle3_ttt_steps": 3,
-        "eval.ks": [3],
-        "eval.num_prompts": 8,
-        "eval.max_tokens": 64,
-    }
-
-
-@pytest.fixture(scope="module")
-def pipeline_result(tmp_path_factory, embedded_target):
-    from prefect.testing.utilities import prefect_test_harness
-
-    from flows.pipeline import pipeline_flow
-
-    tmp_path = tmp_path_factory.mktemp("e2e")
-    with prefect_test_harness(server_startup_timeout=120):
-        result = pipeline_flow(str(REPO / "configs" / "demo.yaml"), small_demo_overrides(tmp_path))
-    return result, tmp_path
-
-
-def test_flow_exports_a_head_vllm_serves(pipeline_result):
-    result, _ = pipeline_result
+def test_flow_exports_a_head_vllm_serves(pipeline_run):
+    result = pipeline_run.result
     head = Path(result.head_dir)
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in head.iterdir()}
     rows = [r for r in result.online.rows if r.method == "p-eagle"]
@@ -59,9 +34,9 @@ def test_flow_exports_a_head_vllm_serves(pipeline_result):
     assert Path(result.plot).stat().st_size > 0
 
 
-def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_result):
+def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_run):
     """train.eagle3_baseline: an EAGLE-3 head on the same dataset, served autoregressively beside P-EAGLE."""
-    result, _ = pipeline_result
+    result = pipeline_run.result
     baseline = Path(result.head_dir).parent / "eagle3"
     assert json.loads((baseline / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     rows = [r for r in result.online.rows if r.method == "eagle-3"]
@@ -77,11 +52,11 @@ def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_res
     assert "| K | EAGLE-3 | P-EAGLE |" in eagle3_card
 
 
-def test_flow_tracks_and_registers_in_mlflow(pipeline_result):
+def test_flow_tracks_and_registers_in_mlflow(pipeline_run):
     from mlflow import MlflowClient
 
-    result, tmp_path = pipeline_result
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    result = pipeline_run.result
+    client = MlflowClient(tracking_uri=pipeline_run.overrides["tracking.tracking_uri"])
     run = client.get_run(result.mlflow_run_id)
     assert run.data.params["train.k_train"] == "6"
     assert "seconds_train" in run.data.metrics
@@ -89,28 +64,30 @@ def test_flow_tracks_and_registers_in_mlflow(pipeline_result):
     assert {c.info.run_name for c in children} >= {"target", "data", "train", "train-eagle3", "export", "evaluate",
                                                    "publish"}
     assert result.model_version == "1" and result.promotion.promoted  # first head: champion
-    champion = client.get_model_version_by_alias("peagle-embedded", "champion")
-    assert str(champion.version) == "1"
+    assert pipeline_run.champion_after == "1"  # read before any retraining test could promote another
 
 
-def test_trained_head_accepts_more_than_a_random_head(pipeline_result):
+def test_trained_head_beats_an_untrained_head_by_a_margin_that_matters(pipeline_run, tmp_path):
+    """The same shape, initialised from the target as training starts, served the same way."""
+    from peagle.config import load_config
     from peagle.data.vocab import DraftVocab
     from peagle.eval.online import evaluate_online
     from peagle.export.head import export_head
     from peagle.facts import HeadSpec
     from peagle.model import PEagleDrafter
     from peagle.pipeline import load_eval_prompts
-    from peagle.config import load_config
 
-    result, tmp_path = pipeline_result
-    cfg = load_config(REPO / "configs" / "demo.yaml", small_demo_overrides(tmp_path))
+    result = pipeline_run.result
+    cfg = load_config(pipeline_run.config, pipeline_run.overrides)
     data_dir = Path(result.data_dir)
     spec = HeadSpec.load(Path(result.checkpoint_dir) / "head_spec.json")  # the trained head's shape
     vocab = DraftVocab.load(data_dir / "vocab.safetensors")
     torch.manual_seed(0)
-    random_head = export_head(PEagleDrafter(spec).state_dict(), spec, vocab, tmp_path / "random-head",
-                              target_path=result.target_path)
-    random = evaluate_online(result.target_path, {"random": random_head}, cfg.vllm, load_eval_prompts(cfg),
+    untrained = PEagleDrafter.from_target(spec, result.target_path, vocab.draft_ids)
+    head = export_head(untrained.state_dict(), spec, vocab, tmp_path / "untrained-head", target_path=result.target_path)
+    online = evaluate_online(result.target_path, {"untrained": head}, cfg.vllm, load_eval_prompts(cfg),
                              ks=[3], max_tokens=cfg.eval.max_tokens, include_baseline=False)
-    trained = result.online.acceptance_by_k("p-eagle")[3]
-    assert trained > random.acceptance_by_k("random")[3] + 0.2
+    trained, before = result.online.acceptance_by_k("p-eagle")[3], online.acceptance_by_k("untrained")[3]
+    print(f"\nacceptance length at K=3: trained {trained:.3f}, untrained (target-initialised) {before:.3f}")
+    assert trained >= TRAINED_AT_K3_AT_LEAST, (trained, before)
+    assert trained >= before + MARGIN_OVER_UNTRAINED, (trained, before)

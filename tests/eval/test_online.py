@@ -106,12 +106,9 @@ def test_bad_inputs_fail_before_any_engine_starts(tmp_path):
 
 
 @pytest.mark.slow
-def test_golden_head_online_against_the_baseline(tmp_path_factory):
+def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
     """A head that always drafts the target's next token: acceptance exactly K + 1 at every level."""
-    from peagle.export.selftest import build_golden_pair
-
-    work = tmp_path_factory.mktemp("online")
-    target, head = build_golden_pair(work)
+    target, head = golden_pair  # tests/conftest.py: built once for the whole run
     cfg = VllmConfig(max_model_len=512, max_num_seqs=4, cpu_kvcache_space_gib=1)
     prompts = load_prompt_set(str(CODE_EVAL), limit=4)
     seen = []
@@ -134,5 +131,5 @@ def test_golden_head_online_against_the_baseline(tmp_path_factory):
         assert row.per_position_acceptance == pytest.approx([1.0, 1.0])
         assert row.engine_start_s > 0
     assert result.acceptance_by_k("p-eagle") == {2: pytest.approx(3.0)}
-    png = plot_online(result, work / "online.png")
+    png = plot_online(result, tmp_path / "online.png")
     assert png.stat().st_size > 20_000

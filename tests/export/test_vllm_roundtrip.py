@@ -9,19 +9,13 @@ import pytest
 
 from peagle.config import VllmConfig
 from peagle.export import validate_head
-from peagle.export.selftest import build_golden_pair
 
 pytestmark = pytest.mark.slow
 K = 3
 
 
-@pytest.fixture(scope="module")
-def golden(tmp_path_factory):
-    return build_golden_pair(tmp_path_factory.mktemp("golden"))
-
-
-def test_golden_head_loads_and_every_draft_is_accepted(golden):
-    target, head = golden
+def test_golden_head_loads_and_every_draft_is_accepted(golden_pair):
+    target, head = golden_pair  # tests/conftest.py: built once for the whole run
     cfg = VllmConfig(max_model_len=256, max_num_seqs=4, cpu_kvcache_space_gib=1)
     report = validate_head(head, target, vllm_cfg=cfg, num_speculative_tokens=K, min_acceptance_length=K + 1 - 1e-6)
     check = report.vllm

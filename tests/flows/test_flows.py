@@ -1,10 +1,9 @@
-"""The Prefect flows on the embedded default, for real, under Prefect's test harness.
+"""The Prefect flows on the embedded default, for real, on the shared pipeline run.
 
-One module-scoped harness and one tiny config shared by every test (the CPU is shared):
-a first pipeline run, a second with unchanged inputs (data, training and online
-evaluation come from the cache), a retraining run with nothing new (does nothing), and
-one after new prompts were appended (regenerates only what it lacks, promotes only when
-better).
+The first run is ``tests/conftest.py::pipeline_run`` (shared with the end-to-end tests);
+here: a second run with unchanged inputs (data, training and online evaluation come from
+the cache), a retraining run with nothing new (does nothing), and one after new prompts
+were appended (regenerates only what it lacks, promotes only when better).
 """
 
 import json
@@ -14,33 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from flows.common import artifact_key
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-FIRST_PROMPTS, NEW_PROMPTS = 40, 8
+NEW_PROMPTS = 8
 
 
-def tiny_overrides(tmp: Path) -> dict:
-    """demo.yaml shrunk to the smallest run that still exercises every code path."""
-    return {
-        "name": "flows",
-        "workdir": str(tmp / "run"),
-        "tracking.tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
-        "data.sources": [{"kind": "jsonl", "path": str(tmp / "prompts.jsonl"), "schema": "messages"}],
-        "data.max_samples": None,
-        "data.heldout_samples": 8,
-        "data.regenerate.max_tokens": 64,
-        "drafter.num_layers": 1,
-        "train.epochs": 1,
-        "train.eagle3_baseline": False,  # one trained head per run (tests/test_pipeline_e2e.py covers the baseline)
-        "eval.ks": [2],
-        "eval.num_prompts": 4,
-        "eval.max_tokens": 32,
-    }
-
-
-def prompt_lines() -> list[str]:
-    return (REPO / "data" / "prompts" / "code_train.jsonl").read_text().splitlines()
+def retrain_overrides(run) -> dict:
+    """The shared run's config, without the EAGLE-3 baseline: retraining trains one head
+    (the shared run covers the baseline), which the lineage records as a config change too."""
+    return {**run.overrides, "train.eagle3_baseline": False}
 
 
 def samples(run: Path) -> dict[str, dict]:
@@ -49,35 +32,18 @@ def samples(run: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def harness(prefect_server):
-    """Prefect's test server; cache keys include the run directory, so a tmp run never hits an old one."""
-    yield
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, embedded_target, harness):
-    tmp = tmp_path_factory.mktemp("flows")
-    (tmp / "prompts.jsonl").write_text("\n".join(prompt_lines()[:FIRST_PROMPTS]) + "\n")
-    return tmp, tiny_overrides(tmp)
-
-
-@pytest.fixture(scope="module")
-def two_runs(setup):
-    """The same pipeline twice: the second finds every expensive input unchanged."""
+def two_runs(pipeline_run):
+    """The shared run, then the same pipeline again: the second finds every expensive input unchanged."""
     from flows.pipeline import pipeline_flow
 
-    tmp, overrides = setup
-    config = str(REPO / "configs" / "demo.yaml")
-    start = time.perf_counter()
-    first = pipeline_flow(config, overrides)
-    first_s = time.perf_counter() - start
+    tmp = pipeline_run.tmp
     data_files = {p: p.stat().st_mtime_ns for p in (tmp / "run" / "data").rglob("*") if p.is_file()}
     start = time.perf_counter()
-    second = pipeline_flow(config, overrides)
+    second = pipeline_flow(pipeline_run.config, pipeline_run.overrides)
     second_s = time.perf_counter() - start
-    print(f"\npipeline: first run {first_s:.1f} s, second (cached) {second_s:.1f} s; "
-          f"stages first {first.stage_seconds}, second {second.stage_seconds}")
-    return first, second, first_s, second_s, data_files
+    print(f"\npipeline: first run {pipeline_run.seconds:.1f} s, second (cached) {second_s:.1f} s; "
+          f"stages second {second.stage_seconds}")
+    return pipeline_run.result, second, pipeline_run.seconds, second_s, data_files
 
 
 def task_run_states(name: str) -> list[str]:
@@ -102,14 +68,14 @@ def test_pipeline_composes_every_stage_flow(two_runs):
     assert {"peagle-pipeline", "peagle-data", "peagle-train", "peagle-evaluate", "peagle-publish"} <= \
         flow_run_names_completed()
     assert (Path(first.head_dir) / "model.safetensors").exists()
-    assert first.online.acceptance_by_k("p-eagle")[2] > 1.0
+    assert first.online.acceptance_by_k("p-eagle")[3] > 1.0
     assert first.model_version == "1" and first.promotion.promoted
 
 
 def test_second_run_reuses_the_cached_dataset_and_is_faster(two_runs):
     first, second, first_s, second_s, data_files = two_runs
     assert task_run_states("data")[:2] == ["Completed", "Cached"]
-    assert task_run_states("train")[:2] == ["Completed", "Cached"]
+    assert task_run_states("train")[:4] == ["Completed"] * 2 + ["Cached"] * 2  # P-EAGLE and the EAGLE-3 baseline
     assert task_run_states("evaluate-online")[:2] == ["Completed", "Cached"]
     after = {p: p.stat().st_mtime_ns for p in data_files}
     assert after == data_files  # not one dataset file rewritten
@@ -123,11 +89,11 @@ def test_an_unchanged_rerun_registers_no_new_version(two_runs):
     assert second.model_version == first.model_version and not second.promotion.promoted
 
 
-def test_lineage_is_recorded_on_the_registered_version(two_runs, setup):
+def test_lineage_is_recorded_on_the_registered_version(two_runs, pipeline_run):
     from mlflow import MlflowClient
 
     first, *_ = two_runs
-    tmp, _ = setup
+    tmp = pipeline_run.tmp
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
     tags = client.get_model_version("peagle-embedded", first.model_version).tags
     prompt_files = json.loads(tags["peagle.lineage.prompt_files"])
@@ -137,12 +103,12 @@ def test_lineage_is_recorded_on_the_registered_version(two_runs, setup):
     assert "train" in tags["peagle.lineage.data_manifests"]
 
 
-def test_retraining_with_nothing_new_does_nothing(two_runs, setup):
+def test_retraining_with_nothing_new_does_nothing(two_runs, pipeline_run):
     from flows.retrain import retrain_flow
 
-    tmp, overrides = setup
+    tmp = pipeline_run.tmp
     start = time.perf_counter()
-    result = retrain_flow(str(REPO / "configs" / "demo.yaml"), overrides)
+    result = retrain_flow(pipeline_run.config, pipeline_run.overrides)
     seconds = time.perf_counter() - start
     print(f"\nretrain with nothing new: {seconds:.1f} s")
     assert not result.retrained and result.pipeline is None
@@ -151,19 +117,18 @@ def test_retraining_with_nothing_new_does_nothing(two_runs, setup):
     assert not (tmp / "run" / "revisions").exists()
 
 
-def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two_runs, setup, caplog):
+def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two_runs, pipeline_run, caplog):
     from mlflow import MlflowClient
 
     from flows.retrain import retrain_flow
 
-    tmp, overrides = setup
+    tmp = pipeline_run.tmp
     before = samples(tmp / "run")
-    with open(tmp / "prompts.jsonl", "a") as fh:
-        fh.write("\n".join(prompt_lines()[FIRST_PROMPTS:FIRST_PROMPTS + NEW_PROMPTS]) + "\n")
+    pipeline_run.append_new_prompts(NEW_PROMPTS)
     caplog.set_level("INFO", logger="peagle")
     caplog.clear()
     start = time.perf_counter()
-    result = retrain_flow(str(REPO / "configs" / "demo.yaml"), overrides, warm_start=True)
+    result = retrain_flow(pipeline_run.config, retrain_overrides(pipeline_run), warm_start=True)
     seconds = time.perf_counter() - start
     out = caplog.text  # peagle's log lines (the data stage's included)
     print(f"\nretrain on {NEW_PROMPTS} new prompts (warm start): {seconds:.1f} s; {result.message}")
@@ -175,7 +140,7 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     # regenerated responses of prompts already done (same split) were restored, not regenerated
     kept = sum(1 for i, d in before.items() if after[i]["split"] == d["split"])
     restored = int(re.search(r"(\d+) regenerated responses restored", out).group(1))
-    assert restored == kept and kept >= FIRST_PROMPTS // 2
+    assert restored == kept and kept >= pipeline_run.first_prompts // 2
     for i in new_ids:
         assert after[i]["regen"] == "ok"
     # a new revision directory; the shared dataset grew
@@ -204,12 +169,11 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     assert warm_loss < 0.8 * first_loss, (warm_loss, first_loss)
 
 
-def test_retraining_again_on_the_same_inputs_does_nothing(two_runs, setup):
+def test_retraining_again_on_the_same_inputs_does_nothing(two_runs, pipeline_run):
     """Whether or not the gate promoted the retrained head, its inputs are already trained on."""
     from flows.retrain import retrain_flow
 
-    _, overrides = setup
-    result = retrain_flow(str(REPO / "configs" / "demo.yaml"), overrides)
+    result = retrain_flow(pipeline_run.config, retrain_overrides(pipeline_run))
     assert not result.retrained and "nothing new" in result.message
 
 
@@ -218,8 +182,9 @@ def test_artifacts_hold_the_acceptance_table_and_the_mlflow_run(two_runs):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     first, *_ = two_runs
+    table_key, link_key = artifact_key(first.config_name, "acceptance"), artifact_key(first.config_name, "mlflow-run")
     with get_client(sync_client=True) as client:
-        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["flows-acceptance"])))
-        link = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["flows-mlflow-run"])))
-    assert table and "| p-eagle | 2 |" in table[0].data
+        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[table_key])))
+        link = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[link_key])))
+    assert table and "| p-eagle | 3 |" in table[0].data
     assert link and first.mlflow_run_id in link[0].data or any(first.mlflow_run_id in a.data for a in link)
