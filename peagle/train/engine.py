@@ -70,8 +70,20 @@ def init_process_group() -> DistInfo:
     if use_gpu():
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        _forget_stale_deepspeed_groups()
         deepspeed.init_distributed(dist_backend="nccl" if use_gpu() else "gloo", auto_mpi_discovery=False, verbose=False)
     return DistInfo(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size())
+
+
+def _forget_stale_deepspeed_groups() -> None:
+    """DeepSpeed caches clones of the world group it saw first. When another library in this
+    process tore torch.distributed down (vLLM's engine shutdown does), those clones are stale
+    and DeepSpeed's first broadcast fails with "Group ... is not registered": drop them."""
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release()
 
 
 def micro_steps_per_step(train: TrainConfig) -> int:
