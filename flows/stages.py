@@ -238,11 +238,18 @@ class PublishOutcome:
 @task(name="register-and-gate", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
 def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict):
     from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import PromotionDecision, champion_version, registered_twin, tag_head_content
+    from peagle.tracking.registry import (
+        PromotionDecision,
+        champion_version,
+        describe_with_card,
+        registered_twin,
+        tag_head_content,
+    )
 
     name = registered_model_name(cfg.tracking, cfg.target.model)
     twin = registered_twin(tracker, name, Path(head_dir))
     if twin is not None:
+        describe_with_card(tracker, name, twin.version)
         champion = champion_version(tracker, name)
         before = str(champion.version) if champion else None
         reason = f"identical head already registered as version {twin.version}; nothing registered"
