@@ -311,12 +311,16 @@ def record_dataset(tracker, run, data, prompt_files: dict[str, str]):
     return datasets
 
 
-def record_training(run, trained, datasets) -> None:
-    """The datasets a training read, and its step metrics: streamed while it ran, so only the
-    steps that did not reach the run then (a cached training: all of them) are sent now."""
+def record_training_inputs(run, datasets) -> None:
+    """The dataset splits a training reads, logged before it starts (a watcher sees them)."""
     from peagle.tracking.datasets import TRAINING_CONTEXTS, log_datasets
 
     log_datasets(run, datasets, TRAINING_CONTEXTS)
+
+
+def record_training(run, trained) -> None:
+    """A training's step metrics: streamed while it ran, so only the steps that did not reach
+    the run then (a cached training: all of them, at their original times) are sent now."""
     run.log_step_records(trained.metrics_history)
 
 

@@ -282,8 +282,13 @@ class RunLogger:
             self.client.log_batch(self.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
 
     def log_input(self, dataset: Dataset, context: str) -> None:
-        """A dataset (``mlflow.data``) as an input of this run, as ``mlflow.log_input`` logs it."""
-        entity = DatasetEntity(**dataset.to_dict())
+        """A dataset (``mlflow.data``) as an input of this run, as ``mlflow.log_input`` logs it
+        (its name, source and profile scrubbed: paths and URIs can carry credentials)."""
+        described = dataset.to_dict()
+        for field in ("name", "source", "profile"):
+            if described.get(field):
+                described[field] = scrub_text(described[field])
+        entity = DatasetEntity(**described)
         tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
         self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset=entity, tags=tags)])
 

@@ -109,7 +109,7 @@ def test_the_built_dataset_is_the_input_of_its_runs(tracking, tmp_path):
         with ShardWriter(data.split(split), [2, 4], 8, "bfloat16", 100, {"config_hash": "c0ffee", "target": "t"}) as w:
             for i in range(n):
                 w.add(f"{split}-{i}", torch.arange(6), torch.ones(6, dtype=torch.bool), torch.randn(6, 2, 8))
-    prompts = {"data/prompts/code_train.jsonl": "ab" * 32}
+    prompts = {"data/prompts/code_train.jsonl": "ab" * 32, "https://bot:S3cretPassw0rd@hub.example/p.jsonl": "cd" * 32}
     with Tracker(tracking, "live-tests", run_name="datasets") as tracker:
         datasets = built_datasets(data.root, "demo", prompts)
         with tracker.stage("data") as built:
@@ -131,6 +131,7 @@ def test_the_built_dataset_is_the_input_of_its_runs(tracking, tmp_path):
     assert profile["manifest_sha256"].startswith(dataset.digest) and len(dataset.digest) == 16
     assert (profile["samples"], profile["tokens"], profile["storage_dtype"]) == \
         (5, manifest["num_tokens"], "bfloat16")
-    assert profile["prompt_files"] == prompts and profile["layer_ids"] == [2, 4]
+    assert profile["prompt_files"]["data/prompts/code_train.jsonl"] == "ab" * 32 and profile["layer_ids"] == [2, 4]
+    assert "S3cretPassw0rd" not in dataset.profile  # scrubbed like every param and tag
     assert json.loads(dataset.source) == {"uri": str(data.split("train").resolve())}
     assert dataset.source_type == "local"
