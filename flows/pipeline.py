@@ -8,6 +8,7 @@ evaluation results are cached on their inputs, so a rerun with nothing changed r
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from prefect import flow
@@ -75,18 +76,21 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
             lineage = stages.lineage(cfg, target)
         with timer.stage("data"), tracker.stage("data") as run:
             data = data_flow(data_config, force=force_data, target=target)
-            stages.record_dataset(tracker, run, data)
+            datasets = stages.record_dataset(tracker, run, data, json.loads(lineage["prompt_files"]))
             lineage["data_manifests"] = str(dataset_manifests(data.data_dir))
-        with timer.stage("train"), tracker.stage("train") as run:
-            trained = train_flow(config, str(data.data_dir), target=target, export=False)
+        with timer.stage("train"), tracker.stage("train", system_metrics=True) as run:
+            stages.record_training_inputs(run, datasets)
+            trained = train_flow(config, str(data.data_dir), target=target, export=False, mlflow_run_id=run.run_id)
             stages.record_training(run, trained)
             stages.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
             head_dir = str(run_export(cfg, target, str(data.data_dir), trained.best_checkpoint, method.name))
         head_key, baseline_dir = trained.cache_key, None
         for other in baseline:  # the same data, trained autoregressively: the comparison users ask for
-            with timer.stage(f"train_{other.name}"), tracker.stage(f"train-{other.name}") as run:
-                compared = train_flow(config, str(data.data_dir), target=target, method=other.name)
+            with timer.stage(f"train_{other.name}"), tracker.stage(f"train-{other.name}", system_metrics=True) as run:
+                stages.record_training_inputs(run, datasets)
+                compared = train_flow(config, str(data.data_dir), target=target, method=other.name,
+                                      mlflow_run_id=run.run_id)
                 stages.record_training(run, compared)
                 stages.record_offline(run, compared.offline)
             baseline_dir, head_key = compared.head_dir, f"{head_key}+{compared.cache_key}"

@@ -126,9 +126,10 @@ def training_key(cfg: PipelineConfig, data_dir: Path, method: str) -> str:
 
 
 @task(name="train", task_run_name="train-{method}", **CACHED)
-def train_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, key: str, method: str):
+def train_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, key: str, method: str,
+               mlflow_run_id: str | None = None):
     with on_accelerator(cfg):
-        return stages.train_head(cfg, target, Path(data_dir), method=method)
+        return stages.train_head(cfg, target, Path(data_dir), method=method, mlflow_run_id=mlflow_run_id)
 
 
 @task(name="evaluate-offline", task_run_name="evaluate-offline-{method}", cache_policy=NO_CACHE)
@@ -148,9 +149,11 @@ def run_export(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, ch
 
 @flow(name="peagle-train", flow_run_name=run_namer("train-{method}"))
 def train_flow(config: str, data_dir: str | None = None, overrides: dict | None = None,
-               method: str | None = None, target: stages.TargetInfo | None = None, export: bool = True) -> TrainOutcome:
+               method: str | None = None, target: stages.TargetInfo | None = None, export: bool = True,
+               mlflow_run_id: str | None = None) -> TrainOutcome:
     """DeepSpeed training (cached on the dataset's manifests and the training config), offline
-    acceptance of the best checkpoint, and the exported head directory."""
+    acceptance of the best checkpoint, and the exported head directory. With ``mlflow_run_id``
+    (the pipeline's train stage run) each step's metrics reach that run while the ranks run."""
     cfg = resolve_config(config, overrides)
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
@@ -162,7 +165,7 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
         refresh = not path_exists(ckpt_dir / "best")
         key = training_key(cfg, Path(data_dir), method)
         trained = train_task.with_options(refresh_cache=refresh, **limits(cfg, "train", cached=True))(
-            cfg, target, data_dir, key, method)
+            cfg, target, data_dir, key, method, mlflow_run_id)
         offline = offline_task.with_options(**limits(cfg, "evaluate"))(
             cfg, target, data_dir, str(trained.best_checkpoint), method)
         head_dir = run_export(cfg, target, data_dir, str(trained.best_checkpoint), method) if export else None
@@ -235,11 +238,18 @@ class PublishOutcome:
 @task(name="register-and-gate", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
 def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict):
     from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import PromotionDecision, champion_version, registered_twin, tag_head_content
+    from peagle.tracking.registry import (
+        PromotionDecision,
+        champion_version,
+        describe_with_card,
+        registered_twin,
+        tag_head_content,
+    )
 
     name = registered_model_name(cfg.tracking, cfg.target.model)
     twin = registered_twin(tracker, name, Path(head_dir))
     if twin is not None:
+        describe_with_card(tracker, name, twin.version)
         champion = champion_version(tracker, name)
         before = str(champion.version) if champion else None
         reason = f"identical head already registered as version {twin.version}; nothing registered"

@@ -246,6 +246,9 @@ class TrackingConfig(Strict):
     registered_model: str | None = None  # None: "peagle-<target>"
     promotion_margin: float = Field(0.0, ge=0)
     benchmark_weights: dict[str, float] = Field(default_factory=lambda: {"code": 1.0})
+    # Seconds between samples of MLflow's system metrics (CPU, memory, disk, network; GPU with
+    # nvidia-ml-py) on the training stage runs; None: none. MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL wins.
+    system_metrics_interval_s: float | None = Field(10.0, gt=0)
     wandb: WandbConfig = WandbConfig()
 
 

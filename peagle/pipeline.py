@@ -107,20 +107,28 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     return with_train(cfg, init_from=head)
 
 
-def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: Method | None = None):
+def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: Method | None = None,
+               mlflow_run_id: str | None = None):
     """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
-    Checkpoints are chosen by offline acceptance on the held-out split, not by loss.
+    Checkpoints are chosen by offline acceptance on the held-out split, not by loss. With
+    ``mlflow_run_id`` (the stage's MLflow run) rank 0's step metrics reach it while the ranks run.
     """
     from peagle.train.launch import launch_training
 
     method = method or cfg.train.method
+    on_metrics = None
+    if mlflow_run_id:
+        from peagle.tracking.mlflow_run import stage_run
+
+        on_metrics = stage_run(cfg.tracking, mlflow_run_id).log_step_records
     return launch_training(
         with_method(resolve_init_from(cfg), method),
         Path(data_dir),
         target.path,
         checkpoint_dir(cfg, method),
         eval_factory="peagle.eval.offline:offline_eval_fn",
+        on_metrics=on_metrics,
     )
 
 
@@ -287,20 +295,33 @@ def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
 # ----------------------------------------------------------------------------- what the tracker logs
 
 
-def record_dataset(tracker, run, data) -> None:
-    """Dataset sizes on the stage run; manifest hashes (lineage) on the pipeline run."""
+def record_dataset(tracker, run, data, prompt_files: dict[str, str]):
+    """Dataset sizes on the stage run; manifest hashes (lineage) on the pipeline run; the
+    splits as MLflow datasets the stage built (returned, for the training runs)."""
+    from peagle.tracking.datasets import BUILT, built_datasets, log_datasets
+
     run.log_metrics({"num_train": data.num_train, "num_eval": data.num_eval, "num_tokens": data.num_tokens,
                      "num_failed": data.num_failed, "bytes_on_disk": data.bytes_on_disk})
     for split in SPLITS:
         manifest = DataLayout(data.data_dir).manifest(split)
         if manifest.exists():
             tracker.set_data_manifest(manifest, split=split)
+    datasets = built_datasets(data.data_dir, tracker.run_name or "dataset", prompt_files)
+    log_datasets(run, datasets, BUILT)
+    return datasets
+
+
+def record_training_inputs(run, datasets) -> None:
+    """The dataset splits a training reads, logged before it starts (a watcher sees them)."""
+    from peagle.tracking.datasets import TRAINING_CONTEXTS, log_datasets
+
+    log_datasets(run, datasets, TRAINING_CONTEXTS)
 
 
 def record_training(run, trained) -> None:
-    for i, entry in enumerate(trained.metrics_history):
-        step = int(entry.get("step", i))
-        run.log_metrics({k: float(v) for k, v in entry.items() if isinstance(v, int | float) and k != "step"}, step=step)
+    """A training's step metrics: streamed while it ran, so only the steps that did not reach
+    the run then (a cached training: all of them, at their original times) are sent now."""
+    run.log_step_records(trained.metrics_history)
 
 
 def record_offline(run, offline) -> None:

@@ -1,6 +1,7 @@
 """Suite-wide set-up: offline libraries, an isolated Prefect home, and the expensive things
 built once per test run and shared: the embedded target, the golden head, one Prefect server
-and ONE pipeline run (the flows and end-to-end tests all read it).
+and ONE pipeline run (the flows, tracking and end-to-end tests all read it), tracked by a real
+``mlflow server`` over HTTP as teams run it.
 
 The suite must not use or write the machine's own Prefect profile, API or stores: Prefect
 gets a throw-away home (its settings are read at import, so before anything imports it).
@@ -71,7 +72,7 @@ def code_train_prompt_lines() -> list[str]:
     return (REPO / "data" / "prompts" / "code_train.jsonl").read_text().splitlines()
 
 
-def pipeline_overrides(tmp: Path) -> dict:
+def pipeline_overrides(tmp: Path, tracking_uri: str) -> dict:
     """demo.yaml shrunk to fit the CI budget, every code path kept (the EAGLE-3 baseline too).
 
     The prompts come from a file of the run's own, so the retraining tests can append to it.
@@ -79,7 +80,7 @@ def pipeline_overrides(tmp: Path) -> dict:
     return {
         "name": "suite",
         "workdir": str(tmp / "run"),
-        "tracking.tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "tracking.tracking_uri": tracking_uri,
         "data.sources": [{"kind": "jsonl", "path": str(tmp / "prompts.jsonl"), "schema": "messages"}],
         "data.max_samples": None,
         "data.heldout_samples": 16,
@@ -97,7 +98,7 @@ def pipeline_overrides(tmp: Path) -> dict:
 class PipelineRun:
     """The shared pipeline run: what a user would have after ``peagle run`` once."""
 
-    tmp: Path  # prompts.jsonl, mlflow.db and run/ live here
+    tmp: Path  # prompts.jsonl, run/ and the MLflow server's store (mlflow/) live here
     config: str
     overrides: dict
     result: object  # flows.pipeline.PipelineResult
@@ -117,15 +118,29 @@ class PipelineRun:
 
 
 @pytest.fixture(scope="session")
-def pipeline_run(tmp_path_factory, embedded_target, prefect_server) -> PipelineRun:
-    """One real pipeline run (vLLM, DeepSpeed, MLflow, Prefect) shared by the whole test run."""
+def pipeline_tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="session")
+def pipeline_mlflow(pipeline_tmp):
+    """The shared run's tracking server: a real ``mlflow server``, reached over HTTP."""
+    from tests.mlflow_server import mlflow_server
+
+    with mlflow_server(pipeline_tmp / "mlflow") as uri:
+        yield uri
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(pipeline_tmp, pipeline_mlflow, embedded_target, prefect_server) -> PipelineRun:
+    """One real pipeline run (vLLM, DeepSpeed, an MLflow server, Prefect) shared by the whole test run."""
     from mlflow import MlflowClient
 
     from flows.pipeline import pipeline_flow
 
-    tmp = tmp_path_factory.mktemp("pipeline")
+    tmp = pipeline_tmp
     (tmp / "prompts.jsonl").write_text("\n".join(code_train_prompt_lines()[:PIPELINE_PROMPTS]) + "\n")
-    overrides = pipeline_overrides(tmp)
+    overrides = pipeline_overrides(tmp, pipeline_mlflow)
     start = time.perf_counter()
     result = pipeline_flow(DEMO_CONFIG, overrides)
     seconds = time.perf_counter() - start

@@ -6,10 +6,13 @@ tracker only receives values (configs, metrics, paths); it never reaches into ot
 stages. Everything sent is scrubbed of credentials first (``peagle.tracking.scrub``).
 
     with Tracker(cfg.tracking, target_id, cfg) as tracker:
-        with tracker.stage("train") as stage:
+        with tracker.stage("train", system_metrics=True) as stage:
             stage.log_metrics({"loss": 1.2}, step=10)
         tracker.log_metrics_per_k({1: 0.8, 3: 0.6}, "acceptance")
         print(tracker.run_url())
+
+A stage run the tracker has open is found again by its id (``stage_run``): the training
+launcher streams rank 0's step records into it while the ranks run.
 
 The tracking URI comes from the config, else ``MLFLOW_TRACKING_URI``, else a SQLite
 store under the project home. A remote server (``http://...``) works the same way; its
@@ -20,20 +23,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
 import time
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote
 
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.data import Dataset
+from mlflow.entities import Dataset as DatasetEntity
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.utils.mlflow_tags import (
+    MLFLOW_DATASET_CONTEXT,
     MLFLOW_GIT_COMMIT,
     MLFLOW_PARENT_RUN_ID,
     MLFLOW_SOURCE_NAME,
@@ -58,6 +66,9 @@ TAG_GIT_DIRTY = "peagle.git.dirty"
 TAG_CONFIG_HASH = "peagle.config_hash"
 TAG_STAGE = "peagle.stage"
 TAG_WANDB_RUN = "peagle.wandb.run"
+
+
+log = logging.getLogger(__name__)
 
 
 def manifest_tag(split: str) -> str:
@@ -194,6 +205,15 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+STEP_RECORD_META = ("step", "time")  # what a step record says about itself, not a metric
+
+
+def step_record_metrics(record: dict) -> dict[str, float]:
+    """The metrics of one of rank 0's ``metrics.jsonl`` records: its numbers, less step and time."""
+    return {k: float(v) for k, v in record.items()
+            if k not in STEP_RECORD_META and isinstance(v, int | float) and not isinstance(v, bool)}
+
+
 class RunLogger:
     """Logging calls bound to one MLflow run: the pipeline's parent run or a stage's nested run."""
 
@@ -202,6 +222,7 @@ class RunLogger:
         self.run_id = run_id
         self._mirror = mirror
         self._namespace = namespace  # wandb key prefix of a stage ("train/")
+        self._last_step: dict[str, int] = {}  # per key, the last step log_step_records sent
 
     def log_params(self, params: dict) -> None:
         """Nested or flat params; flattened to dot keys, scrubbed and truncated."""
@@ -217,19 +238,59 @@ class RunLogger:
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, tags=items[i : i + MAX_PARAMS_TAGS_PER_BATCH])
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Numbers only; a non-numeric value is an error naming its key."""
-        ts, values = _now_ms(), {}
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None,
+                    timestamp_ms: int | None = None) -> None:
+        """Numbers only; a non-numeric value is an error naming its key. The timestamp is
+        now unless given (a step measured earlier keeps the time it was measured)."""
+        values = {}
         for key, value in metrics.items():
             try:
                 values[_safe_key(key)] = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}") from None
-        items = [Metric(k, v, ts, step or 0) for k, v in values.items()]
-        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=items[i : i + MAX_METRICS_PER_BATCH])
+        self._send([Metric(k, v, timestamp_ms or _now_ms(), step or 0) for k, v in values.items()])
         if self._mirror:
             self._mirror.log_metrics(values, step, self._namespace)
+
+    def log_step_records(self, records: Iterable[dict]) -> int:
+        """Rank 0's step records (``{"step": 7, "time": 1.7e9, "loss": 0.9, "lr": 1e-3, ...}``)
+        at their own step and timestamp, in as few requests as MLflow allows.
+
+        Steps of a key at or below the last one this logger sent are skipped, so the records
+        streamed while training and the whole history sent after it never double a point.
+        Returns the number of points sent.
+        """
+        last, points, steps = dict(self._last_step), [], []
+        for record in records:
+            step = int(record["step"])
+            stamp = int(float(record["time"]) * 1000) if "time" in record else _now_ms()
+            values = {_safe_key(k): v for k, v in step_record_metrics(record).items()}
+            values = {k: v for k, v in values.items() if step > last.get(k, -1)}
+            if values:
+                points += [Metric(k, v, stamp, step) for k, v in values.items()]
+                steps.append((values, step))
+                last.update(dict.fromkeys(values, step))
+        self._send(points)
+        self._last_step = last  # only once MLflow has them: a failed send is retried by the next call
+        if self._mirror:
+            for values, step in steps:
+                self._mirror.log_metrics(values, step, self._namespace)
+        return len(points)
+
+    def _send(self, metrics: list[Metric]) -> None:
+        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
+
+    def log_input(self, dataset: Dataset, context: str) -> None:
+        """A dataset (``mlflow.data``) as an input of this run, as ``mlflow.log_input`` logs it
+        (its name, source and profile scrubbed: paths and URIs can carry credentials)."""
+        described = dataset.to_dict()
+        for field in ("name", "source", "profile"):
+            if described.get(field):
+                described[field] = scrub_text(described[field])
+        entity = DatasetEntity(**described)
+        tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
+        self.client.log_inputs(self.run_id, datasets=[DatasetInput(dataset=entity, tags=tags)])
 
     def log_metrics_per_k(self, values: dict[int, float], name: str) -> None:
         """A curve over K: ``name`` with step = K (MLflow plots it against K) plus ``name_kK`` columns."""
@@ -336,28 +397,53 @@ class Tracker(RunLogger):
 
     # -- stages ---------------------------------------------------------------------
     @contextmanager
-    def stage(self, name: str):
-        """A nested run for one stage; its wall-clock seconds land on both runs."""
+    def stage(self, name: str, *, system_metrics: bool = False):
+        """A nested run for one stage; its wall-clock seconds land on both runs.
+
+        ``system_metrics``: MLflow's system metrics (``system/cpu_utilization_percentage``,
+        memory, disk, network; GPU when nvidia-ml-py is installed) sampled on this host every
+        ``tracking.system_metrics_interval_s`` while the stage runs.
+        """
         run = self.client.create_run(
             self.experiment_id,
             run_name=name,
             tags={MLFLOW_PARENT_RUN_ID: self.run_id, TAG_STAGE: name, **self._start_tags()},
         )
         stage = RunLogger(self.client, run.info.run_id, self._mirror, namespace=f"{name}/")
+        _OPEN_STAGES[stage.run_id] = stage
         start = time.perf_counter()
-        status, error = "FINISHED", None
+        status, error, monitor = "FINISHED", None, None
         try:
+            monitor = self._system_monitor(stage.run_id) if system_metrics else None
             yield stage
         except BaseException as exc:
             status, error = _status_for(type(exc)), exc
             raise
         finally:
+            _OPEN_STAGES.pop(stage.run_id, None)
+            if monitor is not None:
+                monitor.finish()  # flushes the samples taken so far
             seconds = time.perf_counter() - start
             if error is not None:
                 stage.set_tags({"peagle.error": _truncate(f"{type(error).__name__}: {error}", 4000)})
             stage.log_metrics({"duration_s": seconds})
             self.log_metrics({f"{name}.duration_s": seconds})
             self.client.set_terminated(stage.run_id, status=status)
+
+    def _system_monitor(self, run_id: str):
+        """MLflow's own system-metrics sampler on ``run_id`` (started), or None when switched off."""
+        interval = self.tracking.system_metrics_interval_s
+        if interval is None:
+            return None
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, tracking_uri=self.tracking_uri)
+        except ImportError as err:  # psutil is one of peagle's dependencies; a broken env should still train
+            log.warning("no system metrics for this run (%s); pip install psutil", err)
+            return None
+        monitor.start()
+        return monitor
 
     # -- what the pipeline run is ---------------------------------------------------
     def log_config(self, cfg: PipelineConfig) -> None:
@@ -397,6 +483,15 @@ class Tracker(RunLogger):
         return f"runs:/{self.run_id} (tracking URI {scrub_text(uri)})"
 
 
+_OPEN_STAGES: dict[str, RunLogger] = {}  # stage runs open in this process, by run id
+
+
+def stage_run(tracking: TrackingConfig, run_id: str) -> RunLogger:
+    """The stage run ``run_id``: the one a tracker of this process has open (with its wandb
+    mirror and what it already logged), else a logger on the tracking server's run."""
+    return _OPEN_STAGES.get(run_id) or RunLogger(make_client(resolve_tracking_uri(tracking)), run_id)
+
+
 def _status_for(exc_type) -> str:
     if exc_type is None:
         return RunStatus.to_string(RunStatus.FINISHED)
@@ -417,4 +512,6 @@ __all__ = [
     "registered_model_name",
     "resolve_tracking_uri",
     "sanitize_target_id",
+    "stage_run",
+    "step_record_metrics",
 ]

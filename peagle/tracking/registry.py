@@ -4,7 +4,8 @@ Every exported head becomes a version of the target's registered model and takes
 ``challenger`` alias. The ``champion`` alias (what deployments pull) moves only to a
 head that passed validation and whose weighted acceptance beats the champion's by the
 configured margin; every decision is written on the version as tags, so the registry
-itself explains why a head is or is not serving.
+itself explains why a head is or is not serving. The version's description (what the MLflow
+UI shows on its page) is the head's model card as registered.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from peagle.tracking.scrub import scrub_text
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 HEAD_FILES = ("config.json", "model.safetensors")  # what vLLM needs from a head directory
+CARD = "README.md"  # the model card (peagle.export.contract.CARD_FILE)
+MAX_DESCRIPTION_CHARS = 5000  # MLflow's model_versions.description column
 
 TAG_CONTENT = "peagle.content_sha256"  # head_content_digest of the registered head
 TAG_FILES = "peagle.files"  # {relative path: {"bytes": n, "sha256": hex}} of the uploaded head
@@ -130,7 +133,7 @@ def register_head(
     metrics: dict[str, float],
 ) -> ModelVersion:
     """Upload ``head_dir`` as run artifacts (``heads/<dir name>``) and register it as a new
-    version of ``name`` with the ``challenger`` alias.
+    version of ``name`` with the ``challenger`` alias, its model card as the description.
 
     ``tags`` carry what the version is (target id, K, validation status...); ``metrics``
     are written as ``metric.<name>`` tags so the registry view shows them.
@@ -151,9 +154,46 @@ def register_head(
     version_tags.update({f"metric.{k}": repr(float(v)) for k, v in metrics.items()})
     version_tags[TAG_FILES] = json.dumps(files, sort_keys=True)
     ensure_registered_model(client, name)
-    version = client.create_model_version(name, source=source, run_id=run_id, tags=version_tags)
+    card = head_dir / CARD
+    description = card_description(card.read_text()) if card.is_file() else None
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=version_tags,
+                                          description=description)
     client.set_registered_model_alias(name, CHALLENGER, version.version)
     return client.get_model_version(name, version.version)
+
+
+def card_description(card: str) -> str:
+    """A model card as a version description: its Markdown without the Hub's YAML front matter
+    (the UI would show it as text), cut to what MLflow stores with a pointer to the whole card."""
+    body = card
+    if card.startswith("---\n"):
+        end = card.find("\n---\n", 4)
+        body = card[end + 5:] if end >= 0 else card
+    body = body.strip() + "\n"
+    if len(body) <= MAX_DESCRIPTION_CHARS:
+        return body
+    note = f"\n\n... (cut to {MAX_DESCRIPTION_CHARS} characters; the whole card is {CARD} in the version's files)\n"
+    return body[: MAX_DESCRIPTION_CHARS - len(note)] + note
+
+
+def describe_with_card(client: MlflowClient | Tracker, name: str, version: str) -> bool:
+    """Give a version without a description its registered card as one (a version registered
+    before peagle set descriptions). A description someone wrote stays. Returns whether it
+    was set."""
+    client = _client(client)
+    registered = client.get_model_version(name, str(version))
+    if registered.description:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{client.get_model_version_download_uri(name, registered.version).rstrip('/')}/{CARD}",
+                dst_path=tmp, tracking_uri=client.tracking_uri)
+        except (MlflowException, OSError):
+            return False  # a version registered without a card
+        description = card_description(Path(local).read_text())
+    client.update_model_version(name, registered.version, description=description)
+    return True
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ Every rank's output (DeepSpeed, torch, tracebacks) goes to ``OUT/train.log`` as 
 ``TrainingFailed`` with its last lines. While the ranks run, rank 0's ``metrics.jsonl`` is
 followed and each step's progress (step, loss, tokens/s, ETA) is logged at INFO on
 ``peagle.train.launch``, so whoever shows peagle's logs (the CLI, a Prefect run) shows
-training live. Rank 0 writes ``train_result.json``, which becomes the returned ``TrainResult``.
+training live; the same records go to ``on_metrics`` (the pipeline's MLflow stage run) as
+they come. Rank 0 writes ``train_result.json``, which becomes the returned ``TrainResult``.
 """
 
 from __future__ import annotations
@@ -101,12 +102,15 @@ def launch_training(
     eval_factory: str | None = None,
     progress: bool = True,
     env: dict[str, str] | None = None,
+    on_metrics: Callable[[list[dict]], None] | None = None,
 ) -> TrainResult:
     """Train in ``train.world_size`` fresh processes and return rank 0's ``TrainResult``.
 
     ``eval_factory`` ("module:function") names ``function(cfg, data_dir, target_path) ->
     eval_fn`` that every rank calls to build the offline-acceptance hook (the callable
-    itself cannot cross the process boundary).
+    itself cannot cross the process boundary). ``on_metrics(records)`` receives rank 0's new
+    ``metrics.jsonl`` records (steps after the resume point) about once a second while the
+    ranks run; it runs in this process, so the ranks never talk to a tracking server.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +125,7 @@ def launch_training(
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     total = planned_steps(cfg, Path(data_dir))
     progress_log = TrainingProgress(out_dir / METRICS_FILE, total, f"train {cfg.train.method}",
-                                    resumed_at=resume_step(out_dir))
+                                    resumed_at=resume_step(out_dir), on_records=on_metrics)
     log.info("training %s: %d rank(s), %s optimizer steps; rank output in %s", cfg.train.method,
              cfg.train.world_size, total if total is not None else "?", out_dir / RANK_OUTPUT)
     run_streaming(cmd, child_env, output=out_dir / RANK_OUTPUT, on_poll=progress_log.poll)
@@ -170,6 +174,8 @@ class TrainingProgress:
     Reads only whole lines past its offset; a file replaced or truncated (a fresh start, or a
     resume dropping steps its checkpoint lacks) is read again from the top. Steps up to
     ``resumed_at`` (the checkpoint the ranks resume from) and steps already reported are skipped.
+    Each poll's new records also go to ``on_records``; its failure (a tracking server
+    down) is logged and never stops the ranks.
     """
 
     path: Path
@@ -177,6 +183,7 @@ class TrainingProgress:
     label: str
     resumed_at: int = 0
     every_s: float = PROGRESS_EVERY_S
+    on_records: Callable[[list[dict]], None] | None = None
     _offset: int = 0
     _inode: int | None = None
     _reported_step: int = -1
@@ -189,9 +196,8 @@ class TrainingProgress:
 
     def poll(self, final: bool = False) -> None:
         now = time.monotonic()
-        for record in self._new_records():
-            if record.get("step", 0) <= self.resumed_at:
-                continue
+        fresh = [r for r in self._new_records() if r.get("step", 0) > self.resumed_at]
+        for record in fresh:
             if "eval/acceptance" in record:
                 log.info("%s: step %d offline acceptance %.3f (held-out)", self.label, record["step"],
                          record["eval/acceptance"])
@@ -204,6 +210,15 @@ class TrainingProgress:
                     self._report(record, now)
         if final and self._pending is not None and self._pending["step"] > self._reported_step:
             self._report(self._pending, now)
+        if fresh and self.on_records is not None:
+            self._hand_on(fresh)
+
+    def _hand_on(self, records: list[dict]) -> None:
+        try:
+            self.on_records(records)
+        except Exception as err:  # noqa: BLE001 - metrics are never worth a training run
+            log.warning("%s: could not record steps %d-%d (%s: %s); training goes on", self.label,
+                        records[0].get("step", 0), records[-1].get("step", 0), type(err).__name__, err)
 
     def _report(self, record: dict, now: float) -> None:
         step = record["step"]

@@ -9,7 +9,7 @@ supervised count. DeepSpeed reduces, clips and steps once per optimizer step.
 
 Outputs under ``out_dir``: ``step-NNNNNN/`` checkpoints (``checkpoint``), ``latest`` /
 ``best`` pointers, ``metrics.jsonl`` (one JSON object per step and per evaluation,
-written by rank 0) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
+written by rank 0, each with its wall-clock ``time``) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
 from ``latest`` at the exact data position, optimizer, schedule and RNG state, if it trains
 the same head (``peagle.identity.head_identity``, kept in each checkpoint's
 ``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change.
@@ -129,6 +129,9 @@ class MetricsLog:
             tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
+        """Append ``record`` stamped with rank 0's wall clock (``time``, Unix seconds): the
+        timestamp trackers give the step, however late they read it."""
+        record = {**record, "time": time.time()}
         self.history.append(record)
         if self.enabled:
             with self.path.open("a") as fh:

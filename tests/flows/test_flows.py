@@ -94,7 +94,7 @@ def test_lineage_is_recorded_on_the_registered_version(two_runs, pipeline_run):
 
     first, *_ = two_runs
     tmp = pipeline_run.tmp
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=pipeline_run.overrides["tracking.tracking_uri"])
     tags = client.get_model_version("peagle-embedded", first.model_version).tags
     prompt_files = json.loads(tags["peagle.lineage.prompt_files"])
     assert list(prompt_files) == [str(tmp / "prompts.jsonl")]
@@ -147,7 +147,7 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     assert Path(result.pipeline.head_dir).is_relative_to(tmp / "run" / "revisions")
     assert result.pipeline.data_dir == str(tmp / "run" / "data")
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=pipeline_run.overrides["tracking.tracking_uri"])
     champion_before = client.get_model_version("peagle-embedded", result.champion_before)
     new = client.get_model_version("peagle-embedded", result.pipeline.model_version)
     better = float(new.tags["peagle.score"]) > float(champion_before.tags["peagle.score"])

@@ -13,10 +13,13 @@ from peagle.tracking.mlflow_run import Tracker
 from peagle.tracking.registry import (
     CHALLENGER,
     CHAMPION,
+    MAX_DESCRIPTION_CHARS,
     TAG_DECISION,
     TAG_SCORE,
     TAG_SUPERSEDED_BY,
+    card_description,
     champion_and_match,
+    describe_with_card,
     download_champion,
     head_content_digest,
     promote_if_better,
@@ -177,3 +180,39 @@ def test_champion_and_the_newest_version_trained_on_the_same_inputs(tracking, tr
     champion, match = champion_and_match(named, "any-target", lambda v: v.version in (v1.version, v2.version))
     assert (champion.version, match.version) == (v1.version, v2.version)
     assert champion_and_match(named, "any-target", lambda v: False) == (champion, None)
+
+
+CARD = """---
+license: apache-2.0
+library_name: vllm
+---
+
+# peagle-demo
+
+A P-EAGLE head.
+
+| K | P-EAGLE |
+|---|---|
+| 3 | 2.10 |
+"""
+
+
+def test_the_model_card_is_the_version_description(tracker, tmp_path, make_head_dir, model_name):
+    head = make_head_dir(tmp_path / "carded", seed=8)
+    (head / "README.md").write_text(CARD)
+    version = register_head(tracker, tracker.run_id, head, model_name, tags={}, metrics={})
+
+    shown = tracker.client.get_model_version(model_name, version.version).description
+    assert shown.startswith("# peagle-demo\n") and "| 3 | 2.10 |" in shown  # Markdown, front matter off
+    assert "license:" not in shown
+    # a version without one (registered by an older peagle) gets its registered card, once
+    tracker.client.update_model_version(model_name, version.version, description="")
+    assert describe_with_card(tracker, model_name, version.version)
+    assert tracker.client.get_model_version(model_name, version.version).description == shown
+    tracker.client.update_model_version(model_name, version.version, description="curated by hand")
+    assert not describe_with_card(tracker, model_name, version.version)  # a written description stays
+
+
+def test_a_card_longer_than_mlflow_keeps_says_where_the_rest_is():
+    text = card_description(CARD + "x" * 10_000)
+    assert len(text) <= MAX_DESCRIPTION_CHARS and text.rstrip().endswith("in the version's files)")

@@ -44,12 +44,14 @@ def test_offline_mirror_writes_a_run_dir(mlflow_uri, wandb_home):
         with tracker.stage("train") as train:
             train.log_metrics({"loss": 2.0}, step=1)
             train.log_metrics({"loss": 1.0}, step=2)
+            train.log_step_records([{"step": 3, "time": time.time(), "loss": 0.5, "tokens_per_s": 900.0}])
         tracker.log_metrics_per_k({1: 0.8, 3: 0.6}, "acceptance")
         run_dir = tracker._mirror.run_dir
 
     assert run_dir.parent.parent == wandb_home and run_dir.name.startswith("offline-run-")
     records = read_transaction_log(run_dir)
-    for key in (b"train/loss", b"train/step", b"acceptance_k3", b"train.k_train", b"mlflow_run_id"):
+    for key in (b"train/loss", b"train/step", b"train/tokens_per_s", b"acceptance_k3", b"train.k_train",
+                b"mlflow_run_id"):
         assert key in records, key
     written = b"".join(p.read_bytes() for p in run_dir.rglob("*") if p.is_file())
     assert FAKE_HF_TOKEN.encode() not in written
