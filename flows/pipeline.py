@@ -21,11 +21,14 @@ from flows.common import (
     run_namer,
 )
 from flows.stages import data_flow, evaluate_flow, publish_flow, resolve_target, run_export, train_flow
-from peagle import pipeline as stages
+from peagle import lineage as lineages
+from peagle import stages
 from peagle.config import PipelineConfig, load_config
+from peagle.export.card import run_card, write_card
 from peagle.identity import dataset_manifests
 from peagle.layout import RunLayout
 from peagle.methods import trained_methods
+from peagle.tracking import records
 
 
 @dataclass
@@ -72,32 +75,32 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):
             target = resolve_target(cfg)
-            lineage = stages.lineage(cfg, target)
+            lineage = lineages.lineage(cfg, target)
         with timer.stage("data"), tracker.stage("data") as run:
             data = data_flow(data_config, force=force_data, target=target)
-            stages.record_dataset(tracker, run, data)
+            records.record_dataset(tracker, run, data)
             lineage["data_manifests"] = str(dataset_manifests(data.data_dir))
         with timer.stage("train"), tracker.stage("train") as run:
             trained = train_flow(config, str(data.data_dir), target=target, export=False)
-            stages.record_training(run, trained)
-            stages.record_offline(run, trained.offline)
+            records.record_training(run, trained)
+            records.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
             head_dir = str(run_export(cfg, target, str(data.data_dir), trained.best_checkpoint, method.name))
         head_key, baseline_dir = trained.cache_key, None
         for other in baseline:  # the same data, trained autoregressively: the comparison users ask for
             with timer.stage(f"train_{other.name}"), tracker.stage(f"train-{other.name}") as run:
                 compared = train_flow(config, str(data.data_dir), target=target, method=other.name)
-                stages.record_training(run, compared)
-                stages.record_offline(run, compared.offline)
+                records.record_training(run, compared)
+                records.record_offline(run, compared.offline)
             baseline_dir, head_key = compared.head_dir, f"{head_key}+{compared.cache_key}"
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(config, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
-            plot = stages.record_online(run, online, RunLayout(cfg.run_dir).eval)
-            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline),
+            plot = records.record_online(run, online, RunLayout(cfg.run_dir).eval)
+            write_card(head_dir, run_card(cfg, data, online, trained.offline),
                               trained.best_checkpoint)
             for other in baseline:
-                stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, compared.offline,
-                                                                  method=other), compared.best_checkpoint)
+                write_card(baseline_dir, run_card(cfg, data, online, compared.offline, method=other),
+                           compared.best_checkpoint)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(config, head_dir, str(RunLayout(cfg.run_dir).online_results),
                                      mlflow_run_id=tracker.run_id, lineage=lineage)

@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from flows.common import artifact_key, run_logs, run_namer
 from flows.pipeline import PipelineResult, run_pipeline
 from flows.stages import resolve_target
-from peagle import pipeline as stages
+from peagle import lineage as lineages
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
 from peagle.layout import RunLayout
 
@@ -34,7 +34,7 @@ class RetrainResult:
 
 def revision_config(cfg: PipelineConfig, lineage: dict[str, str]) -> PipelineConfig:
     """The same config, writing checkpoints and heads under a directory of its own inputs."""
-    workdir = RunLayout(cfg.run_dir).revision(stages.lineage_key(lineage))
+    workdir = RunLayout(cfg.run_dir).revision(lineages.lineage_key(lineage))
     return cfg.model_copy(update={"workdir": str(workdir)})
 
 
@@ -43,8 +43,8 @@ def registry_state(cfg: PipelineConfig, current: dict[str, str]):
     from peagle.tracking.registry import champion_and_match
 
     champion, latest = champion_and_match(
-        cfg.tracking, cfg.target.model, lambda v: not stages.changes_since(stages.recorded_lineage(v), current))
-    return champion, stages.recorded_lineage(champion), latest
+        cfg.tracking, cfg.target.model, lambda v: not lineages.changes_since(lineages.recorded_lineage(v), current))
+    return champion, lineages.recorded_lineage(champion), latest
 
 
 @flow(name="peagle-retrain", flow_run_name=run_namer("retrain", config_param="config_path"))
@@ -65,10 +65,10 @@ def _retrain(cfg: PipelineConfig, force: bool) -> RetrainResult:
 
     log = get_run_logger()
     target = resolve_target(cfg)
-    current = stages.lineage(cfg, target)
+    current = lineages.lineage(cfg, target)
     champion, recorded, already = registry_state(cfg, current)
     before = str(champion.version) if champion else None
-    changes = ["no champion yet"] if champion is None else stages.changes_since(recorded, current)
+    changes = ["no champion yet"] if champion is None else lineages.changes_since(recorded, current)
     if already is not None and not force:  # e.g. a challenger the gate refused: retraining would repeat it
         changes = []
     if force and not changes:

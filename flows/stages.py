@@ -2,7 +2,7 @@
 
 Each flow takes a config file (a YAML path plus overrides from a deployment, or the
 resolved config the pipeline wrote into the run directory: ``flows.common.config_file``)
-and calls the stage functions of ``peagle.pipeline``. The pipeline and retraining flows
+and calls the stage functions of ``peagle.stages``. The pipeline and retraining flows
 compose them as subflows; each also runs alone (``prefect.yaml``). Runs are named
 "<stage> <config> (<target>)"; tasks by what they do ("train-peagle", "train-eagle3").
 Stage tasks have time limits (``orchestration.timeouts_s``); data generation, training
@@ -36,11 +36,14 @@ from flows.common import (
     run_logs,
     run_namer,
 )
-from peagle import pipeline as stages
+from peagle import lineage as lineages
+from peagle import stages
 from peagle.config import PipelineConfig
+from peagle.fileio import sha256_file
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import RunLayout
 from peagle.methods import BASELINE, get_method, trained_methods
+from peagle.tracking.publish import drafted, publish_head
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -60,7 +63,7 @@ def limits(cfg: PipelineConfig, stage: str, cached: bool = False) -> dict:
 def dataset_key(cfg: PipelineConfig, target: stages.TargetInfo) -> str:
     """What decides the dataset: target+data config, prompt-file contents, target revision (no
     machine-local path: results are stored in the run directory, ``limits(..., cached=True)``)."""
-    values = stages.lineage(cfg, target)
+    values = lineages.lineage(cfg, target)
     return "data-" + digest(values["data_config_hash"], values["prompt_files"], values["target_revision"])
 
 
@@ -80,7 +83,7 @@ def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
 def resolve_target(cfg: PipelineConfig) -> stages.TargetInfo:
     """The target task under the run's time limit for it."""
     target = target_task.with_options(**limits(cfg, "target"))(cfg)
-    run_logger().info("target %s: %s (revision %s)", cfg.target.model, target.path, stages.target_revision(cfg, target))
+    run_logger().info("target %s: %s (revision %s)", cfg.target.model, target.path, lineages.target_revision(cfg, target))
     return target
 
 
@@ -177,9 +180,9 @@ def evaluation_key(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[s
                    head_key: str | None = None) -> str:
     """What decides online acceptance: the head (its training key when known, else its files'
     hashes), the target, vLLM and eval settings, and the run directory the result is written to."""
-    head = head_key or {label: {p.name: stages.file_digest(p) for p in sorted(Path(d).glob("*"))
+    head = head_key or {label: {p.name: sha256_file(p) for p in sorted(Path(d).glob("*"))
                                 if p.is_file() and p.name != "README.md"} for label, d in heads.items()}
-    return "eval-" + digest(head, sorted(heads), stages.target_revision(cfg, target),
+    return "eval-" + digest(head, sorted(heads), lineages.target_revision(cfg, target),
                             cfg.section_hash("vllm", "eval"), cfg.target.dtype)
 
 
@@ -244,8 +247,8 @@ def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated:
         before = str(champion.version) if champion else None
         reason = f"identical head already registered as version {twin.version}; nothing registered"
         return PublishOutcome(str(twin.version), PromotionDecision(False, reason, before, before), True)
-    version, decision = stages.publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
-    stages.tag_lineage(tracker, name, version.version, lineage)
+    version, decision = publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
+    lineages.tag_lineage(tracker, name, version.version, lineage)
     tag_head_content(tracker, name, version.version, Path(head_dir))
     return PublishOutcome(str(version.version), decision, False)
 
@@ -269,7 +272,7 @@ def publish_flow(config: str, head_dir: str | None = None, online_results: str |
     online_results = str(online_results or RunLayout(cfg.run_dir).online_results)
     online = OnlineResult.load(online_results)
     lineage = lineage or {}
-    validated = stages.drafted(online, get_method(cfg.train.method).label)
+    validated = drafted(online, get_method(cfg.train.method).label)
     publish = publish_task.with_options(**limits(cfg, "publish"))
     with run_logs(cfg):
         if mlflow_run_id:

@@ -8,7 +8,7 @@ Three places ask, and so agree:
 - the Prefect training cache (``flows.stages.training_key``): a cached head is reused
   exactly when its identity is unchanged;
 - the trainer's resume check: a checkpoint directory continues only the run it began;
-- the lineage retraining compares with the registered champion (``peagle.pipeline.lineage``,
+- the lineage retraining compares with the registered champion (``peagle.lineage.lineage``,
   ``train_config_hash``): retraining is decided before the dataset is rebuilt, so there
   the dataset is represented by what builds it (prompt files, target revision, data
   config) and the training part is ``training_hash``, the same digest as here.

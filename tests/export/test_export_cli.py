@@ -36,7 +36,7 @@ def trained_run(run_dir: Path, facts, spec) -> Path:
 
 
 def test_readme_export_command_follows_the_best_pointer(embedded_target, tmp_path):
-    from peagle import pipeline as stages
+    from peagle import stages
 
     cfg = load_config("configs/demo.yaml", {"workdir": str(tmp_path / "run")})
     facts = stages.prepare_target(cfg).facts.with_draft_vocab(DRAFT_VOCAB)

@@ -60,7 +60,7 @@ def test_a_config_error_is_not_retried(prefect_server):
 
 
 def test_changes_since_names_what_changed():
-    from peagle.pipeline import changes_since
+    from peagle.lineage import changes_since
 
     recorded = {"data_config_hash": "a", "train_config_hash": "t", "target_revision": "r1",
                 "prompt_files": json.dumps({"p.jsonl": "h1"})}
@@ -97,7 +97,8 @@ def test_a_bookkeeping_change_does_not_make_retraining_retrain(prefect_server, e
 
     from flows.retrain import retrain_flow
     from peagle.config import load_config
-    from peagle.pipeline import LINEAGE_PREFIX, lineage, prepare_target
+    from peagle.lineage import LINEAGE_PREFIX, lineage
+    from peagle.stages import prepare_target
 
     config = "configs/demo.yaml"
     overrides = {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}

@@ -18,7 +18,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
 from test_deepspeed import build_tiny_dataset, build_tiny_target, tiny_config  # noqa: E402
 
-from peagle import pipeline as stages  # noqa: E402
+from peagle import stages  # noqa: E402
 from peagle.facts import load_dataset_facts  # noqa: E402
 from peagle.layout import DataLayout, RunLayout  # noqa: E402
 from peagle.train.checkpoint import read_head_spec  # noqa: E402
@@ -39,7 +39,7 @@ def cached_dataset(tmp_path):
 
 @pytest.mark.slow  # two trainings through the launcher: ~2 min on 2 shared cores
 def test_a_changed_drafter_depth_trains_and_ships_the_new_shape(cached_dataset, tmp_path):
-    from peagle.export.card import ModelCardInfo
+    from peagle.export.card import ModelCardInfo, write_card
 
     target, data_dir = cached_dataset
     dataset_files = {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()}
@@ -57,7 +57,7 @@ def test_a_changed_drafter_depth_trains_and_ships_the_new_shape(cached_dataset, 
         assert head == RunLayout(cfg.run_dir).head("peagle")
         assert head_layers(head) == set(range(layers))
         assert json.loads((head / "config.json").read_text())["num_hidden_layers"] == layers
-        stages.write_card(head, ModelCardInfo(name=f"tiny-{layers}"), trained.best_checkpoint)
+        write_card(head, ModelCardInfo(name=f"tiny-{layers}"), trained.best_checkpoint)
         assert f"{layers} Llama decoder layers" in (head / "README.md").read_text()
     # Both trainings read the one dataset; neither rewrote it.
     assert {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()} == dataset_files
