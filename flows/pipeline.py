@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from prefect import flow
 
 from flows.common import (
-    config_file,
     ensure_accelerator_limit,
     publish_mlflow_artifact,
     run_logger,
@@ -23,8 +22,7 @@ from flows.common import (
 from flows.stages import data_flow, evaluate_flow, publish_flow, resolve_target, run_export, train_flow
 from peagle import lineage as lineages
 from peagle import stages
-from peagle.config import PipelineConfig, load_config
-from peagle.export.card import run_card, write_card
+from peagle.config import PipelineConfig, load_config, write_resolved_config
 from peagle.identity import dataset_manifests
 from peagle.layout import RunLayout
 from peagle.methods import trained_methods
@@ -66,11 +64,12 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
 
 
 def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool) -> PipelineResult:
+    from peagle.export.card import run_card, write_card  # imports torch: not at flow import
     from peagle.tracking import Tracker
 
     method, *baseline = trained_methods(cfg.train)  # the head, then the EAGLE-3 baseline when asked for
     # Subflows get the resolved config's path, not the config: Prefect stores parameters.
-    config, data_config = config_file(cfg), config_file(data_cfg)
+    config, data_config = str(write_resolved_config(cfg)), str(write_resolved_config(data_cfg))
     timer = stages.StageTimer()
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):

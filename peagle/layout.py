@@ -12,6 +12,7 @@
       eval/                             online_results.json, online_acceptance.png
       warm_start/v<N>/                  a downloaded registry champion (train.init_from: champion)
       revisions/<lineage key>/          a retraining revision: a run directory of its own
+      config.resolved.json              the config the run's stage subflows load
 """
 
 from __future__ import annotations
@@ -33,10 +34,15 @@ TRAIN_SPLIT, EVAL_SPLIT = SPLITS
 DRAFTER_FILE = "drafter.safetensors"
 HEAD_SPEC_FILE = "head_spec.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+# Pointers to a step directory, beside the step directories (peagle.train.checkpoint).
+LATEST = "latest"
+BEST = "best"  # the step with the best offline acceptance
 # Beside the step directories of a method's checkpoint root (peagle.train.launch / trainer).
 LAUNCH_CONFIG_FILE = "launch_config.json"
 METRICS_FILE = "metrics.jsonl"
 TRAIN_RESULT_FILE = "train_result.json"
+
+RESOLVED_CONFIG_FILE = "config.resolved.json"
 
 # Online evaluation outputs.
 ONLINE_RESULTS_FILE = "online_results.json"
@@ -153,6 +159,11 @@ class RunLayout:
     @property
     def online_plot(self) -> Path:
         return self.eval / ONLINE_PLOT_FILE
+
+    @property
+    def resolved_config(self) -> Path:
+        """The run's config with overrides applied (``peagle.config.write_resolved_config``)."""
+        return self.root / RESOLVED_CONFIG_FILE
 
     def warm_start(self, version: str | int) -> Path:
         """A registry champion's head downloaded for ``train.init_from: champion``."""

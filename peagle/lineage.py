@@ -105,3 +105,21 @@ def tag_lineage(tracker, name: str, version: str, values: dict[str, str]) -> Non
     """Write a head's lineage on its registered version, where retraining reads it back."""
     for key, value in values.items():
         tracker.client.set_model_version_tag(name, str(version), LINEAGE_PREFIX + key, value)
+
+
+def revision_config(cfg: PipelineConfig, current: dict[str, str]) -> PipelineConfig:
+    """The same config, writing checkpoints and heads under a directory of its own inputs
+    (``<run>/revisions/<lineage key>``)."""
+    from peagle.layout import RunLayout
+
+    workdir = RunLayout(cfg.run_dir).revision(lineage_key(current))
+    return cfg.model_copy(update={"workdir": str(workdir)})
+
+
+def registry_state(cfg: PipelineConfig, current: dict[str, str]):
+    """(champion, its lineage, the newest version already trained on exactly ``current`` or None)."""
+    from peagle.tracking.registry import champion_and_match
+
+    champion, latest = champion_and_match(
+        cfg.tracking, cfg.target.model, lambda v: not changes_since(recorded_lineage(v), current))
+    return champion, recorded_lineage(champion), latest

@@ -64,6 +64,14 @@ def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = Fals
     return build_dataset(cfg, target.path, target.facts, progress=True, force=force)
 
 
+def dataset_on_disk(cfg: PipelineConfig) -> bool:
+    """The run's data dir holds a finished build of this config (else a cached data result is stale)."""
+    data = RunLayout(cfg.run_dir).data
+    if not data.build.exists() or not data.vocab.exists() or not data.facts.exists():
+        return False
+    return json.loads(data.build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
+
+
 def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
     """The same config with some ``train`` fields changed."""
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=changes)})
@@ -168,6 +176,28 @@ def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpo
     method = get_method(method or cfg.train.method)
     return export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
                                   target_path=target.path, overwrite=True, method=method)
+
+
+def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
+                      baseline_dir: str | Path | None = None) -> dict[str, str]:
+    """Method name -> exported head directory for an online evaluation; refuses a missing head.
+
+    ``head_dir``: the ``train.method`` head (default the run's ``heads/<method>``);
+    ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
+    ``heads/eagle3`` when ``train.eagle3_baseline``).
+    """
+    from peagle.methods import BASELINE, trained_methods
+
+    head, *baseline = trained_methods(cfg.train)
+    if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:
+        baseline = [get_method(BASELINE)]
+    heads = {head.name: str(head_dir or exported_head_dir(cfg, head))}
+    heads |= {m.name: str(baseline_dir or exported_head_dir(cfg, m)) for m in baseline}
+    for name, directory in heads.items():
+        if not (Path(directory) / "config.json").exists():
+            raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
+                                    f"run the train flow first (method {name})")
+    return heads
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:

@@ -36,7 +36,7 @@ def inputs(tmp_path):
 
 def key_of(cfg, target):
     """Every definition of a head's identity, side by side."""
-    from flows.stages import training_key
+    from peagle.identity import training_key
 
     return {"identity": head_identity(cfg, DATASET), "lineage": lineage(cfg, target)["train_config_hash"],
             "prefect": training_key(cfg, Path("/nonexistent-data"), cfg.train.method)}

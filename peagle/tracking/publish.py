@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from peagle.config import PipelineConfig
@@ -42,3 +43,31 @@ def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
     )
     decision = promote_if_better(tracker, name, version.version, score, cfg.tracking.promotion_margin, validated)
     return version, decision
+
+
+@dataclass
+class PublishOutcome:
+    version: str
+    promotion: object  # peagle.tracking.registry.PromotionDecision
+    reused: bool  # an identical head was already registered: nothing new registered
+
+
+def publish_once(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool,
+                 lineage: dict[str, str]) -> PublishOutcome:
+    """Register and gate the head unless an identical one (same files) is registered already;
+    a new version carries its lineage (what retraining compares) and its content hash."""
+    from peagle.lineage import tag_lineage
+    from peagle.tracking.mlflow_run import registered_model_name
+    from peagle.tracking.registry import PromotionDecision, champion_version, registered_twin, tag_head_content
+
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    twin = registered_twin(tracker, name, Path(head_dir))
+    if twin is not None:
+        champion = champion_version(tracker, name)
+        before = str(champion.version) if champion else None
+        reason = f"identical head already registered as version {twin.version}; nothing registered"
+        return PublishOutcome(str(twin.version), PromotionDecision(False, reason, before, before), True)
+    version, decision = publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
+    tag_lineage(tracker, name, version.version, lineage)
+    tag_head_content(tracker, name, version.version, Path(head_dir))
+    return PublishOutcome(str(version.version), decision, False)

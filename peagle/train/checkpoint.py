@@ -36,11 +36,10 @@ from safetensors.torch import save_file
 
 from peagle.facts import HeadSpec
 from peagle.fileio import fsync_dir
-from peagle.layout import DRAFTER_FILE, HEAD_SPEC_FILE, TRAINER_STATE_FILE, CheckpointLayout
+from peagle.layout import BEST, DRAFTER_FILE, HEAD_SPEC_FILE, LATEST, TRAINER_STATE_FILE, CheckpointLayout
+
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "engine"
-LATEST = "latest"
-BEST = "best"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 STATE_VERSION = 1
