@@ -87,13 +87,11 @@ def eagle3_config(cfg, epochs: int | None, ttt_steps: int | None, max_steps: int
     return with_train(cfg, **train) if train else cfg
 
 
-def training_budget(cfg, method) -> dict:
-    """What the checkpoint was really trained with (from its launch config)."""
-    from peagle import stages
-
-    launched = json.loads((stages.checkpoint_dir(cfg, method) / LAUNCH_CONFIG_FILE).read_text())["train"]
+def training_budget(checkpoint: Path, method) -> dict:
+    """What the checkpoint was really trained with (from its training directory's launch config)."""
+    launched = json.loads((checkpoint.parent / LAUNCH_CONFIG_FILE).read_text())["train"]
     keys = ("epochs", "max_steps", *sorted(method.own_train_fields))
-    trained = json.loads((stages.checkpoint_dir(cfg, method) / TRAIN_RESULT_FILE).read_text())
+    trained = json.loads((checkpoint.parent / TRAIN_RESULT_FILE).read_text())
     steps = max((int(m["step"]) for m in trained["metrics_history"] if "step" in m), default=0)
     return {**{k: launched[k] for k in keys}, "steps_run": steps}
 
@@ -103,7 +101,7 @@ def trained_checkpoint(cfg, target, data_dir: Path, method) -> Path:
     from peagle import stages
     from peagle.train.trainer import TrainResult
 
-    result_file = stages.checkpoint_dir(cfg, method) / TRAIN_RESULT_FILE
+    result_file = stages.checkpoint_dir(cfg, method, data_dir) / TRAIN_RESULT_FILE
     if result_file.exists():
         trained = TrainResult.from_json(result_file.read_text())
     else:
@@ -216,13 +214,13 @@ def main() -> None:
     target = stages.prepare_target(cfg)
     data_dir = dataset_dir(cfg, target)
 
-    heads, offline, methods = {}, {}, {}
+    heads, offline, methods, checkpoints = {}, {}, {}, {}
     for name in args.heads:
         method = get_method(name)
         label = method.label
         train_cfg = eagle3_config(cfg, args.eagle3_epochs, args.eagle3_ttt_steps, args.eagle3_max_steps) \
             if method is get_method(BASELINE_METHOD) else cfg
-        checkpoint = trained_checkpoint(train_cfg, target, data_dir, method)
+        checkpoints[label] = checkpoint = trained_checkpoint(train_cfg, target, data_dir, method)
         heads[label], methods[label] = exported_head(cfg, target, data_dir, checkpoint, method), method
         offline[label] = stages.evaluate_offline(cfg, target, data_dir, checkpoint, method=method)
         console.print(f"{label}: {checkpoint} -> {heads[label]}; offline {offline[label].acceptance_length}")
@@ -249,8 +247,7 @@ def main() -> None:
             "cpu": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
             "num_prompts": args.num_prompts, "k_train": cfg.train.k_train, "heads": {k: str(v) for k, v in heads.items()},
             "setup_s": round(setup_s, 1),
-            "training": {get_method(m).label: training_budget(cfg, get_method(m)) for m in METHODS
-                         if (stages.checkpoint_dir(cfg, m) / TRAIN_RESULT_FILE).exists()},
+            "training": {label: training_budget(checkpoints[label], methods[label]) for label in checkpoints},
             "total_s": round(time.perf_counter() - started, 1)}
     payload = {"meta": meta, "online": online.to_records(), "offline": offline_table(offline),
                "offline_raw": {label: asdict(res) for label, res in offline.items()}}

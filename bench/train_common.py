@@ -199,7 +199,7 @@ def train_fresh(cfg, target, data_dir: Path):
 
     from peagle.stages import checkpoint_dir, train_head
 
-    shutil.rmtree(checkpoint_dir(cfg, cfg.train.method), ignore_errors=True)
+    shutil.rmtree(checkpoint_dir(cfg, cfg.train.method, data_dir), ignore_errors=True)
     start = time.perf_counter()
     result = train_head(cfg, target, data_dir)
     return result, time.perf_counter() - start

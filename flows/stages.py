@@ -135,7 +135,7 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
         target = target or resolve_target(cfg)
         method = get_method(method or cfg.train.method).name
         data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
-        ckpt_dir = stages.checkpoint_dir(cfg, method)
+        ckpt_dir = stages.checkpoint_dir(cfg, method, Path(data_dir))
         refresh = not (ckpt_dir / BEST).exists()
         key = training_key(cfg, Path(data_dir), method)
         trained = train_task.with_options(refresh_cache=refresh, **limits(cfg, "train", cached=True))(

@@ -6,7 +6,8 @@
       data/                             DataLayout: the dataset (docs/design.md, "Dataset")
         build.json  samples.jsonl  target_facts.json  vocab.safetensors  work/
         splits/<train|eval>/manifest.json, shard-NNNNN.safetensors
-      checkpoints/<method>/             launch_config.json, metrics.jsonl, train_result.json, latest, best
+      checkpoints/<method>/<identity>/  one head's training (peagle.identity, first 12 hex digits):
+                                        launch_config.json, metrics.jsonl, train_result.json, latest, best
         step-NNNNNN/                    drafter.safetensors, head_spec.json, trainer_state.json
       heads/<method>/                   the exported head (config.json, model.safetensors, README.md)
       eval/                             online_results.json, online_acceptance.png
@@ -43,6 +44,8 @@ METRICS_FILE = "metrics.jsonl"
 TRAIN_RESULT_FILE = "train_result.json"
 
 RESOLVED_CONFIG_FILE = "config.resolved.json"
+
+IDENTITY_CHARS = 12  # of a head identity, naming its checkpoint directory
 
 # Online evaluation outputs.
 ONLINE_RESULTS_FILE = "online_results.json"
@@ -137,9 +140,14 @@ class RunLayout:
     def data(self) -> DataLayout:
         return DataLayout(self.root / "data")
 
-    def checkpoints(self, method: str) -> Path:
-        """Where ``method``'s trainer writes ``step-*`` directories and the latest/best pointers."""
+    def method_checkpoints(self, method: str) -> Path:
+        """Every ``method`` head trained in this run, one directory per head identity."""
         return self.root / "checkpoints" / method
+
+    def checkpoints(self, method: str, identity: str) -> Path:
+        """Where the trainer of the ``method`` head with ``identity`` (``peagle.identity.head_identity``)
+        writes ``step-*`` directories and the latest/best pointers."""
+        return self.method_checkpoints(method) / identity[:IDENTITY_CHARS]
 
     @property
     def heads(self) -> Path:

@@ -82,8 +82,32 @@ def with_method(cfg: PipelineConfig, method: Method) -> PipelineConfig:
     return with_train(cfg, method=get_method(method).name)
 
 
-def checkpoint_dir(cfg: PipelineConfig, method: Method) -> Path:
-    return RunLayout(cfg.run_dir).checkpoints(get_method(method).name)
+def checkpoint_dir(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
+    """Where ``method``'s head for these inputs trains: one directory per head identity
+    (``peagle.identity``: the dataset, the weight-changing config, the method), so the same
+    inputs resume and changed ones (a deeper drafter, a grown dataset) train a new head
+    beside the old one, which stays usable."""
+    from peagle.identity import dataset_manifests, head_identity
+
+    method = get_method(method)
+    return RunLayout(cfg.run_dir).checkpoints(method.name, head_identity(cfg, dataset_manifests(data_dir), method))
+
+
+def trained_checkpoint(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
+    """The best step directory of the ``method`` head trained on these inputs (export's default);
+    a clear error naming the heads this run did train when there is none."""
+    from peagle.layout import BEST
+    from peagle.train.checkpoint import resolve_checkpoint
+
+    best = checkpoint_dir(cfg, method, data_dir) / BEST
+    if best.is_file():
+        return resolve_checkpoint(best)
+    root = RunLayout(cfg.run_dir).method_checkpoints(get_method(method).name)
+    others = sorted(p.name for p in root.glob("*") if (p / BEST).is_file()) if root.is_dir() else []
+    raise FileNotFoundError(
+        f"no trained {get_method(method).display_name} head for this config and dataset under {best.parent}"
+        + (f" (this run holds others, trained on other inputs: {', '.join(others)})" if others else "")
+        + ": run `peagle train` first, or pass --checkpoint DIR")
 
 
 def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
@@ -124,7 +148,7 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
         with_method(resolve_init_from(cfg), method),
         Path(data_dir),
         target.path,
-        checkpoint_dir(cfg, method),
+        checkpoint_dir(cfg, method, Path(data_dir)),
         eval_factory="peagle.eval.offline:offline_eval_fn",
     )
 
