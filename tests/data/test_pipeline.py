@@ -7,7 +7,6 @@ import torch
 
 from peagle.config import ConfigError, parse_config
 from peagle.data.pipeline import (
-    BUILD_FILE,
     Record,
     append_samples,
     build_dataset,
@@ -18,7 +17,7 @@ from peagle.data.pipeline import (
     write_samples,
 )
 from peagle.facts import TargetFacts
-from rich.console import Console
+from peagle.layout import BUILD_FILE
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Write a function that adds two numbers."},
@@ -90,10 +89,10 @@ def test_force_clears_the_old_dataset(tmp_path):
     (data_dir / "splits" / "train" / "shard-00000.safetensors").write_bytes(b"x")
     (data_dir / "samples.jsonl").write_text('{"id": "a"}\n')
     (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "old"}))
-    prepare_data_dir(data_dir, "new", force=True, console=Console(quiet=True))
+    prepare_data_dir(data_dir, "new", force=True)
     assert not (data_dir / "splits").exists() and not (data_dir / "samples.jsonl").exists()
     assert json.loads((data_dir / BUILD_FILE).read_text()) == {"config_hash": "new"}
-    prepare_data_dir(data_dir, "new", force=False, console=Console(quiet=True))  # same hash: fine
+    prepare_data_dir(data_dir, "new", force=False)  # same hash: fine
 
 
 def test_draft_vocab_larger_than_target_is_refused(tmp_path, prompts_path):
@@ -146,13 +145,13 @@ def test_a_rerun_restores_regenerated_responses(tmp_path, prompts_path):
     cfg = make_cfg(tmp_path, prompts_path)
     data_dir = cfg.run_dir / "data"
     data_dir.mkdir(parents=True)
-    first = plan_records(cfg, data_dir, Console(quiet=True))
+    first = plan_records(cfg, data_dir)
     assert all(r.regen is None for r in first)
     done = first[0]
     done.messages = done.messages[:1] + [{"role": "assistant", "content": "WRITTEN BY THE TARGET"}]
     done.regen = "ok"
     append_samples(data_dir / "samples.jsonl", [done])
-    again = plan_records(cfg, data_dir, Console(quiet=True))
+    again = plan_records(cfg, data_dir)
     assert [r.id for r in again] == [r.id for r in first]
     restored = [r for r in again if r.regen is not None]
     assert len(restored) == 1 and restored[0].messages[-1]["content"] == "WRITTEN BY THE TARGET"

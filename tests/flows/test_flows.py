@@ -74,7 +74,7 @@ def test_pipeline_composes_every_stage_flow(two_runs):
 
 def test_second_run_reuses_the_cached_dataset_and_is_faster(two_runs):
     first, second, first_s, second_s, data_files = two_runs
-    assert task_run_states("data")[:2] == ["Completed", "Cached"]
+    assert task_run_states("generate-data")[:2] == ["Completed", "Cached"]
     assert task_run_states("train")[:4] == ["Completed"] * 2 + ["Cached"] * 2  # P-EAGLE and the EAGLE-3 baseline
     assert task_run_states("evaluate-online")[:2] == ["Completed", "Cached"]
     after = {p: p.stat().st_mtime_ns for p in data_files}
