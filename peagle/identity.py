@@ -3,10 +3,12 @@
 A head is a function of three things: the dataset it is trained on (its split manifests,
 which hash every shard and name the target and data config that built them), the config
 fields that change its weights, and its drafting method. ``head_identity`` digests them.
-Three places ask, and so agree:
+Four places ask, and so agree:
 
 - the Prefect training cache (``training_key``): a cached head is reused exactly when its
   identity is unchanged;
+- the checkpoint directory (``peagle.stages.checkpoint_dir``, ``checkpoints/<method>/<identity[:12]>``):
+  the same inputs resume there, changed ones train a new head beside the old one;
 - the trainer's resume check: a checkpoint directory continues only the run it began;
 - the lineage retraining compares with the registered champion (``peagle.lineage.lineage``,
   ``train_config_hash``): retraining is decided before the dataset is rebuilt, so there
