@@ -95,8 +95,7 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(config, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
             plot = records.record_online(run, online, RunLayout(cfg.run_dir).eval)
-            write_card(head_dir, run_card(cfg, data, online, trained.offline),
-                              trained.best_checkpoint)
+            write_card(head_dir, run_card(cfg, data, online, trained.offline), trained.best_checkpoint)
             for other in baseline:
                 write_card(baseline_dir, run_card(cfg, data, online, compared.offline, method=other),
                            compared.best_checkpoint)
