@@ -3,8 +3,8 @@
 The demo dataset's shards (bfloat16) are re-stored as float8 (e4m3, one scale per
 token and layer) with ``ShardWriter``: same samples, same token ids, same loss masks,
 same draft vocabulary. The same drafter config is trained on each (same seed, the
-config's train settings, ``peagle.pipeline.train_head``), and each head's offline
-acceptance per K is measured with ``peagle.pipeline.evaluate_offline`` on both eval
+config's train settings, ``peagle.stages.train_head``), and each head's offline
+acceptance per K is measured with ``peagle.stages.evaluate_offline`` on both eval
 splits: its own, and the bfloat16 one (what a served head sees is the target's
 unquantised hidden states). Also reported: the float8 round-trip error of the stored
 hidden states.

@@ -152,13 +152,13 @@ def _fmt(v) -> str:
 
 # ----------------------------------------------------------------------------- heads trained on a real dataset
 # data_fp8_acceptance and train_loss_weighting train whole heads with the pipeline's own
-# stages (peagle.pipeline.train_head: the launcher, DeepSpeed, one rank) and measure them
+# stages (peagle.stages.train_head: the launcher, DeepSpeed, one rank) and measure them
 # with its offline acceptance on the held-out split.
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-OFFLINE_NOTE = ("offline acceptance: peagle.pipeline.evaluate_offline of each run's last checkpoint "
+OFFLINE_NOTE = ("offline acceptance: peagle.stages.evaluate_offline of each run's last checkpoint "
                 "(reference = the stored target tokens)")
 
 
@@ -188,7 +188,7 @@ def target_info(target_path: str | Path, data_dir: Path):
     """The ``TargetInfo`` the pipeline stages take: the target's directory and the dataset's target facts."""
     from peagle.facts import load_dataset_facts
     from peagle.layout import DataLayout
-    from peagle.pipeline import TargetInfo
+    from peagle.stages import TargetInfo
 
     return TargetInfo(path=str(target_path), facts=load_dataset_facts(DataLayout(data_dir)))
 
@@ -197,17 +197,17 @@ def train_fresh(cfg, target, data_dir: Path):
     """A fresh training run (old checkpoints removed so nothing resumes): (TrainResult, wall seconds)."""
     import shutil
 
-    from peagle.pipeline import checkpoint_dir, train_head
+    from peagle.stages import checkpoint_dir, train_head
 
-    shutil.rmtree(checkpoint_dir(cfg, cfg.train.method), ignore_errors=True)
+    shutil.rmtree(checkpoint_dir(cfg, cfg.train.method, data_dir), ignore_errors=True)
     start = time.perf_counter()
     result = train_head(cfg, target, data_dir)
     return result, time.perf_counter() - start
 
 
 def offline_acceptance(cfg, target, data_dir: Path, checkpoint: Path) -> dict:
-    """``peagle.pipeline.evaluate_offline`` of a checkpoint on ``data_dir``'s eval split, as JSON-ready numbers."""
-    from peagle.pipeline import evaluate_offline
+    """``peagle.stages.evaluate_offline`` of a checkpoint on ``data_dir``'s eval split, as JSON-ready numbers."""
+    from peagle.stages import evaluate_offline
 
     off = evaluate_offline(cfg, target, data_dir, Path(checkpoint))
     return {"acceptance_length": {str(k): v for k, v in off.acceptance_length.items()},
@@ -223,7 +223,7 @@ def train_settings(train, threads: int) -> dict:
 
 def train_note(t: dict) -> str:
     """The training line of a head benchmark's notes, from ``train_settings``."""
-    return (f"training: peagle.pipeline.train_head, {t['epochs']} epoch(s), lr {t['lr']}, micro batch "
+    return (f"training: peagle.stages.train_head, {t['epochs']} epoch(s), lr {t['lr']}, micro batch "
             f"{t['micro_batch_size']} x accum {t['grad_accum']}, K_train {t['k_train']}, "
             f"OMP_NUM_THREADS={t.get('threads')}")
 

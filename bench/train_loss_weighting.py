@@ -3,8 +3,8 @@
 "uniform" divides the KL sum by the number of supervised elements, so deep depths (fewer
 elements after COD subsampling) weigh less; "per_depth_mean" averages each depth's mean
 KL over the depths. The same drafter config is trained on the same dataset with each
-(same seed, the config's train settings, ``peagle.pipeline.train_head``), and each head's
-last checkpoint is measured with ``peagle.pipeline.evaluate_offline`` on the held-out
+(same seed, the config's train settings, ``peagle.stages.train_head``), and each head's
+last checkpoint is measured with ``peagle.stages.evaluate_offline`` on the held-out
 split: acceptance length per K and per-position acceptance. Also reported: each run's
 per-depth top-1 agreement with the target on its training batches over the last epoch.
 ``--seeds`` repeats the pair per seed; the seed-to-seed spread is the noise estimate.

@@ -1,9 +1,10 @@
 """What every peagle flow shares: parameters, run names, logs, the accelerator limit,
 retry rules, cache keys and Prefect artifacts.
 
-Caching: a cached task's key is computed by a named function from the inputs that
-decide its output (config section hashes, prompt-file hashes, target revision, dataset
-manifests, head file hashes), never from machine-local paths. Results are stored as JSON
+Caching: a cached task's key is computed by a named function of ``peagle.identity``
+(``dataset_key``, ``training_key``, ``evaluation_key``) from the inputs that decide its
+output (config section hashes, prompt-file hashes, target revision, dataset manifests,
+head file hashes), never from machine-local paths. Results are stored as JSON
 (no pickle) in the run directory itself (``result_storage``), so the CLI and a worker
 that share the run directory share the cache, whatever their Prefect settings. A key is
 only trusted while the files it points to still exist: the caller passes
@@ -11,60 +12,24 @@ only trusted while the files it points to still exist: the caller passes
 
 Parameters: Prefect stores every flow run's parameters. Stage flows take a config file
 path and overrides, never a config object: the pipeline writes the resolved config into
-the run directory (``config_file``) and passes its path, so no tracking URI or other
-secret a config may hold is stored by Prefect.
+the run directory (``peagle.config.write_resolved_config``) and passes its path, so no
+tracking URI or other secret a config may hold is stored by Prefect.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from peagle.config import PipelineConfig, load_config
-from peagle.fileio import fsync_dir
 from peagle.logs import LIBRARY_LOG, ROOT, library_output_to
 
 RESULT_SERIALIZER = "json"
 RETRIES = 2
 RETRY_DELAY_S = 15
 RESULTS_DIR = "prefect-results"  # cached task results, inside the run directory
-RESOLVED_CONFIG = "config.resolved.json"  # what the stage subflows of a run load
 LOGS_DIR = "logs"
-
-# ----------------------------------------------------------------------------- config parameters
-
-
-def config_file(cfg: PipelineConfig) -> str:
-    """Write ``cfg`` (resolved: overrides applied) into its run directory; returns the path the
-    stage subflows take as their ``config`` parameter."""
-    path = cfg.run_dir / RESOLVED_CONFIG
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = cfg.model_dump_json(by_alias=True, indent=1)
-    if path.exists() and path.read_text() == text:
-        return str(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return str(path)
-
-
-def resolve_config(config: str, overrides: dict | None = None) -> PipelineConfig:
-    """The config a stage flow was given: a YAML file (a deployment) or a run's resolved config."""
-    if str(config).endswith(".json"):
-        from peagle.config import parse_config, with_overrides
-
-        return with_overrides(parse_config(json.loads(Path(config).read_text()), config), overrides)
-    return load_config(config, overrides)
-
 
 # ----------------------------------------------------------------------------- run names
 
@@ -86,7 +51,7 @@ def run_namer(what: str, config_param: str = "config"):
 
         params = flow_run.parameters
         try:
-            cfg = resolve_config(params[config_param], params.get("overrides"))
+            cfg = load_config(params[config_param], params.get("overrides"))
         except Exception:  # the flow itself reports a bad config, with the reason
             return f"{what.split('-{')[0]} {Path(str(params.get(config_param, '?'))).stem}"
         method = params.get("method") or cfg.train.method
@@ -181,11 +146,6 @@ def result_storage(cfg: PipelineConfig) -> Path:
     return cfg.run_dir / RESULTS_DIR
 
 
-def digest(*parts) -> str:
-    blob = json.dumps([str(p) for p in parts]).encode()
-    return hashlib.sha256(blob).hexdigest()[:24]
-
-
 def cache_key_from_param(context, parameters) -> str:
     """Tasks take their cache key as the ``key`` parameter, computed by a named function."""
     return parameters["key"]
@@ -268,7 +228,3 @@ def publish_mlflow_artifact(run_url: str | None, run_id: str | None, config_name
         create_link_artifact(run_url, link_text=f"MLflow run {run_id}", key=key)
     else:
         create_markdown_artifact(f"MLflow run `{run_id}`: `{run_url}`", key=key, description="MLflow run")
-
-
-def path_exists(path: str | Path | None) -> bool:
-    return path is not None and Path(path).exists()

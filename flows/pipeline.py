@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from prefect import flow
 
 from flows.common import (
-    config_file,
     ensure_accelerator_limit,
     publish_mlflow_artifact,
     run_logger,
@@ -22,11 +21,13 @@ from flows.common import (
     run_namer,
 )
 from flows.stages import data_flow, evaluate_flow, publish_flow, resolve_target, run_export, train_flow
-from peagle import pipeline as stages
-from peagle.config import PipelineConfig, load_config
+from peagle import lineage as lineages
+from peagle import stages
+from peagle.config import PipelineConfig, load_config, write_resolved_config
 from peagle.identity import dataset_manifests
 from peagle.layout import RunLayout
 from peagle.methods import trained_methods
+from peagle.tracking import records
 
 
 @dataclass
@@ -64,44 +65,44 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
 
 
 def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool) -> PipelineResult:
+    from peagle.export.card import run_card, write_card  # imports torch: not at flow import
     from peagle.tracking import Tracker
 
     method, *baseline = trained_methods(cfg.train)  # the head, then the EAGLE-3 baseline when asked for
     # Subflows get the resolved config's path, not the config: Prefect stores parameters.
-    config, data_config = config_file(cfg), config_file(data_cfg)
+    config, data_config = str(write_resolved_config(cfg)), str(write_resolved_config(data_cfg))
     timer = stages.StageTimer()
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):
             target = resolve_target(cfg)
-            lineage = stages.lineage(cfg, target)
+            lineage = lineages.lineage(cfg, target)
         with timer.stage("data"), tracker.stage("data") as run:
             data = data_flow(data_config, force=force_data, target=target)
-            datasets = stages.record_dataset(tracker, run, data, json.loads(lineage["prompt_files"]))
+            datasets = records.record_dataset(tracker, run, data, json.loads(lineage["prompt_files"]))
             lineage["data_manifests"] = str(dataset_manifests(data.data_dir))
         with timer.stage("train"), tracker.stage("train", system_metrics=True) as run:
-            stages.record_training_inputs(run, datasets)
+            records.record_training_inputs(run, datasets)
             trained = train_flow(config, str(data.data_dir), target=target, export=False, mlflow_run_id=run.run_id)
-            stages.record_training(run, trained)
-            stages.record_offline(run, trained.offline)
+            records.record_training(run, trained)
+            records.record_offline(run, trained.offline)
         with timer.stage("export"), tracker.stage("export"):
             head_dir = str(run_export(cfg, target, str(data.data_dir), trained.best_checkpoint, method.name))
         head_key, baseline_dir = trained.cache_key, None
         for other in baseline:  # the same data, trained autoregressively: the comparison users ask for
             with timer.stage(f"train_{other.name}"), tracker.stage(f"train-{other.name}", system_metrics=True) as run:
-                stages.record_training_inputs(run, datasets)
+                records.record_training_inputs(run, datasets)
                 compared = train_flow(config, str(data.data_dir), target=target, method=other.name,
                                       mlflow_run_id=run.run_id)
-                stages.record_training(run, compared)
-                stages.record_offline(run, compared.offline)
+                records.record_training(run, compared)
+                records.record_offline(run, compared.offline)
             baseline_dir, head_key = compared.head_dir, f"{head_key}+{compared.cache_key}"
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(config, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
-            plot = stages.record_online(run, online, RunLayout(cfg.run_dir).eval)
-            stages.write_card(head_dir, stages.model_card(cfg, target, data, online, trained.offline),
-                              trained.best_checkpoint)
+            plot = records.record_online(run, online, RunLayout(cfg.run_dir).eval)
+            write_card(head_dir, run_card(cfg, data, online, trained.offline), trained.best_checkpoint)
             for other in baseline:
-                stages.write_card(baseline_dir, stages.model_card(cfg, target, data, online, compared.offline,
-                                                                  method=other), compared.best_checkpoint)
+                write_card(baseline_dir, run_card(cfg, data, online, compared.offline, method=other),
+                           compared.best_checkpoint)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(config, head_dir, str(RunLayout(cfg.run_dir).online_results),
                                      mlflow_run_id=tracker.run_id, lineage=lineage)

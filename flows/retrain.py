@@ -18,9 +18,8 @@ from prefect import flow, get_run_logger
 from flows.common import artifact_key, run_logs, run_namer
 from flows.pipeline import PipelineResult, run_pipeline
 from flows.stages import resolve_target
-from peagle import pipeline as stages
+from peagle import lineage as lineages
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
-from peagle.layout import RunLayout
 
 
 @dataclass
@@ -30,21 +29,6 @@ class RetrainResult:
     champion_before: str | None = None
     pipeline: PipelineResult | None = None
     message: str = ""
-
-
-def revision_config(cfg: PipelineConfig, lineage: dict[str, str]) -> PipelineConfig:
-    """The same config, writing checkpoints and heads under a directory of its own inputs."""
-    workdir = RunLayout(cfg.run_dir).revision(stages.lineage_key(lineage))
-    return cfg.model_copy(update={"workdir": str(workdir)})
-
-
-def registry_state(cfg: PipelineConfig, current: dict[str, str]):
-    """(champion, its lineage, a version already trained on exactly ``current`` or None)."""
-    from peagle.tracking.registry import champion_and_match
-
-    champion, latest = champion_and_match(
-        cfg.tracking, cfg.target.model, lambda v: not stages.changes_since(stages.recorded_lineage(v), current))
-    return champion, stages.recorded_lineage(champion), latest
 
 
 @flow(name="peagle-retrain", flow_run_name=run_namer("retrain", config_param="config_path"))
@@ -65,10 +49,10 @@ def _retrain(cfg: PipelineConfig, force: bool) -> RetrainResult:
 
     log = get_run_logger()
     target = resolve_target(cfg)
-    current = stages.lineage(cfg, target)
-    champion, recorded, already = registry_state(cfg, current)
+    current = lineages.lineage(cfg, target)
+    champion, recorded, already = lineages.registry_state(cfg, current)
     before = str(champion.version) if champion else None
-    changes = ["no champion yet"] if champion is None else stages.changes_since(recorded, current)
+    changes = ["no champion yet"] if champion is None else lineages.changes_since(recorded, current)
     if already is not None and not force:  # e.g. a challenger the gate refused: retraining would repeat it
         changes = []
     if force and not changes:
@@ -85,7 +69,7 @@ def _retrain(cfg: PipelineConfig, force: bool) -> RetrainResult:
     log.info("retraining %s: %s", cfg.name, "; ".join(changes))
     data_rebuild = bool(recorded) and recorded.get("data_config_hash") != current["data_config_hash"]
     try:
-        result = run_pipeline(revision_config(cfg, current), data_cfg=cfg, force_data=data_rebuild)
+        result = run_pipeline(lineages.revision_config(cfg, current), data_cfg=cfg, force_data=data_rebuild)
     except ConfigError as err:
         raise ConfigError(f"retraining {cfg.name}: {err}") from None
     decision = result.promotion

@@ -1,8 +1,8 @@
 """One Prefect flow per pipeline stage: data, train, evaluate, publish.
 
 Each flow takes a config file (a YAML path plus overrides from a deployment, or the
-resolved config the pipeline wrote into the run directory: ``flows.common.config_file``)
-and calls the stage functions of ``peagle.pipeline``. The pipeline and retraining flows
+resolved config the pipeline wrote into the run directory: ``peagle.config.write_resolved_config``)
+and calls the stage functions of ``peagle.stages``. The pipeline and retraining flows
 compose them as subflows; each also runs alone (``prefect.yaml``). Runs are named
 "<stage> <config> (<target>)"; tasks by what they do ("train-peagle", "train-eagle3").
 Stage tasks have time limits (``orchestration.timeouts_s``); data generation, training
@@ -11,7 +11,6 @@ and online evaluation each hold a slot of the accelerator concurrency limit.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,23 +23,22 @@ from flows.common import (
     RETRY_DELAY_S,
     acceptance_markdown,
     cache_key_from_param,
-    digest,
     ensure_accelerator_limit,
     on_accelerator,
-    path_exists,
     publish_acceptance_artifact,
-    resolve_config,
     result_storage,
     retry_if_transient,
     run_logger,
     run_logs,
     run_namer,
 )
-from peagle import pipeline as stages
-from peagle.config import PipelineConfig
-from peagle.identity import dataset_manifests, head_identity
-from peagle.layout import RunLayout
-from peagle.methods import BASELINE, get_method, trained_methods
+from peagle import stages
+from peagle.config import PipelineConfig, load_config
+from peagle.identity import dataset_key, evaluation_key, training_key
+from peagle.layout import BEST, RunLayout
+from peagle.lineage import target_revision
+from peagle.methods import get_method
+from peagle.tracking.publish import PublishOutcome, drafted, publish_once
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -57,21 +55,6 @@ def limits(cfg: PipelineConfig, stage: str, cached: bool = False) -> dict:
 # ----------------------------------------------------------------------------- data
 
 
-def dataset_key(cfg: PipelineConfig, target: stages.TargetInfo) -> str:
-    """What decides the dataset: target+data config, prompt-file contents, target revision (no
-    machine-local path: results are stored in the run directory, ``limits(..., cached=True)``)."""
-    values = stages.lineage(cfg, target)
-    return "data-" + digest(values["data_config_hash"], values["prompt_files"], values["target_revision"])
-
-
-def dataset_on_disk(cfg: PipelineConfig) -> bool:
-    """The run's data dir holds a finished build of this config (else a cached result is stale)."""
-    data = RunLayout(cfg.run_dir).data
-    if not data.build.exists() or not data.vocab.exists() or not data.facts.exists():
-        return False
-    return json.loads(data.build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
-
-
 @task(name="resolve-target", cache_policy=NO_CACHE)
 def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
     return stages.prepare_target(cfg)
@@ -80,7 +63,7 @@ def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
 def resolve_target(cfg: PipelineConfig) -> stages.TargetInfo:
     """The target task under the run's time limit for it."""
     target = target_task.with_options(**limits(cfg, "target"))(cfg)
-    run_logger().info("target %s: %s (revision %s)", cfg.target.model, target.path, stages.target_revision(cfg, target))
+    run_logger().info("target %s: %s (revision %s)", cfg.target.model, target.path, target_revision(cfg, target))
     return target
 
 
@@ -94,11 +77,11 @@ def data_task(cfg: PipelineConfig, target: stages.TargetInfo, key: str, force: b
 def data_flow(config: str, overrides: dict | None = None, force: bool = False,
               target: stages.TargetInfo | None = None):
     """Prompts -> regenerated responses -> hidden states; an unchanged dataset is reused from cache."""
-    cfg = resolve_config(config, overrides)
+    cfg = load_config(config, overrides)
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
         target = target or resolve_target(cfg)
-        refresh = force or not dataset_on_disk(cfg)
+        refresh = force or not stages.dataset_on_disk(cfg)
         info = data_task.with_options(refresh_cache=refresh, **limits(cfg, "data", cached=True))(
             cfg, target, dataset_key(cfg, target), force)
         get_run_logger().info("dataset %s: %d train + %d eval samples (%s)", info.data_dir, info.num_train,
@@ -117,12 +100,6 @@ class TrainOutcome:
     metrics_history: list
     offline: object  # peagle.eval.offline result
     cache_key: str = ""  # the training key: what the exported head is a function of
-
-
-def training_key(cfg: PipelineConfig, data_dir: Path, method: str) -> str:
-    """The trained head's identity (``peagle.identity``: the dataset actually built, the fields
-    that change the weights, the method). No path: cached results live in the run directory."""
-    return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
 
 
 @task(name="train", task_run_name="train-{method}", **CACHED)
@@ -154,15 +131,15 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
     """DeepSpeed training (cached on the dataset's manifests and the training config), offline
     acceptance of the best checkpoint, and the exported head directory. With ``mlflow_run_id``
     (the pipeline's train stage run) each step's metrics reach that run while the ranks run."""
-    cfg = resolve_config(config, overrides)
+    cfg = load_config(config, overrides)
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
         cfg = stages.resolve_init_from(cfg)  # before the key: it names the champion
         target = target or resolve_target(cfg)
         method = get_method(method or cfg.train.method).name
         data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
-        ckpt_dir = stages.checkpoint_dir(cfg, method)
-        refresh = not path_exists(ckpt_dir / "best")
+        ckpt_dir = stages.checkpoint_dir(cfg, method, Path(data_dir))
+        refresh = not (ckpt_dir / BEST).exists()
         key = training_key(cfg, Path(data_dir), method)
         trained = train_task.with_options(refresh_cache=refresh, **limits(cfg, "train", cached=True))(
             cfg, target, data_dir, key, method, mlflow_run_id)
@@ -174,16 +151,6 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
 
 
 # ----------------------------------------------------------------------------- evaluate
-
-
-def evaluation_key(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str],
-                   head_key: str | None = None) -> str:
-    """What decides online acceptance: the head (its training key when known, else its files'
-    hashes), the target, vLLM and eval settings, and the run directory the result is written to."""
-    head = head_key or {label: {p.name: stages.file_digest(p) for p in sorted(Path(d).glob("*"))
-                                if p.is_file() and p.name != "README.md"} for label, d in heads.items()}
-    return "eval-" + digest(head, sorted(heads), stages.target_revision(cfg, target),
-                            cfg.section_hash("vllm", "eval"), cfg.target.dtype)
 
 
 @task(name="evaluate-online", **CACHED, **TRANSIENT_RETRIES)
@@ -205,16 +172,8 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
     method drafts (default the run's ``heads/eagle3`` when ``train.eagle3_baseline``).
     Heads are keyed by method name; each is served as its method says (parallel or not).
     """
-    cfg = resolve_config(config, overrides)
-    head, *baseline = trained_methods(cfg.train)
-    if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:
-        baseline = [get_method(BASELINE)]
-    heads = {head.name: str(head_dir or stages.exported_head_dir(cfg, head))}
-    heads |= {m.name: str(baseline_dir or stages.exported_head_dir(cfg, m)) for m in baseline}
-    for name, directory in heads.items():
-        if not path_exists(Path(directory) / "config.json"):
-            raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
-                                    f"run the train flow first (method {name})")
+    cfg = load_config(config, overrides)
+    heads = stages.heads_to_evaluate(cfg, head_dir, baseline_dir)
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
         target = target or resolve_target(cfg)
@@ -228,36 +187,9 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
 # ----------------------------------------------------------------------------- publish
 
 
-@dataclass
-class PublishOutcome:
-    version: str
-    promotion: object  # peagle.tracking.registry.PromotionDecision
-    reused: bool  # an identical head was already registered: nothing new registered
-
-
 @task(name="register-and-gate", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
-def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict):
-    from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import (
-        PromotionDecision,
-        champion_version,
-        describe_with_card,
-        registered_twin,
-        tag_head_content,
-    )
-
-    name = registered_model_name(cfg.tracking, cfg.target.model)
-    twin = registered_twin(tracker, name, Path(head_dir))
-    if twin is not None:
-        describe_with_card(tracker, name, twin.version)
-        champion = champion_version(tracker, name)
-        before = str(champion.version) if champion else None
-        reason = f"identical head already registered as version {twin.version}; nothing registered"
-        return PublishOutcome(str(twin.version), PromotionDecision(False, reason, before, before), True)
-    version, decision = stages.publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
-    stages.tag_lineage(tracker, name, version.version, lineage)
-    tag_head_content(tracker, name, version.version, Path(head_dir))
-    return PublishOutcome(str(version.version), decision, False)
+def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict) -> PublishOutcome:
+    return publish_once(cfg, tracker, Path(head_dir), online, validated=validated, lineage=lineage)
 
 
 @flow(name="peagle-publish", flow_run_name=run_namer("publish"))
@@ -274,12 +206,12 @@ def publish_flow(config: str, head_dir: str | None = None, online_results: str |
     from peagle.eval.online import OnlineResult
     from peagle.tracking import Tracker
 
-    cfg = resolve_config(config, overrides)
+    cfg = load_config(config, overrides)
     head_dir = str(head_dir or stages.exported_head_dir(cfg, cfg.train.method))
     online_results = str(online_results or RunLayout(cfg.run_dir).online_results)
     online = OnlineResult.load(online_results)
     lineage = lineage or {}
-    validated = stages.drafted(online, get_method(cfg.train.method).label)
+    validated = drafted(online, get_method(cfg.train.method).label)
     publish = publish_task.with_options(**limits(cfg, "publish"))
     with run_logs(cfg):
         if mlflow_run_id:

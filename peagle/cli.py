@@ -67,7 +67,7 @@ def target_build(
 @app.command("data")
 def data_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt, force: bool = typer.Option(False)):
     """Generate the hidden-state dataset (regeneration and extraction through vLLM)."""
-    from peagle import pipeline as stages
+    from peagle import stages
 
     cfg = _load(config, set_)
     info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force)
@@ -81,7 +81,7 @@ def train_cmd(
     method: str = typer.Option(None, help="A drafting method (peagle, eagle3); default train.method"),
 ):
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
-    from peagle import pipeline as stages
+    from peagle import stages
 
     cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
     result = stages.train_head(cfg, stages.prepare_target(cfg), RunLayout(cfg.run_dir).data.root)
@@ -93,21 +93,22 @@ def export_cmd(
     config: Path = ConfigArg,
     set_: list[str] = SetOpt,
     method: str = typer.Option(None, help="Which trained head to export (peagle, eagle3); default train.method"),
-    checkpoint: Path = typer.Option(None, help="A step dir or a latest/best pointer (default: the best by offline acceptance)"),
+    checkpoint: Path = typer.Option(None, help="A step dir or a latest/best pointer (default: the best by offline "
+                                    "acceptance of the head trained on this config and dataset)"),
     vllm_check: bool = typer.Option(True, help="Also load the head in vLLM and draft before publishing"),
 ):
     """Export a checkpoint as a head directory vLLM serves; refuses a head that fails validation."""
-    from peagle import pipeline as stages
+    from peagle import stages
     from peagle.export.head import ExportError
     from peagle.export.validate import validate_head
-    from peagle.train.checkpoint import BEST
 
     cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
     target = stages.prepare_target(cfg)
-    ckpt = checkpoint or stages.checkpoint_dir(cfg, cfg.train.method) / BEST
+    data_dir = RunLayout(cfg.run_dir).data.root
     try:
-        head = stages.export_head(cfg, target, RunLayout(cfg.run_dir).data.root, ckpt)
-    except ExportError as err:
+        ckpt = checkpoint or stages.trained_checkpoint(cfg, cfg.train.method, data_dir)
+        head = stages.export_head(cfg, target, data_dir, ckpt)
+    except (ExportError, FileNotFoundError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     if vllm_check:
@@ -118,7 +119,7 @@ def export_cmd(
 @app.command("evaluate")
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
-    from peagle import pipeline as stages
+    from peagle import stages
     from peagle.methods import available_methods
 
     cfg = _load(config, set_)

@@ -337,12 +337,19 @@ def parse_config(data: dict, source: Path | str = "<dict>") -> PipelineConfig:
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
-    """Load a pipeline config from YAML; relative data paths resolve against the repo."""
+    """Load a pipeline config from YAML, or the resolved JSON a run wrote
+    (``write_resolved_config``); relative data paths resolve against the repo."""
     path = Path(path)
     if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
         path = REPO_ROOT / path
     if not path.exists():
         raise ConfigError(f"{path}: config file not found (see configs/ for examples)")
+    if path.suffix == ".json":  # JSON, not YAML 1.1: "1e-05" stays a number
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON: {err}") from None
+        return parse_config(apply_overrides(data, overrides), path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -350,6 +357,21 @@ def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConf
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return parse_config(apply_overrides(data, overrides), path)
+
+
+def write_resolved_config(cfg: PipelineConfig) -> Path:
+    """Write ``cfg`` (overrides applied) into its run directory, where ``load_config`` reads it
+    back: a run's stage subflows take this file's path, never the config itself. An unchanged
+    file is not rewritten."""
+    from peagle.fileio import write_text_atomic
+    from peagle.layout import RunLayout
+
+    path = RunLayout(cfg.run_dir).resolved_config
+    text = cfg.model_dump_json(by_alias=True, indent=1)
+    if path.exists() and path.read_text() == text:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(path, text)
 
 
 def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:

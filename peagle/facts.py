@@ -15,12 +15,11 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig
-from peagle.fileio import fsync_dir
+from peagle.fileio import write_json_atomic
 
 FACTS_VERSION = 1
 
@@ -37,15 +36,8 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Write, fsync, rename, fsync the directory: a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(data, indent=2, sort_keys=True))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Durable and atomic: a reader never sees half a file."""
+    write_json_atomic(path, data, indent=2, sort_keys=True)
 
 
 def _read_json(path: Path, what: str) -> dict:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 TMP_MARK = ".tmp-"
+OLD_MARK = ".old-"  # publish_dir moves the tree it replaces aside under this mark
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
@@ -73,8 +74,8 @@ def temp_sibling(path: str | Path, kind: str = "tmp") -> Path:
 
 
 def is_temp_name(name: str) -> bool:
-    """A leftover of an interrupted atomic write (ours, or an older ``<name>.tmp``)."""
-    return (name.startswith(".") and TMP_MARK in name) or name.endswith(".tmp")
+    """A leftover of an interrupted atomic write or publish (ours, or an older ``<name>.tmp``)."""
+    return (name.startswith(".") and (TMP_MARK in name or OLD_MARK in name)) or name.endswith(".tmp")
 
 
 @contextmanager

@@ -3,12 +3,14 @@
 A head is a function of three things: the dataset it is trained on (its split manifests,
 which hash every shard and name the target and data config that built them), the config
 fields that change its weights, and its drafting method. ``head_identity`` digests them.
-Three places ask, and so agree:
+Four places ask, and so agree:
 
-- the Prefect training cache (``flows.stages.training_key``): a cached head is reused
-  exactly when its identity is unchanged;
+- the Prefect training cache (``training_key``): a cached head is reused exactly when its
+  identity is unchanged;
+- the checkpoint directory (``peagle.stages.checkpoint_dir``, ``checkpoints/<method>/<identity[:12]>``):
+  the same inputs resume there, changed ones train a new head beside the old one;
 - the trainer's resume check: a checkpoint directory continues only the run it began;
-- the lineage retraining compares with the registered champion (``peagle.pipeline.lineage``,
+- the lineage retraining compares with the registered champion (``peagle.lineage.lineage``,
   ``train_config_hash``): retraining is decided before the dataset is rebuilt, so there
   the dataset is represented by what builds it (prompt files, target revision, data
   config) and the training part is ``training_hash``, the same digest as here.
@@ -74,3 +76,40 @@ def dataset_manifests(data_dir) -> dict[str, str]:
 
     data = DataLayout(data_dir)
     return {split: sha256_file(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}
+
+
+# ----------------------------------------------------------------------------- Prefect cache keys
+# What decides each cached stage output, with no machine-local path: cached results live in
+# the run directory, shared by the CLI and a worker whose paths may differ.
+
+
+def _digest_parts(*parts) -> str:
+    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:24]
+
+
+def dataset_key(cfg, target) -> str:
+    """The dataset: target+data config, prompt-file contents, target revision (``target``: a
+    ``peagle.stages.TargetInfo``)."""
+    from peagle.lineage import lineage
+
+    values = lineage(cfg, target)
+    return "data-" + _digest_parts(values["data_config_hash"], values["prompt_files"], values["target_revision"])
+
+
+def training_key(cfg, data_dir, method: str | DraftingMethod) -> str:
+    """A trained head: its identity (the dataset actually built, the weight-changing fields, the method)."""
+    return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
+
+
+def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None = None) -> str:
+    """Online acceptance: the heads (their training keys when known, else their files' hashes;
+    the card does not count), the target, vLLM and eval settings."""
+    from pathlib import Path
+
+    from peagle.fileio import sha256_file
+    from peagle.lineage import target_revision
+
+    head = head_key or {label: {p.name: sha256_file(p) for p in sorted(Path(d).glob("*"))
+                                if p.is_file() and p.name != "README.md"} for label, d in heads.items()}
+    return "eval-" + _digest_parts(head, sorted(heads), target_revision(cfg, target),
+                                   cfg.section_hash("vllm", "eval"), cfg.target.dtype)

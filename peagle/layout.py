@@ -6,12 +6,14 @@
       data/                             DataLayout: the dataset (docs/design.md, "Dataset")
         build.json  samples.jsonl  target_facts.json  vocab.safetensors  work/
         splits/<train|eval>/manifest.json, shard-NNNNN.safetensors
-      checkpoints/<method>/             launch_config.json, metrics.jsonl, train_result.json, latest, best
+      checkpoints/<method>/<identity>/  one head's training (peagle.identity, first 12 hex digits):
+                                        launch_config.json, metrics.jsonl, train_result.json, latest, best
         step-NNNNNN/                    drafter.safetensors, head_spec.json, trainer_state.json
       heads/<method>/                   the exported head (config.json, model.safetensors, README.md)
       eval/                             online_results.json, online_acceptance.png
       warm_start/v<N>/                  a downloaded registry champion (train.init_from: champion)
       revisions/<lineage key>/          a retraining revision: a run directory of its own
+      config.resolved.json              the config the run's stage subflows load
 """
 
 from __future__ import annotations
@@ -33,10 +35,17 @@ TRAIN_SPLIT, EVAL_SPLIT = SPLITS
 DRAFTER_FILE = "drafter.safetensors"
 HEAD_SPEC_FILE = "head_spec.json"
 TRAINER_STATE_FILE = "trainer_state.json"
+# Pointers to a step directory, beside the step directories (peagle.train.checkpoint).
+LATEST = "latest"
+BEST = "best"  # the step with the best offline acceptance
 # Beside the step directories of a method's checkpoint root (peagle.train.launch / trainer).
 LAUNCH_CONFIG_FILE = "launch_config.json"
 METRICS_FILE = "metrics.jsonl"
 TRAIN_RESULT_FILE = "train_result.json"
+
+RESOLVED_CONFIG_FILE = "config.resolved.json"
+
+IDENTITY_CHARS = 12  # of a head identity, naming its checkpoint directory
 
 # Online evaluation outputs.
 ONLINE_RESULTS_FILE = "online_results.json"
@@ -131,9 +140,14 @@ class RunLayout:
     def data(self) -> DataLayout:
         return DataLayout(self.root / "data")
 
-    def checkpoints(self, method: str) -> Path:
-        """Where ``method``'s trainer writes ``step-*`` directories and the latest/best pointers."""
+    def method_checkpoints(self, method: str) -> Path:
+        """Every ``method`` head trained in this run, one directory per head identity."""
         return self.root / "checkpoints" / method
+
+    def checkpoints(self, method: str, identity: str) -> Path:
+        """Where the trainer of the ``method`` head with ``identity`` (``peagle.identity.head_identity``)
+        writes ``step-*`` directories and the latest/best pointers."""
+        return self.method_checkpoints(method) / identity[:IDENTITY_CHARS]
 
     @property
     def heads(self) -> Path:
@@ -153,6 +167,11 @@ class RunLayout:
     @property
     def online_plot(self) -> Path:
         return self.eval / ONLINE_PLOT_FILE
+
+    @property
+    def resolved_config(self) -> Path:
+        """The run's config with overrides applied (``peagle.config.write_resolved_config``)."""
+        return self.root / RESOLVED_CONFIG_FILE
 
     def warm_start(self, version: str | int) -> Path:
         """A registry champion's head downloaded for ``train.init_from: champion``."""

@@ -6,7 +6,15 @@ import pytest
 import yaml
 from transformers import LlamaConfig
 
-from peagle.config import ConfigError, apply_overrides, load_config, parse_config, parse_overrides, with_overrides
+from peagle.config import (
+    ConfigError,
+    apply_overrides,
+    load_config,
+    parse_config,
+    parse_overrides,
+    with_overrides,
+    write_resolved_config,
+)
 from peagle.facts import default_aux_layer_ids, head_spec_for, target_facts_from_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,6 +144,22 @@ class _Tok:
 
     def convert_tokens_to_ids(self, token):
         return self.vocab.get(token)
+
+
+def test_a_run_reads_back_exactly_its_resolved_config(tmp_path):
+    """Subflows get this file's path, never the config (Prefect stores parameters)."""
+    cfg = load_config(REPO / "configs" / "demo.yaml", {
+        "workdir": str(tmp_path / "run"), "tracking.tracking_uri": "postgresql://peagle:s3cret@db/mlflow",
+        "train.learning_rate": 1e-5})
+    path = write_resolved_config(cfg)
+    assert path == cfg.run_dir / "config.resolved.json"
+    assert load_config(path) == cfg  # 1e-05 stays a float: JSON, not YAML 1.1
+    assert load_config(path, {"train.epochs": 3}).train.epochs == 3
+    mtime = path.stat().st_mtime_ns
+    assert write_resolved_config(cfg) == path and path.stat().st_mtime_ns == mtime  # unchanged: not rewritten
+    path.write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(path)
 
 
 def _target(num_layers=8):

@@ -73,7 +73,8 @@ def test_run_layout_names_every_path(tmp_path):
     run = RunLayout(tmp_path)
     assert run.data.manifest("eval") == tmp_path / "data" / "splits" / "eval" / "manifest.json"
     assert run.data.facts == tmp_path / "data" / "target_facts.json"
-    assert run.checkpoints("eagle3") == tmp_path / "checkpoints" / "eagle3"
+    assert run.checkpoints("eagle3", "0123456789abcdef") == tmp_path / "checkpoints" / "eagle3" / "0123456789ab"
+    assert run.method_checkpoints("eagle3") == tmp_path / "checkpoints" / "eagle3"
     assert run.head("peagle") == tmp_path / "heads" / "peagle"
     assert run.online_results == tmp_path / "eval" / "online_results.json"
     assert run.warm_start(3) == tmp_path / "warm_start" / "v3"

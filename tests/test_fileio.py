@@ -120,4 +120,5 @@ def test_temp_names_are_unique_and_recognised():
     a, b = temp_sibling("/x/manifest.json"), temp_sibling("/x/manifest.json")
     assert a != b and a.parent == Path("/x") and a.suffix == ".json"
     assert is_temp_name(a.name) and is_temp_name("manifest.json.tmp")
+    assert is_temp_name(temp_sibling("/x/step-000002", "old").name)  # what publish_dir moves aside
     assert not is_temp_name("manifest.json") and not is_temp_name("shard-00001.safetensors")

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))  # the tiny-r
 from test_deepspeed import one_thread, tiny_config, tiny_facts, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
 
 from peagle.identity import BOOKKEEPING, head_identity, training_hash  # noqa: E402
-from peagle.pipeline import TargetInfo, changes_since, lineage, with_train  # noqa: E402
+from peagle.lineage import changes_since, lineage  # noqa: E402
+from peagle.stages import TargetInfo, with_train  # noqa: E402
 
 BOOKKEEPING_CHANGES = {"keep_last": 7, "save_every": 3, "eval_every": 5, "eagle3_baseline": True,
                        "init_from": "/heads/champion-v3"}
@@ -35,7 +36,7 @@ def inputs(tmp_path):
 
 def key_of(cfg, target):
     """Every definition of a head's identity, side by side."""
-    from flows.stages import training_key
+    from peagle.identity import training_key
 
     return {"identity": head_identity(cfg, DATASET), "lineage": lineage(cfg, target)["train_config_hash"],
             "prefect": training_key(cfg, Path("/nonexistent-data"), cfg.train.method)}

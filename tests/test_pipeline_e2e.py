@@ -76,7 +76,7 @@ def test_trained_head_beats_an_untrained_head_by_a_margin_that_matters(pipeline_
     from peagle.export.head import export_head
     from peagle.facts import HeadSpec
     from peagle.model import PEagleDrafter
-    from peagle.pipeline import load_eval_prompts
+    from peagle.stages import load_eval_prompts
 
     result = pipeline_run.result
     cfg = load_config(pipeline_run.config, pipeline_run.overrides)

@@ -42,6 +42,7 @@ from peagle.data.prompts import Conversation, load_prompts, split_heldout
 from peagle.data.store import ShardReader, ShardWriter, check_free_space, estimate_bytes, format_bytes
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
+from peagle.fileio import atomic_open, write_json_atomic
 from peagle.layout import SAMPLES_FILE, SPLITS, DataLayout, RunLayout
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,7 @@ def prepare_data_dir(data_dir: Path, config_hash: str, force: bool) -> None:
         for path in (layout.splits_dir, layout.work, layout.samples, layout.vocab, layout.facts,
                      layout.legacy_head_spec, layout.build):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    tmp = build.with_name(build.name + ".tmp")
-    tmp.write_text(json.dumps({"config_hash": config_hash}))
-    tmp.replace(build)
+    write_json_atomic(build, {"config_hash": config_hash}, indent=None)
 
 
 def plan_records(cfg: PipelineConfig, data_dir: Path) -> list[Record]:
@@ -216,13 +215,9 @@ def append_samples(path: Path, records: list[Record]) -> None:
 
 def write_samples(path: Path, records: list[Record]) -> None:
     """The final samples.jsonl: exactly one line per prompt (atomic rewrite)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
+    with atomic_open(path) as fh:
         for r in records:
             fh.write(json.dumps(r.line(), ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
 
 
 # ----------------------------------------------------------------------------- vLLM work

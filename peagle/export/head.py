@@ -9,8 +9,6 @@ half-written head where a later step would trust it.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +37,7 @@ from peagle.export.validate import (
     validate_head,
 )
 from peagle.facts import HeadSpec, load_dataset_facts
+from peagle.fileio import staged_dir
 from peagle.layout import VOCAB_FILE, CheckpointLayout, DataLayout
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 
@@ -162,19 +161,6 @@ def _target_for_checks(spec: HeadSpec, target_path, target_embed) -> tuple[Targe
     return target, (str(path) if path else None)
 
 
-def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    """Move the finished head into place; an existing head is replaced only when asked."""
-    if out_dir.exists():
-        if not overwrite:
-            raise ExportError(f"{out_dir} already exists; pass overwrite=True or choose another directory")
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out_dir)
-
-
 def export_head(
     state_dict: Mapping[str, torch.Tensor],
     spec: HeadSpec,
@@ -211,18 +197,13 @@ def export_head(
     card = replace(card or ModelCardInfo(), method=method.name)
     target, target_ref = _target_for_checks(spec, target_path, target_embed)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    if out_dir.exists() and not overwrite:
+        raise ExportError(f"{out_dir} already exists; pass overwrite=True or choose another directory")
+    with staged_dir(out_dir, overwrite=overwrite) as tmp:  # published whole, only once validated
         (tmp / CONFIG_FILE).write_text(json.dumps(head_config(spec, float_dtype), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "peagle_format": str(FORMAT_VERSION)})
         (tmp / CARD_FILE).write_text(render_model_card(card, spec))
         validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg, method=method)
-        _publish(tmp, out_dir, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -28,6 +28,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from peagle.facts import HeadSpec
+from peagle.fileio import atomic_path
 from peagle.layout import CheckpointLayout
 from peagle.model.target_weights import load_target_tensors
 
@@ -285,10 +286,8 @@ class PEagleDrafter(nn.Module):
 
     def save(self, path: str | Path) -> None:
         """Write the state dict (head names) atomically as safetensors."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp))
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(tmp))
 
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path) -> PEagleDrafter:

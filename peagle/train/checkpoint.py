@@ -23,7 +23,6 @@ ZeRO optimizer states contain allow-listed, so resuming never runs arbitrary pic
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -35,12 +34,11 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from peagle.facts import HeadSpec
-from peagle.fileio import fsync_dir
-from peagle.layout import DRAFTER_FILE, HEAD_SPEC_FILE, TRAINER_STATE_FILE, CheckpointLayout
+from peagle.fileio import is_temp_name, publish_dir, write_text_atomic
+from peagle.layout import BEST, DRAFTER_FILE, HEAD_SPEC_FILE, LATEST, TRAINER_STATE_FILE, CheckpointLayout
+
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "engine"
-LATEST = "latest"
-BEST = "best"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 STATE_VERSION = 1
@@ -147,28 +145,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def _fsync_tree(path: Path) -> None:
-    """Flush every file under ``path`` before the rename publishes it."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(root))
-
-
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:06d}"
 
@@ -188,7 +164,7 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def write_pointer(root: Path, name: str, checkpoint: str, **fields) -> None:
     """Point ``<root>/<name>`` (``latest`` or ``best``) at step directory ``checkpoint``, atomically."""
-    _write_text_atomic(Path(root) / name, json.dumps({"checkpoint": checkpoint, **fields}))
+    write_text_atomic(Path(root) / name, json.dumps({"checkpoint": checkpoint, **fields}))
 
 
 def _pointer(root: Path, name: str) -> Path | None:
@@ -344,27 +320,12 @@ def save_checkpoint(
         (tmp / f"rng-rank-{rank}.json").write_text(json.dumps(capture_rng()))
     _barrier()
     if rank == 0:
-        _fsync_tree(tmp)
-        _publish(tmp, final)
+        publish_dir(tmp, final)  # fsyncs the tree; a stale step of the same number is replaced whole
         write_pointer(root, LATEST, name, step=state.step)
         _update_best(root, name, state.acceptance)
         prune_checkpoints(root, keep_last)
     _barrier()
     return final
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished temp directory into place (replacing a stale one of the same step)."""
-    if final.exists():
-        stale = final.with_name(f"{TMP_PREFIX}old-{final.name}")
-        if stale.exists():
-            shutil.rmtree(stale)
-        os.replace(final, stale)
-        os.replace(tmp, final)
-        shutil.rmtree(stale)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(final.parent)
 
 
 def _update_best(root: Path, name: str, acceptance: float | None) -> None:
@@ -388,7 +349,7 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
             shutil.rmtree(path)
             removed.append(path)
     for path in root.iterdir():
-        if path.is_dir() and path.name.startswith(TMP_PREFIX):
+        if path.is_dir() and is_temp_name(path.name):  # an interrupted save or publish
             shutil.rmtree(path)
     return removed
 

@@ -3,7 +3,7 @@
 Entry point (what every rank runs)::
 
     python -m peagle.train.launch --config configs/demo.yaml [--set train.epochs=3] \\
-        --data-dir RUN/data --target TARGET_DIR --out RUN/checkpoints/peagle
+        --data-dir RUN/data --target TARGET_DIR --out RUN/checkpoints/peagle/IDENTITY
     python -m peagle.train.launch --config-json '{"name": ..., ...}' ...   # or a .json path
 
 ``launch_training`` runs it as a subprocess and waits:

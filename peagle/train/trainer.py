@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
+from peagle.fileio import write_text_atomic
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import METRICS_FILE, TRAIN_SPLIT
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
@@ -124,9 +125,7 @@ class MetricsLog:
         kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         self.history = [r for r in kept if r["step"] <= step]
         if self.enabled:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-            tmp.replace(self.path)
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.history))
 
     def write(self, record: dict) -> None:
         """Append ``record`` stamped with rank 0's wall clock (``time``, Unix seconds): the
@@ -387,9 +386,7 @@ def train_drafter(
         warm_start=warm,
     )
     if dist_info.is_main:
-        tmp = out_dir / (RESULT_FILE + ".tmp")
-        tmp.write_text(result.to_json())
-        tmp.replace(out_dir / RESULT_FILE)
+        write_text_atomic(out_dir / RESULT_FILE, result.to_json())
     return result
 
 

@@ -20,14 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 DRAFT_VOCAB = 256
 
 
-def trained_run(run_dir: Path, facts, spec) -> Path:
+def trained_run(cfg, facts, spec) -> Path:
     """What the data and train stages leave: the target facts, the draft vocabulary and a
-    pointed-at best step."""
+    pointed-at best step in the directory of the head trained on them."""
+    from peagle import stages
+
+    run_dir = cfg.run_dir
     vocab = draft_vocab_skipping_low_ids(spec.vocab_size, DRAFT_VOCAB, spec.mask_token_id)
     (run_dir / "data").mkdir(parents=True)
     facts.save(run_dir / "data" / "target_facts.json")
     save_file(dict(vocab), str(run_dir / "data" / "vocab.safetensors"))
-    step = run_dir / "checkpoints" / "peagle" / "step-000012"
+    step = stages.checkpoint_dir(cfg, "peagle", run_dir / "data") / "step-000012"
     step.mkdir(parents=True)
     save_file(random_head_state_dict(spec, seed=2), str(step / "drafter.safetensors"))
     spec.save(step / "head_spec.json")
@@ -36,11 +39,11 @@ def trained_run(run_dir: Path, facts, spec) -> Path:
 
 
 def test_readme_export_command_follows_the_best_pointer(embedded_target, tmp_path):
-    from peagle import pipeline as stages
+    from peagle import stages
 
     cfg = load_config("configs/demo.yaml", {"workdir": str(tmp_path / "run")})
     facts = stages.prepare_target(cfg).facts.with_draft_vocab(DRAFT_VOCAB)
-    trained_run(cfg.run_dir, facts, head_spec_for(cfg, facts))
+    trained_run(cfg, facts, head_spec_for(cfg, facts))
 
     done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/demo.yaml",
                            "--set", f"workdir={tmp_path / 'run'}", "--no-vllm-check"],
@@ -63,4 +66,4 @@ def test_export_without_a_best_checkpoint_says_what_to_do(embedded_target, tmp_p
                           timeout=600)
     assert done.returncode == 2, done.stdout + done.stderr
     said = " ".join(done.stdout.split())  # rich wraps long lines
-    assert "no 'best' checkpoint yet" in said and "peagle train" in said
+    assert "no trained P-EAGLE head for this config and dataset" in said and "peagle train" in said

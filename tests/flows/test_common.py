@@ -60,7 +60,7 @@ def test_a_config_error_is_not_retried(prefect_server):
 
 
 def test_changes_since_names_what_changed():
-    from peagle.pipeline import changes_since
+    from peagle.lineage import changes_since
 
     recorded = {"data_config_hash": "a", "train_config_hash": "t", "target_revision": "r1",
                 "prompt_files": json.dumps({"p.jsonl": "h1"})}
@@ -97,7 +97,8 @@ def test_a_bookkeeping_change_does_not_make_retraining_retrain(prefect_server, e
 
     from flows.retrain import retrain_flow
     from peagle.config import load_config
-    from peagle.pipeline import LINEAGE_PREFIX, lineage, prepare_target
+    from peagle.lineage import LINEAGE_PREFIX, lineage
+    from peagle.stages import prepare_target
 
     config = "configs/demo.yaml"
     overrides = {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
@@ -126,18 +127,6 @@ def demo_config(tmp_path, **overrides):
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-def test_subflows_get_a_config_file_not_the_config(tmp_path):
-    from flows.common import config_file, resolve_config
-
-    cfg = demo_config(tmp_path, **{"tracking.tracking_uri": "postgresql://peagle:s3cret@db/mlflow",
-                                   "train.learning_rate": 0.01})
-    path = config_file(cfg)
-    assert path == str(cfg.run_dir / "config.resolved.json")
-    assert resolve_config(path) == cfg  # the subflow sees exactly the run's config
-    assert resolve_config(path, {"train.epochs": 3}).train.epochs == 3
-    assert config_file(cfg) == path  # unchanged: not rewritten
-
-
 def test_stage_time_limits_come_from_the_config(tmp_path):
     from flows.stages import limits
 
@@ -150,7 +139,8 @@ def test_stage_time_limits_come_from_the_config(tmp_path):
 def test_runs_are_named_by_stage_config_and_target(prefect_server, tmp_path):
     from prefect import flow
 
-    from flows.common import config_file, run_namer
+    from flows.common import run_namer
+    from peagle.config import write_resolved_config
 
     @flow(flow_run_name=run_namer("train-{method}"))
     def named(config: str, method: str | None = None):
@@ -158,7 +148,7 @@ def test_runs_are_named_by_stage_config_and_target(prefect_server, tmp_path):
 
         return flow_run.name
 
-    path = config_file(demo_config(tmp_path, name="nightly"))
+    path = str(write_resolved_config(demo_config(tmp_path, name="nightly")))
     assert named(path) == "train-peagle nightly (embedded)"
     assert named(path, method="eagle3") == "train-eagle3 nightly (embedded)"
     assert named(str(tmp_path / "missing.yaml")) == "train missing"  # the flow itself reports the bad path

@@ -162,7 +162,8 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     warm = json.loads((revision / "train_result.json").read_text())["warm_start"]
     assert Path(warm["head_dir"]).name == f"v{champion_before.version}"
     assert warm["lm_head_rows_copied"] > 0
-    first_loss = [r["loss"] for r in map(json.loads, (tmp / "run" / "checkpoints" / "peagle" / "metrics.jsonl")
+    first_training = Path(pipeline_run.result.checkpoint_dir).parent  # checkpoints/peagle/<identity>
+    first_loss = [r["loss"] for r in map(json.loads, (first_training / "metrics.jsonl")
                                          .read_text().splitlines()) if "loss" in r][0]
     warm_loss = [r["loss"] for r in map(json.loads, (revision / "metrics.jsonl").read_text().splitlines())
                  if "loss" in r][0]

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
 from test_deepspeed import child_env, one_thread, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
 
+from peagle.fileio import temp_sibling
 from peagle.train import checkpoint as ckpt
 
 
@@ -46,6 +47,10 @@ def test_keeps_last_n_plus_best_by_acceptance(tiny_run, tmp_path):
     assert result.last_checkpoint == out / "step-000005" == ckpt.latest_checkpoint(out)
     assert ckpt.read_trainer_state(result.best_checkpoint).acceptance == 3.0
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+    stale = temp_sibling(out / "step-000003", "old")  # a publish killed between its two renames
+    stale.mkdir()
+    ckpt.prune_checkpoints(out, keep_last=2)
+    assert not stale.exists() and [p.name for p in ckpt.list_checkpoints(out)][-1] == "step-000005"
     evals = [r["eval/acceptance"] for r in read_metrics(out) if "eval/acceptance" in r]
     assert evals == [1.0, 3.0, 2.0, 1.5, 1.2]
     assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # each step's record, then its evaluation
@@ -109,6 +114,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from test_deepspeed import tiny_config, tiny_spec
 from peagle.model import PEagleDrafter
+from peagle.fileio import temp_sibling
 from peagle.train import checkpoint as ckpt
 from peagle.train.engine import build_engine, init_process_group
 

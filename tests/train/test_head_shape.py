@@ -1,8 +1,9 @@
-"""The drafter's shape is the checkpoint's, not the dataset's (issue #11, point 2).
+"""The drafter's shape is the checkpoint's, not the dataset's (issue #11, points 2 and 4).
 
-Changing ``drafter.num_layers`` between two trainings on one cached dataset gives a head of
-the new shape through every later stage (offline evaluation, export, the model card),
-with the dataset untouched. Through the real stage functions and the real launcher.
+Changing ``drafter.num_layers`` between two trainings in one run directory on one cached
+dataset gives a head of the new shape through every later stage (offline evaluation,
+export, the model card), with the dataset untouched and the old head kept. Through the
+real stage functions and the real launcher.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
 from test_deepspeed import build_tiny_dataset, build_tiny_target, tiny_config  # noqa: E402
 
-from peagle import pipeline as stages  # noqa: E402
+from peagle import stages  # noqa: E402
 from peagle.facts import load_dataset_facts  # noqa: E402
 from peagle.layout import DataLayout, RunLayout  # noqa: E402
 from peagle.train.checkpoint import read_head_spec  # noqa: E402
@@ -37,16 +38,22 @@ def cached_dataset(tmp_path):
     return info, data_dir
 
 
-@pytest.mark.slow  # two trainings through the launcher: ~2 min on 2 shared cores
-def test_a_changed_drafter_depth_trains_and_ships_the_new_shape(cached_dataset, tmp_path):
-    from peagle.export.card import ModelCardInfo
+@pytest.mark.slow  # three launches of the trainer (two trainings, one resume): ~3 min on 2 shared cores
+def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cached_dataset, tmp_path):
+    """num_layers 1, then 2, in ONE run directory on one cached dataset: the second training
+    starts fresh in a directory of its own identity (no "cannot resume" error) and ships the
+    new shape; the first head stays, and rerunning its config reuses it."""
+    from peagle.export.card import ModelCardInfo, write_card
 
     target, data_dir = cached_dataset
     dataset_files = {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()}
-    for layers in (1, 2):
-        cfg = tiny_config(drafter_layers=layers, max_steps=2, eval_every=2).model_copy(
-            update={"workdir": str(tmp_path / f"run-{layers}")})
+    configs = {layers: tiny_config(drafter_layers=layers, max_steps=2, eval_every=2).model_copy(
+        update={"workdir": str(tmp_path / "run")}) for layers in (1, 2)}
+    best = {}
+    for layers, cfg in configs.items():
         trained = stages.train_head(cfg, target, data_dir)
+        best[layers] = trained.best_checkpoint
+        assert Path(trained.best_checkpoint).parent == stages.checkpoint_dir(cfg, "peagle", data_dir)
         spec = read_head_spec(trained.best_checkpoint)
         assert (spec.num_layers, spec.method, spec.k_train) == (layers, "peagle", 3)
 
@@ -57,7 +64,21 @@ def test_a_changed_drafter_depth_trains_and_ships_the_new_shape(cached_dataset, 
         assert head == RunLayout(cfg.run_dir).head("peagle")
         assert head_layers(head) == set(range(layers))
         assert json.loads((head / "config.json").read_text())["num_hidden_layers"] == layers
-        stages.write_card(head, ModelCardInfo(name=f"tiny-{layers}"), trained.best_checkpoint)
+        write_card(head, ModelCardInfo(name=f"tiny-{layers}"), trained.best_checkpoint)
         assert f"{layers} Llama decoder layers" in (head / "README.md").read_text()
-    # Both trainings read the one dataset; neither rewrote it.
+
+    # One run directory, one checkpoint directory per head identity; both heads stay.
+    trainings = RunLayout(tmp_path / "run").method_checkpoints("peagle")
+    assert sorted(p.name for p in trainings.iterdir()) == sorted(Path(b).parent.name for b in best.values())
+    assert Path(best[1]).parent != Path(best[2]).parent
+    assert read_head_spec(stages.trained_checkpoint(configs[1], "peagle", data_dir)).num_layers == 1
+
+    # The first config again: the same identity, so its finished training is resumed (no new step).
+    first = Path(best[1]).parent
+    files = {p: p.stat().st_mtime_ns for p in first.rglob("step-*/*")}
+    again = stages.train_head(configs[1], target, data_dir)
+    assert again.best_checkpoint == best[1]
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("step-*/*")} == files
+    assert read_head_spec(again.best_checkpoint).num_layers == 1
+    # Every training read the one dataset; none rewrote it.
     assert {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()} == dataset_files

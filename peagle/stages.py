@@ -1,0 +1,268 @@
+"""The pipeline's stages as plain functions with typed inputs and outputs.
+
+Each stage calls one subpackage; the Prefect flows in ``flows/`` and the CLI both call
+these, so every stage also runs from a test or a notebook without an orchestrator.
+Stages pass small dataclasses (paths and numbers), never live engines. Beside them: the
+model card (``peagle.export.card``), registration (``peagle.tracking.publish``), what the
+tracker logs (``peagle.tracking.records``) and what a head is trained on (``peagle.lineage``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
+from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
+from peagle.layout import DataLayout, RunLayout
+from peagle.methods import DraftingMethod, get_method
+
+Method = str | DraftingMethod  # a drafting method's name or object (peagle.methods)
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetInfo:
+    path: str
+    facts: TargetFacts  # before the data stage: no draft vocabulary size yet
+
+
+@dataclass
+class StageTimer:
+    """Wall-clock seconds per stage, reported at the end of a run and logged to MLflow."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.perf_counter() - start, 1)
+
+
+def prepare_target(cfg: PipelineConfig) -> TargetInfo:
+    """Resolve (or build) the target and check the config against it before heavy work."""
+    from peagle.target import load_target_config_and_tokenizer, resolve_target
+
+    path = resolve_target(cfg.target)
+    target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
+    facts = target_facts_from_target(cfg, target_config, tokenizer)
+    drafter_shape(cfg, facts)  # a drafter/train section that cannot work fails now, not after the data stage
+    return TargetInfo(path=path, facts=facts)
+
+
+def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False):
+    """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary."""
+    from peagle.data.pipeline import build_dataset
+
+    return build_dataset(cfg, target.path, target.facts, progress=True, force=force)
+
+
+def dataset_on_disk(cfg: PipelineConfig) -> bool:
+    """The run's data dir holds a finished build of this config (else a cached data result is stale)."""
+    data = RunLayout(cfg.run_dir).data
+    if not data.build.exists() or not data.vocab.exists() or not data.facts.exists():
+        return False
+    return json.loads(data.build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
+
+
+def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
+    """The same config with some ``train`` fields changed."""
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=changes)})
+
+
+def with_method(cfg: PipelineConfig, method: Method) -> PipelineConfig:
+    """The same config training ``method``'s head."""
+    return with_train(cfg, method=get_method(method).name)
+
+
+def checkpoint_dir(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
+    """Where ``method``'s head for these inputs trains: one directory per head identity
+    (``peagle.identity``: the dataset, the weight-changing config, the method), so the same
+    inputs resume and changed ones (a deeper drafter, a grown dataset) train a new head
+    beside the old one, which stays usable."""
+    from peagle.identity import dataset_manifests, head_identity
+
+    method = get_method(method)
+    return RunLayout(cfg.run_dir).checkpoints(method.name, head_identity(cfg, dataset_manifests(data_dir), method))
+
+
+def trained_checkpoint(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
+    """The best step directory of the ``method`` head trained on these inputs (export's default);
+    a clear error naming the heads this run did train when there is none."""
+    from peagle.layout import BEST
+    from peagle.train.checkpoint import resolve_checkpoint
+
+    best = checkpoint_dir(cfg, method, data_dir) / BEST
+    if best.is_file():
+        return resolve_checkpoint(best)
+    root = RunLayout(cfg.run_dir).method_checkpoints(get_method(method).name)
+    others = sorted(p.name for p in root.glob("*") if (p / BEST).is_file()) if root.is_dir() else []
+    raise FileNotFoundError(
+        f"no trained {get_method(method).display_name} head for this config and dataset under {best.parent}"
+        + (f" (this run holds others, trained on other inputs: {', '.join(others)})" if others else "")
+        + ": run `peagle train` first, or pass --checkpoint DIR")
+
+
+def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
+    """``train.init_from: champion`` -> the registry champion's head, downloaded into the run dir.
+
+    The directory is named after the champion's version. Where training starts is not part
+    of a head's identity (``peagle.identity``): a new champion alone retrains nothing. No
+    champion yet (a first scheduled run): train from the target's weights, and say so.
+    """
+    if cfg.train.init_from != INIT_FROM_CHAMPION:
+        return cfg
+    from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
+    from peagle.tracking.registry import champion_version, download_champion
+
+    client = make_client(resolve_tracking_uri(cfg.tracking))
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    champion = champion_version(client, name)
+    if champion is None:
+        log.info("train.init_from: %r has no champion yet; training from the target's weights", name)
+        head = None
+    else:
+        head = RunLayout(cfg.run_dir).warm_start(champion.version)
+        if not (head / "model.safetensors").exists():
+            download_champion(client, name, head, overwrite=True)
+        head = str(head)
+    return with_train(cfg, init_from=head)
+
+
+def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: Method | None = None,
+               mlflow_run_id: str | None = None):
+    """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
+
+    Checkpoints are chosen by offline acceptance on the held-out split, not by loss. With
+    ``mlflow_run_id`` (the stage's MLflow run) rank 0's step metrics reach it while the ranks run.
+    """
+    from peagle.train.launch import launch_training
+
+    method = method or cfg.train.method
+    on_metrics = None
+    if mlflow_run_id:
+        from peagle.tracking.mlflow_run import stage_run
+
+        on_metrics = stage_run(cfg.tracking, mlflow_run_id).log_step_records
+    return launch_training(
+        with_method(resolve_init_from(cfg), method),
+        Path(data_dir),
+        target.path,
+        checkpoint_dir(cfg, method, Path(data_dir)),
+        eval_factory="peagle.eval.offline:offline_eval_fn",
+        on_metrics=on_metrics,
+    )
+
+
+def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,
+                     method: Method | None = None):
+    """Simulated acceptance per K of a checkpoint on the held-out hidden states, at the K its
+    method can be evaluated at. The drafter's shape, method and k_train are the checkpoint's."""
+    from peagle.data.store import ShardReader
+    from peagle.data.vocab import DraftVocab
+    from peagle.eval.offline import evaluable_ks
+    from peagle.eval.offline import evaluate_offline as run_offline
+    from peagle.model import PEagleDrafter
+
+    data = DataLayout(data_dir)
+    drafter = PEagleDrafter.from_checkpoint(checkpoint).eval()
+    spec = drafter.spec
+    check_trained_on(spec, data, checkpoint)
+    method = get_method(method or spec.method or cfg.train.method)
+    vocab = DraftVocab.load(data.vocab)
+    k_train = spec.k_train or cfg.train.k_train  # a checkpoint of an older peagle does not record it
+    ks, limit = evaluable_ks(with_train(cfg, k_train=k_train), method)
+    reader = ShardReader(data.eval)
+    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method, max_k=limit)
+
+
+def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
+    """Refuse a checkpoint trained on another dataset's target, layers or draft vocabulary."""
+    from peagle.facts import load_dataset_facts
+
+    if not spec.same_target_as(load_dataset_facts(data)):
+        raise ValueError(
+            f"{checkpoint} was trained on another dataset than {data.root} (target, layers or draft "
+            "vocabulary differ); pass the data dir it was trained on"
+        )
+
+
+def exported_head_dir(cfg: PipelineConfig, method: Method) -> Path:
+    """Where the run exports ``method``'s head."""
+    return RunLayout(cfg.run_dir).head(get_method(method).name)
+
+
+def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
+                *, method: Method | None = None, card=None) -> Path:
+    """Write the vLLM head directory of a ``method`` checkpoint (default ``train.method``);
+    refuses a head that fails validation."""
+    from peagle.export.head import export_from_checkpoint
+
+    method = get_method(method or cfg.train.method)
+    return export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
+                                  target_path=target.path, overwrite=True, method=method)
+
+
+def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
+                      baseline_dir: str | Path | None = None) -> dict[str, str]:
+    """Method name -> exported head directory for an online evaluation; refuses a missing head.
+
+    ``head_dir``: the ``train.method`` head (default the run's ``heads/<method>``);
+    ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
+    ``heads/eagle3`` when ``train.eagle3_baseline``).
+    """
+    from peagle.methods import BASELINE, trained_methods
+
+    head, *baseline = trained_methods(cfg.train)
+    if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:
+        baseline = [get_method(BASELINE)]
+    heads = {head.name: str(head_dir or exported_head_dir(cfg, head))}
+    heads |= {m.name: str(baseline_dir or exported_head_dir(cfg, m)) for m in baseline}
+    for name, directory in heads.items():
+        if not (Path(directory) / "config.json").exists():
+            raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
+                                    f"run the train flow first (method {name})")
+    return heads
+
+
+def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
+    from peagle.config import resolve_repo_path
+    from peagle.eval.online import load_prompt_set
+
+    prompts = cfg.eval.prompts
+    path = resolve_repo_path(prompts)
+    return load_prompt_set(str(path) if path.exists() else prompts, cfg.eval.num_prompts)
+
+
+def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path]):
+    """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
+    method's label, drafting as the method does), against the no-speculation baseline."""
+    from peagle.eval.online import evaluate_online as run_online
+
+    methods = {get_method(m).label: get_method(m) for m in heads}
+    return run_online(
+        target.path,
+        {get_method(m).label: Path(d) for m, d in heads.items()},
+        cfg.vllm,
+        load_eval_prompts(cfg),
+        ks=cfg.eval.ks,
+        concurrency=cfg.eval.concurrency,
+        max_tokens=cfg.eval.max_tokens,
+        methods=methods,
+        prompt_set=Path(cfg.eval.prompts).stem,
+        target_revision=cfg.target.revision,
+        trust_remote_code=cfg.target.trust_remote_code,
+        dtype=cfg.target.dtype,
+    )
+
+
+def summary_json(obj) -> str:
+    """A stage result as the CLI prints it."""
+    return json.dumps(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, indent=2, default=str)

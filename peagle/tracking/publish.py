@@ -1,0 +1,80 @@
+"""Registering a pipeline run's head: its promotion score, the serving check, the registry gate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from peagle.config import PipelineConfig
+from peagle.methods import get_method
+
+
+def drafted(online, label: str) -> bool:
+    """The head loaded in vLLM and proposed draft tokens at every K (the serving check)."""
+    rows = [r for r in online.rows if r.method == label]
+    return bool(rows) and all(r.num_draft_tokens > 0 for r in rows)
+
+
+def promotion_score(cfg: PipelineConfig, online) -> float:
+    """Weighted acceptance length of the ``train.method`` head at the largest evaluated K over
+    the configured benchmarks."""
+    from peagle.tracking.registry import weighted_score
+
+    acceptance = online.acceptance_by_k(get_method(cfg.train.method).label)
+    value = acceptance[max(acceptance)] if acceptance else 0.0
+    benchmarks = {name: value for name in cfg.tracking.benchmark_weights}
+    return weighted_score(benchmarks, cfg.tracking.benchmark_weights)
+
+
+def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
+    """Register the ``train.method`` head as a model version (alias challenger); promote it only if it wins."""
+    from peagle.tracking.mlflow_run import registered_model_name
+    from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
+
+    method = get_method(cfg.train.method)
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    score = promotion_score(cfg, online)
+    acceptance = online.acceptance_by_k(method.label)
+    version = register_head(
+        tracker, tracker.run_id, head_dir, name,
+        tags={TAG_TARGET: cfg.target.model, "K": str(max(cfg.eval.ks)), "validated": str(validated),
+              "method": method.label, "config": cfg.name},
+        metrics={"score": score, **{f"acceptance_length_k{k}": v for k, v in acceptance.items()}},
+    )
+    decision = promote_if_better(tracker, name, version.version, score, cfg.tracking.promotion_margin, validated)
+    return version, decision
+
+
+@dataclass
+class PublishOutcome:
+    version: str
+    promotion: object  # peagle.tracking.registry.PromotionDecision
+    reused: bool  # an identical head was already registered: nothing new registered
+
+
+def publish_once(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool,
+                 lineage: dict[str, str]) -> PublishOutcome:
+    """Register and gate the head unless an identical one (same files) is registered already;
+    a new version carries its lineage (what retraining compares) and its content hash."""
+    from peagle.lineage import tag_lineage
+    from peagle.tracking.mlflow_run import registered_model_name
+    from peagle.tracking.registry import (
+        PromotionDecision,
+        champion_version,
+        describe_with_card,
+        registered_twin,
+        tag_head_content,
+    )
+
+    name = registered_model_name(cfg.tracking, cfg.target.model)
+    twin = registered_twin(tracker, name, Path(head_dir))
+    if twin is not None:
+        describe_with_card(tracker, name, twin.version)
+        champion = champion_version(tracker, name)
+        before = str(champion.version) if champion else None
+        reason = f"identical head already registered as version {twin.version}; nothing registered"
+        return PublishOutcome(str(twin.version), PromotionDecision(False, reason, before, before), True)
+    version, decision = publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
+    tag_lineage(tracker, name, version.version, lineage)
+    tag_head_content(tracker, name, version.version, Path(head_dir))
+    return PublishOutcome(str(version.version), decision, False)
