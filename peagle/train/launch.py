@@ -51,7 +51,7 @@ from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig, load_config, parse_config, parse_overrides
 from peagle.fileio import write_text_atomic
-from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE
+from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
 LAUNCH_CONFIG = LAUNCH_CONFIG_FILE
@@ -145,7 +145,7 @@ def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
     from peagle.train.data import BatchPlan
 
     try:
-        samples = len(ShardReader(Path(data_dir) / "splits" / "train", verify=False))
+        samples = len(ShardReader(DataLayout(data_dir).train, verify=False))
     except (OSError, ValueError, KeyError):
         return None
     plan = BatchPlan(samples, cfg.train.world_size, cfg.train.micro_batch_size, cfg.train.grad_accum)
