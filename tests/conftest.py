@@ -3,7 +3,10 @@ built once per test run and shared: the embedded target, the golden head, one Pr
 and ONE pipeline run (the flows and end-to-end tests all read it).
 
 The suite must not use or write the machine's own Prefect profile, API or stores: Prefect
-gets a throw-away home (its settings are read at import, so before anything imports it).
+gets a throw-away home (its settings are read at import, so before anything imports it), and
+no ephemeral server: a test that needs a Prefect API asks for the session's one real server
+(the ``prefect_server`` fixture); one that forgets fails with "No Prefect API URL provided"
+instead of quietly starting a server of its own.
 Library caches (HF, vLLM) stay where the libraries keep them; peagle's outputs go under
 PEAGLE_HOME as for users.
 """
@@ -28,6 +31,8 @@ os.environ["PREFECT_HOME"] = str(_PREFECT_HOME)
 os.environ["PREFECT_MEMO_STORE_PATH"] = str(_PREFECT_HOME / "memo_store.toml")  # 3.7 writes ~/.prefect otherwise
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(_PREFECT_HOME / "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # no network here
+os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"  # only the session's server (CLI subprocesses
+# that test Prefect's ephemeral mode start from tests/prefect_server.py:isolated_env, which drops this)
 
 from peagle.paths import configure_environment  # noqa: E402
 
@@ -61,10 +66,13 @@ def golden_pair(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
+    """ONE real ``prefect server start`` for the whole test run (the suite's PREFECT_HOME, a free
+    127.0.0.1 port): flows run in this process, the CLIs and the workers tests start all talk to
+    it. Stopped at the end of the session, also when tests failed."""
+    from tests.prefect_server import prefect_server as start_prefect_server
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    with start_prefect_server(_PREFECT_HOME) as server, server.as_default():
+        yield server
 
 
 def code_train_prompt_lines() -> list[str]:
