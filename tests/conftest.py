@@ -37,6 +37,14 @@ os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"  # only the session'
 from peagle.paths import configure_environment  # noqa: E402
 
 configure_environment()
+import torch  # noqa: E402
+
+# The test process's models are tiny: torch's intra-op threads only wait on each other, and on a
+# loaded 2-core runner they spin against other processes (the tiny target of tests/target built
+# in 54-73 s with 2 threads, 4-9 s with 1). Subprocesses (vLLM engines, training ranks) are
+# unaffected; the embedded target is built with torch's own default, as users build it.
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = str(REPO / "configs" / "demo.yaml")
@@ -53,7 +61,11 @@ def embedded_target():
     from peagle.config import EmbeddedTargetRecipe
     from peagle.target import build_embedded_target
 
-    return build_embedded_target(EmbeddedTargetRecipe(), progress=False)
+    torch.set_num_threads(TORCH_DEFAULT_THREADS)
+    try:
+        return build_embedded_target(EmbeddedTargetRecipe(), progress=False)
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
