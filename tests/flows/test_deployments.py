@@ -117,6 +117,7 @@ def read_back(server) -> tuple[dict, dict]:
     return pools, deployments
 
 
+@pytest.mark.slow  # a real server and Prefect's CLI in subprocesses: 30-75 s on 2 cores
 def test_prefect_deploy_all_registers_the_file(server):
     """The documented commands: `prefect work-pool create` per committed template, `prefect deploy --all`."""
     from flows.deploy import work_pool_templates
@@ -153,6 +154,7 @@ def test_prefect_deploy_all_registers_the_file(server):
         {"driver": "nvidia", "count": 8, "capabilities": [["gpu"]]}]
 
 
+@pytest.mark.slow  # a real server and Prefect's CLI in subprocesses: 30-75 s on 2 cores
 def test_peagle_deploy_creates_a_missing_pool_and_keeps_every_schedule_kind(server, tmp_path):
     """`peagle deploy` = the check, `prefect work-pool create` for missing pools, `prefect deploy`."""
     def every_schedule_kind(d):
