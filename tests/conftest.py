@@ -4,7 +4,10 @@ and ONE pipeline run (the flows, tracking and end-to-end tests all read it), tra
 ``mlflow server`` over HTTP as teams run it.
 
 The suite must not use or write the machine's own Prefect profile, API or stores: Prefect
-gets a throw-away home (its settings are read at import, so before anything imports it).
+gets a throw-away home (its settings are read at import, so before anything imports it), and
+no ephemeral server: a test that needs a Prefect API asks for the session's one real server
+(the ``prefect_server`` fixture); one that forgets fails with "No Prefect API URL provided"
+instead of quietly starting a server of its own.
 Library caches (HF, vLLM) stay where the libraries keep them; peagle's outputs go under
 PEAGLE_HOME as for users.
 """
@@ -29,10 +32,20 @@ os.environ["PREFECT_HOME"] = str(_PREFECT_HOME)
 os.environ["PREFECT_MEMO_STORE_PATH"] = str(_PREFECT_HOME / "memo_store.toml")  # 3.7 writes ~/.prefect otherwise
 os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(_PREFECT_HOME / "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # no network here
+os.environ["PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"] = "false"  # only the session's server (CLI subprocesses
+# that test Prefect's ephemeral mode start from tests/prefect_server.py:isolated_env, which drops this)
 
 from peagle.paths import configure_environment  # noqa: E402
 
 configure_environment()
+import torch  # noqa: E402
+
+# The test process's models are tiny: torch's intra-op threads only wait on each other, and on a
+# loaded 2-core runner they spin against other processes (the tiny target of tests/target built
+# in 54-73 s with 2 threads, 4-9 s with 1). Subprocesses (vLLM engines, training ranks) are
+# unaffected; the embedded target is built with torch's own default, as users build it.
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = str(REPO / "configs" / "demo.yaml")
@@ -49,7 +62,11 @@ def embedded_target():
     from peagle.config import EmbeddedTargetRecipe
     from peagle.target import build_embedded_target
 
-    return build_embedded_target(EmbeddedTargetRecipe(), progress=False)
+    torch.set_num_threads(TORCH_DEFAULT_THREADS)
+    try:
+        return build_embedded_target(EmbeddedTargetRecipe(), progress=False)
+    finally:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -62,10 +79,13 @@ def golden_pair(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
+    """ONE real ``prefect server start`` for the whole test run (the suite's PREFECT_HOME, a free
+    127.0.0.1 port): flows run in this process, the CLIs and the workers tests start all talk to
+    it. Stopped at the end of the session, also when tests failed."""
+    from tests.prefect_server import prefect_server as start_prefect_server
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    with start_prefect_server(_PREFECT_HOME) as server, server.as_default():
+        yield server
 
 
 def code_train_prompt_lines() -> list[str]:

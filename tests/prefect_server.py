@@ -1,12 +1,14 @@
-"""A real ``prefect server start`` for tests: its own PREFECT_HOME, a free 127.0.0.1 port.
+"""A real ``prefect server start`` for tests: a given PREFECT_HOME, a free 127.0.0.1 port.
 
-    with prefect_server(tmp_path) as server:
-        subprocess.run(["prefect", "deploy", "--all"], env=server.env)   # the CLI as users run it
-        with server.settings():                                        # this process's client
-            ...
+The suite starts ONE (the session fixture ``prefect_server`` of tests/conftest.py) and points
+the test process and the subprocesses it starts at it:
+
+    with prefect_server(home) as server, server.as_default():
+        my_flow()                                                       # this process's client
+        subprocess.run(["prefect", "deploy", "--all"], env=server.env)  # the CLI as users run it
 
 The server runs as users start it (a subprocess of Prefect's CLI); start-up takes 10-60 s on
-a loaded 2-core machine. Stopped (and its process group killed) on exit.
+a loaded 2-core machine. Stopped (and its process group killed) on exit, also on failure.
 """
 
 from __future__ import annotations
@@ -38,6 +40,35 @@ class PrefectServer:
 
         with temporary_settings({PREFECT_API_URL: self.api_url, PREFECT_HOME: self.home}):
             yield
+
+    @contextlib.contextmanager
+    def as_default(self):
+        """This process's client (Prefect's settings) and the subprocesses it starts (os.environ)
+        talk to this server until the block ends; queued logs and events are sent before it does."""
+        saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
+        os.environ.update(PREFECT_API_URL=self.api_url, PREFECT_HOME=str(self.home))
+        try:
+            with self.settings():
+                try:
+                    yield self
+                finally:
+                    send_queued_logs_and_events()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def send_queued_logs_and_events() -> None:
+    """Flush Prefect's background log and event workers (as prefect_test_harness does before
+    it stops its server), so nothing is sent to a server that is gone."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30, at_exit=False)
+    EventsWorker.drain_all(timeout=30, at_exit=False)
 
 
 def free_port() -> int:
@@ -72,9 +103,10 @@ def wait_healthy(api_url: str, proc: subprocess.Popen, log: Path, timeout_s: flo
 
 
 @contextlib.contextmanager
-def prefect_server(root: Path, timeout_s: float = 180):
-    """Start ``prefect server start --host 127.0.0.1 --port P`` under ``root``; yield a PrefectServer."""
-    home = Path(root) / "prefect-home"
+def prefect_server(home: Path, timeout_s: float = 180):
+    """Start ``prefect server start --host 127.0.0.1 --port P`` with PREFECT_HOME ``home`` (its
+    database and ``server.log`` live there); yield a PrefectServer."""
+    home = Path(home)
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"

@@ -1,16 +1,18 @@
 """A real ``prefect worker start`` and Prefect's CLI, for tests that run deployments as users do.
 
-    with prefect_server(tmp) as server:                        # tests/prefect_server.py
-        env = {**server.env, "PEAGLE_REPO": str(REPO)}
+    server = prefect_server                                    # the session's one server (tests/conftest.py)
+    env = {**server.env, "PEAGLE_REPO": str(REPO)}
+    with deployed_on_this_server(pools={"peagle-process"}, deployments={"pipeline-demo"}):
         prefect_cli(["work-pool", "create", "peagle-process", "--type", "process"], env)
         prefect_cli(["--no-prompt", "deploy", "--name", "pipeline-demo"], env, cwd=REPO)
         with prefect_worker("peagle-process", env, tmp / "worker.log"):
             run_id = start_deployment_run("peagle-pipeline/pipeline-demo", {...}, env)
-            with server.settings():
-                state = wait_for_flow_run(run_id, timeout_s=1800)
+            state = wait_for_flow_run(run_id, timeout_s=1800)
 
 The worker runs each flow run in a subprocess of its own (a process pool), exactly as a
-user's worker does; it is stopped (its process group killed) on exit.
+user's worker does; it is stopped (its process group killed) on exit. Work-pool and
+deployment names are global on a Prefect server, and prefect.yaml fixes them: a test module
+that deploys owns its names while it runs and removes them when it ends.
 """
 
 from __future__ import annotations
@@ -98,3 +100,44 @@ def read_all_logs(client, flow_run_ids: list) -> list:
         logs += batch
         if len(batch) < page:
             return logs
+
+
+@contextlib.contextmanager
+def deployed_on_this_server(pools: set[str], deployments: set[str]):
+    """Own these work-pool and deployment names on the server this process talks to (the
+    session's): they must not exist yet (another module left them otherwise), and they are
+    deleted when the block ends, deployments first (their scheduled runs go with them)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        taken = existing(client, pools, deployments)
+    if taken:
+        raise RuntimeError(f"{', '.join(taken)} already on the session's Prefect server: the test module that "
+                           "created them must remove them (wrap it in tests/prefect_worker.py:deployed_on_this_server)")
+    try:
+        yield
+    finally:
+        with get_client(sync_client=True) as client:
+            remove(client, pools, deployments)
+
+
+def existing(client, pools: set[str], deployments: set[str]) -> list[str]:
+    """The names among ``pools`` and ``deployments`` the server holds ("pool X", "deployment Y")."""
+    return sorted([f"work pool {p.name}" for p in client.read_work_pools() if p.name in pools]
+                  + [f"deployment {d.name}" for d in read_deployments_named(client, deployments)])
+
+
+def read_deployments_named(client, names: set[str]) -> list:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    return client.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=sorted(names))))
+
+
+def remove(client, pools: set[str], deployments: set[str]) -> None:
+    from prefect.exceptions import ObjectNotFound
+
+    for deployment in read_deployments_named(client, deployments):
+        client.delete_deployment(deployment.id)
+    for pool in pools:
+        with contextlib.suppress(ObjectNotFound):
+            client.delete_work_pool(pool)

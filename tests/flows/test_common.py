@@ -156,6 +156,7 @@ def test_runs_are_named_by_stage_config_and_target(prefect_server, tmp_path):
 
 def test_two_runs_on_one_accelerator_queue(prefect_server, tmp_path):
     """The accelerator limit is created when missing; two holders never overlap."""
+    import contextvars
     import threading
     import time
 
@@ -178,7 +179,8 @@ def test_two_runs_on_one_accelerator_queue(prefect_server, tmp_path):
             time.sleep(2)
             spans.append((start, time.monotonic(), label))
 
-    threads = [threading.Thread(target=gpu_stage, args=(label,)) for label in ("a", "b")]
+    # a new thread starts from Prefect's import-time settings: give each this test's (the session server)
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(gpu_stage, label)) for label in ("a", "b")]
     for t in threads:
         t.start()
     for t in threads:

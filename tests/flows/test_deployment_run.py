@@ -1,8 +1,8 @@
 """A pipeline deployment run as a Prefect user runs it: a real server, a real process worker.
 
-`prefect server start` (its own PREFECT_HOME, a free 127.0.0.1 port), `prefect work-pool
-create`, `prefect deploy --name pipeline-demo` from the repo's prefect.yaml, `prefect worker
-start`, `prefect deployment run` with a shrunk config as parameters. Then, through the
+The session's `prefect server start` (tests/conftest.py), `prefect work-pool create`,
+`prefect deploy --name pipeline-demo` from the repo's prefect.yaml, `prefect worker start`,
+`prefect deployment run` with a shrunk config as parameters. Then, through the
 Prefect API: the flow run completed, every stage's logs are there (training steps
 included), no run stored a credential-bearing parameter, the artifacts exist, the head is
 registered in MLflow; and an interval-scheduled deployment is run by the worker on its own.
@@ -18,13 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_server import prefect_server
-from tests.prefect_worker import prefect_cli, prefect_worker, read_all_logs, start_deployment_run, wait_for_flow_run
+from tests.prefect_worker import (
+    deployed_on_this_server,
+    prefect_cli,
+    prefect_worker,
+    read_all_logs,
+    start_deployment_run,
+    wait_for_flow_run,
+)
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = "peagle-process"
+DEPLOYMENTS = {"pipeline-demo", "retrain-demo"}  # what this module deploys from prefect.yaml
 PROMPTS, HELDOUT, TRAIN_STEPS = 24, 4, 4
 
 
@@ -48,12 +55,13 @@ def shrunk_overrides(tmp: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def deployed_run(tmp_path_factory, embedded_target):
+def deployed_run(tmp_path_factory, embedded_target, prefect_server):
     """The pipeline deployment run by a worker; yields (server, env, flow run, tmp, worker)."""
     tmp = tmp_path_factory.mktemp("deployment-run")
     lines = (REPO / "data" / "prompts" / "code_train.jsonl").read_text().splitlines()[:PROMPTS]
     (tmp / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    with prefect_server(tmp) as server:
+    server = prefect_server  # the worker polls the session's server; this process reads it
+    with deployed_on_this_server({POOL}, DEPLOYMENTS):
         env = {**server.env,
                "PEAGLE_REPO": str(REPO),  # prefect.yaml's pull step: where the worker finds the code
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -67,11 +75,18 @@ def deployed_run(tmp_path_factory, embedded_target):
             start = time.perf_counter()
             run_id = start_deployment_run("peagle-pipeline/pipeline-demo",
                                           {"config_path": "configs/demo.yaml", "overrides": shrunk_overrides(tmp)}, env)
-            with server.settings():
-                run = wait_for_flow_run(run_id, timeout_s=2400, worker=worker)
+            run = wait_for_flow_run(run_id, timeout_s=2400, worker=worker)
             print(f"\npipeline deployment run {run.name} ({run_id}): {run.state_name} "
                   f"after {time.perf_counter() - start:.0f} s")
             yield server, env, run, tmp, worker
+
+
+def task_run_names(client, flow_runs) -> set[str]:
+    """The names of the task runs of these flow runs (the server holds the whole session's)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    return {t.name for t in client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[r.id for r in flow_runs])))}
 
 
 def stage_runs(client, run) -> dict:
@@ -89,16 +104,16 @@ def test_the_deployment_run_completes_with_named_stage_runs(deployed_run):
 
     assert run.state.is_completed(), (run.state.message, (tmp / "worker.log").read_text()[-4000:])
     assert run.name == "pipeline deployed (embedded)"
-    with server.settings(), get_client(sync_client=True) as client:
+    with get_client(sync_client=True) as client:
         children = stage_runs(client, run)
         assert set(children) == {"data deployed (embedded)", "train-peagle deployed (embedded)",
                                  "evaluate deployed (embedded)", "publish deployed (embedded)"}
         assert all(r.state.is_completed() for r in children.values())
-        task_names = {t.name for t in client.read_task_runs(limit=200)}
+        task_names = task_run_names(client, [run, *children.values()])
         assert {"train-peagle", "evaluate-offline-peagle", "export-peagle"} <= task_names, task_names
         for prefix in ("resolve-target-", "generate-data-", "evaluate-online-", "register-and-gate-"):
             assert any(n.startswith(prefix) for n in task_names), (prefix, task_names)
-        limit = client.read_global_concurrency_limit_by_name("peagle-accelerator")  # created by the run
+        limit = client.read_global_concurrency_limit_by_name("peagle-accelerator")  # made by the first run
         assert limit.limit == 1 and limit.active_slots == 0
         # Prefect stores every flow run's parameters: none holds a config or a tracking URI
         for r in [run, *children.values()]:
@@ -111,7 +126,7 @@ def test_every_stage_logs_into_the_run_including_training_steps(deployed_run):
     server, _, run, tmp, _ = deployed_run
     from prefect.client.orchestration import get_client
 
-    with server.settings(), get_client(sync_client=True) as client:
+    with get_client(sync_client=True) as client:
         children = stage_runs(client, run)
         logs = read_all_logs(client, [run.id, *(r.id for r in children.values())])
     by_run = {}
@@ -146,7 +161,7 @@ def test_artifacts_and_the_registered_head(deployed_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    with server.settings(), get_client(sync_client=True) as client:
+    with get_client(sync_client=True) as client:
         artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=["deployed-acceptance", "deployed-mlflow-run"])))}
     assert "| p-eagle | 2 | 1 |" in artifacts["deployed-acceptance"].data
@@ -161,19 +176,19 @@ def test_a_scheduled_deployment_is_run_by_the_worker(deployed_run):
     """retrain-demo on a 20 s interval: the worker runs it unasked; nothing changed, so it trains nothing."""
     server, env, run, tmp, worker = deployed_run
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, DeploymentFilterName
 
     params = {"config_path": "configs/demo.yaml", "overrides": shrunk_overrides(tmp), "force": False,
               "warm_start": False}
     prefect_cli(["--no-prompt", "deploy", "--name", "retrain-demo", "--interval", "20",
                  "--params", json.dumps(params)], env, cwd=REPO)
-    with server.settings(), get_client(sync_client=True) as client:
+    with get_client(sync_client=True) as client:
         deployment = client.read_deployments(deployment_filter=DeploymentFilter(
             name=DeploymentFilterName(any_=["retrain-demo"])))[0]
         assert any(getattr(s.schedule, "interval", None) for s in deployment.schedules)
         deadline = time.monotonic() + 600
         while True:
-            runs = [r for r in client.read_flow_runs() if r.deployment_id == deployment.id]
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
             done = [r for r in runs if r.state is not None and r.state.is_final()]
             if done:
                 break

@@ -1,5 +1,5 @@
 """prefect.yaml as users deploy it: the committed work-pool templates and `prefect deploy --all`
-through Prefect's own CLI against a real `prefect server start`, read back through the API;
+through Prefect's own CLI against a real `prefect server start` (the session's), read back through the API;
 `peagle deploy` (the thin wrapper) and `peagle deploy --check` run as the `peagle` command."""
 
 import json
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.prefect_server import PREFECT, isolated_env, prefect_server
+from tests.prefect_server import PREFECT, isolated_env
+from tests.prefect_worker import deployed_on_this_server
 
 REPO = Path(__file__).resolve().parents[2]
 POOLS = {"peagle-process": "process", "peagle-docker": "docker", "peagle-k8s": "kubernetes"}
@@ -98,21 +99,25 @@ def test_kubernetes_and_docker_templates_request_gpus_through_job_variables():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with prefect_server(tmp_path_factory.mktemp("prefect")) as s:
-        yield s
+def server(prefect_server):
+    """The session's server; the file's work pools and deployment names are this module's until it ends."""
+    with deployed_on_this_server(set(POOLS), DEPLOYMENTS):
+        yield prefect_server
 
 
 def read_back(server) -> tuple[dict, dict]:
-    """Work pools and deployments as the server holds them (Prefect's client, the API)."""
+    """The file's work pools and the deployments in them, as the server holds them (Prefect's client, the API)."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import WorkPoolFilter, WorkPoolFilterName
 
-    with server.settings(), get_client(sync_client=True) as client:
-        pools = {p.name: p for p in client.read_work_pools()}
-        deployments = {d.name: d for d in client.read_deployments()}
+    in_the_files_pools = WorkPoolFilter(name=WorkPoolFilterName(any_=sorted(POOLS)))
+    with get_client(sync_client=True) as client:
+        pools = {p.name: p for p in client.read_work_pools(work_pool_filter=in_the_files_pools)}
+        deployments = {d.name: d for d in client.read_deployments(work_pool_filter=in_the_files_pools)}
     return pools, deployments
 
 
+@pytest.mark.slow  # a real server and Prefect's CLI in subprocesses: 30-75 s on 2 cores
 def test_prefect_deploy_all_registers_the_file(server):
     """The documented commands: `prefect work-pool create` per committed template, `prefect deploy --all`."""
     from flows.deploy import work_pool_templates
@@ -149,6 +154,7 @@ def test_prefect_deploy_all_registers_the_file(server):
         {"driver": "nvidia", "count": 8, "capabilities": [["gpu"]]}]
 
 
+@pytest.mark.slow  # a real server and Prefect's CLI in subprocesses: 30-75 s on 2 cores
 def test_peagle_deploy_creates_a_missing_pool_and_keeps_every_schedule_kind(server, tmp_path):
     """`peagle deploy` = the check, `prefect work-pool create` for missing pools, `prefect deploy`."""
     def every_schedule_kind(d):

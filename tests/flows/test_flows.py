@@ -46,27 +46,37 @@ def two_runs(pipeline_run):
     return pipeline_run.result, second, pipeline_run.seconds, second_s, data_files
 
 
-def task_run_states(name: str) -> list[str]:
+def runs_of_config(config_name: str):
+    """A filter for the flow runs of one config ("<stage> <config name> (<target>)"): the
+    session's Prefect server holds every other test's runs too."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    return FlowRunFilter(name=FlowRunFilterName(like_=f" {config_name} ("))
+
+
+def task_run_states(name: str, config_name: str) -> list[str]:
     """State names of every run of task ``name``, oldest first (read from the Prefect API)."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        runs = [r for r in client.read_task_runs() if r.name.rsplit("-", 1)[0] == name]  # run names: "<task>-<n>"
+        runs = [r for r in client.read_task_runs(flow_run_filter=runs_of_config(config_name))
+                if r.name.rsplit("-", 1)[0] == name]  # run names: "<task>-<n>"
     return [r.state.name for r in sorted(runs, key=lambda r: r.expected_start_time)]
 
 
-def flow_run_names_completed() -> set[str]:
+def flow_run_names_completed(config_name: str) -> set[str]:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         flows = {f.id: f.name for f in client.read_flows()}
-        return {flows[r.flow_id] for r in client.read_flow_runs() if r.state and r.state.is_completed()}
+        return {flows[r.flow_id] for r in client.read_flow_runs(flow_run_filter=runs_of_config(config_name))
+                if r.state and r.state.is_completed()}
 
 
 def test_pipeline_composes_every_stage_flow(two_runs):
     first, _, _, _, _ = two_runs
     assert {"peagle-pipeline", "peagle-data", "peagle-train", "peagle-evaluate", "peagle-publish"} <= \
-        flow_run_names_completed()
+        flow_run_names_completed(first.config_name)
     assert (Path(first.head_dir) / "model.safetensors").exists()
     assert first.online.acceptance_by_k("p-eagle")[3] > 1.0
     assert first.model_version == "1" and first.promotion.promoted
@@ -74,9 +84,9 @@ def test_pipeline_composes_every_stage_flow(two_runs):
 
 def test_second_run_reuses_the_cached_dataset_and_is_faster(two_runs):
     first, second, first_s, second_s, data_files = two_runs
-    assert task_run_states("generate-data")[:2] == ["Completed", "Cached"]
-    assert task_run_states("train")[:4] == ["Completed"] * 2 + ["Cached"] * 2  # P-EAGLE and the EAGLE-3 baseline
-    assert task_run_states("evaluate-online")[:2] == ["Completed", "Cached"]
+    assert task_run_states("generate-data", first.config_name)[:2] == ["Completed", "Cached"]
+    assert task_run_states("train", first.config_name)[:4] == ["Completed"] * 2 + ["Cached"] * 2  # P-EAGLE, EAGLE-3
+    assert task_run_states("evaluate-online", first.config_name)[:2] == ["Completed", "Cached"]
     after = {p: p.stat().st_mtime_ns for p in data_files}
     assert after == data_files  # not one dataset file rewritten
     assert second.data_dir == first.data_dir
