@@ -10,19 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.processes import free_port, process_group, wait_http_ok
 
 
 @contextlib.contextmanager
@@ -32,26 +23,8 @@ def mlflow_server(root: Path, timeout_s: float = 180):
     port = free_port()
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--artifacts-destination", str(root / "artifacts")]
-    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed below, after the server
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    log = root / "server.log"
     uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-                time.sleep(1)
+    with process_group(cmd, log, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}) as proc:
+        wait_http_ok(f"{uri}/health", proc, log, timeout_s, what="mlflow server")
         yield uri
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and the workers it started
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # a loaded machine: the graceful stop can lag
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()

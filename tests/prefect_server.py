@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.processes import free_port, process_group, wait_http_ok
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
@@ -71,12 +68,6 @@ def send_queued_logs_and_events() -> None:
     EventsWorker.drain_all(timeout=30, at_exit=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def isolated_env(home: Path, api_url: str | None = None) -> dict:
     """os.environ with Prefect confined to ``home`` (no user profile, no telemetry, no network)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -89,19 +80,6 @@ def isolated_env(home: Path, api_url: str | None = None) -> dict:
     return env
 
 
-def wait_healthy(api_url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"{api_url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        time.sleep(1)
-    raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
-
-
 @contextlib.contextmanager
 def prefect_server(home: Path, timeout_s: float = 180):
     """Start ``prefect server start --host 127.0.0.1 --port P`` with PREFECT_HOME ``home`` (its
@@ -111,18 +89,7 @@ def prefect_server(home: Path, timeout_s: float = 180):
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     log = home / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                env=isolated_env(home), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        wait_healthy(api_url, proc, log, timeout_s)
+    cmd = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with process_group(cmd, log, env=isolated_env(home), stop_timeout_s=30) as proc:
+        wait_http_ok(f"{api_url}/health", proc, log, timeout_s, what="prefect server")
         yield PrefectServer(api_url, home, isolated_env(home, api_url))
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 from tests.prefect_server import PREFECT
+from tests.processes import log_tail, process_group
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -52,23 +51,12 @@ def start_deployment_run(deployment: str, parameters: dict, env: dict) -> str:
 @contextlib.contextmanager
 def prefect_worker(pool: str, env: dict, log: Path, cwd: Path | None = None):
     """``prefect worker start --pool POOL`` until the block ends; yields the process."""
-    out = open(log, "w")  # noqa: SIM115 (closed in finally)
-    proc = subprocess.Popen([PREFECT, "worker", "start", "--pool", pool], env=env, cwd=cwd, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with process_group([PREFECT, "worker", "start", "--pool", pool], log, env=env, cwd=cwd,
+                       stop_timeout_s=30) as proc:
         time.sleep(1)
         if proc.poll() is not None:
-            raise RuntimeError(f"prefect worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"prefect worker exited with {proc.returncode}:\n{log_tail(log)}")
         yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out.close()
 
 
 def wait_for_flow_run(flow_run_id, timeout_s: float, poll_s: float = 5.0, worker: subprocess.Popen | None = None):

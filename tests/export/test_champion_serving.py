@@ -21,11 +21,7 @@ decoding gives the accepted counts vLLM must report, every step of every request
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +31,7 @@ import pytest
 import torch
 
 from peagle.config import TrackingConfig
+from tests.processes import free_port, process_group, wait_http_ok
 
 pytestmark = pytest.mark.slow
 K = 3
@@ -202,12 +199,6 @@ def test_champion_download_is_the_exported_head(random_head, champion_dir):
 # ----------------------------------------------------------------------------- vllm serve
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def vllm_serve(target: Path, head: Path, log_path: Path):
     """``vllm serve TARGET --speculative-config ...`` as a user runs it; yields the base URL."""
@@ -219,25 +210,10 @@ def vllm_serve(target: Path, head: Path, log_path: Path):
            "--max-num-seqs", "4", "--enforce-eager", "--seed", "0",
            "--speculative-config", json.dumps(speculative_config(str(head), K, parallel_drafting=True)),
            "--per-request-spec-decode-metrics", "detailed"]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not start: {log_path.read_text()[-3000:]}")
-                time.sleep(2)
+    with process_group(cmd, log_path, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}) as proc:
+        wait_http_ok(f"{url}/health", proc, log_path, SERVER_START_S, what="vllm serve")
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the API server and its engine core process
-        proc.wait(timeout=60)
-        log.close()
 
 
 def complete(url: str, model: str, prompt: list[int]) -> dict:

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from peagle.config import TrackingConfig, load_config
-from tests.mlflow_server import free_port as _free_port
+from tests.processes import free_port as _free_port
 from tests.mlflow_server import mlflow_server as start_mlflow_server
 
 
