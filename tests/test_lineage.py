@@ -118,3 +118,24 @@ def test_no_lineage_for_a_checkpoint_of_other_inputs(trained, tmp_path):
     DataLayout(data_dir).lineage.unlink()  # a dataset built before datasets recorded their inputs
     values, why = head_lineage(cfg, data_dir, checkpoint, "peagle")
     assert values is None and LINEAGE_FILE in why
+
+
+def test_an_unreachable_hub_falls_back_to_the_cached_snapshot_and_says_why(tmp_path):
+    """Online but the hub does not answer (here: nothing listens at HF_ENDPOINT): the cached
+    snapshot's commit, with the reason in the source the logs show."""
+    import subprocess
+
+    from tests.mlflow_server import free_port
+
+    refs = tmp_path / "models--acme--coder" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text("4" * 40)
+    code = ("import sys; from peagle.lineage import hub_revision; "
+            "r = hub_revision('acme/coder', cache_dir=sys.argv[1]); print(r.value); print(r.source)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    value, source = out.stdout.strip().splitlines()[-2:]
+    assert value == "4" * 40
+    assert source.startswith("commit of the cached snapshot acme/coder@main (the hub did not answer: ")
