@@ -8,7 +8,6 @@ evaluation results are cached on their inputs, so a rerun with nothing changed r
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from prefect import flow
@@ -21,11 +20,10 @@ from flows.common import (
     run_namer,
 )
 from flows.stages import data_flow, evaluate_flow, publish_flow, resolve_target, run_export, train_flow
-from peagle import lineage as lineages
 from peagle import stages
 from peagle.config import PipelineConfig, load_config, write_resolved_config
-from peagle.identity import dataset_manifests
 from peagle.layout import RunLayout
+from peagle.lineage import prompt_file_hashes, read_head_lineage
 from peagle.methods import trained_methods
 from peagle.tracking import records
 
@@ -45,7 +43,7 @@ class PipelineResult:
     model_version: str | None = None
     promotion: object = None
     plot: str | None = None
-    lineage: dict = field(default_factory=dict)
+    lineage: dict = field(default_factory=dict)  # what the head was trained on (its lineage.json)
 
 
 @flow(name="peagle-pipeline", flow_run_name=run_namer("pipeline", config_param="config_path"))
@@ -75,11 +73,9 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
     with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg) as tracker:
         with timer.stage("target"), tracker.stage("target"):
             target = resolve_target(cfg)
-            lineage = lineages.lineage(cfg, target)
         with timer.stage("data"), tracker.stage("data") as run:
             data = data_flow(data_config, force=force_data, target=target)
-            datasets = records.record_dataset(tracker, run, data, json.loads(lineage["prompt_files"]))
-            lineage["data_manifests"] = str(dataset_manifests(data.data_dir))
+            datasets = records.record_dataset(tracker, run, data, prompt_file_hashes(data_cfg))
         with timer.stage("train"), tracker.stage("train", system_metrics=True) as run:
             records.record_training_inputs(run, datasets)
             trained = train_flow(config, str(data.data_dir), target=target, export=False, mlflow_run_id=run.run_id)
@@ -105,7 +101,7 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
                            compared.best_checkpoint)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(config, head_dir, str(RunLayout(cfg.run_dir).online_results),
-                                     mlflow_run_id=tracker.run_id, lineage=lineage)
+                                     mlflow_run_id=tracker.run_id)
         tracker.log_metrics({f"seconds_{name}": s for name, s in timer.seconds.items()})
         publish_mlflow_artifact(tracker.run_url(), tracker.run_id, cfg.name)
         return PipelineResult(
@@ -122,5 +118,5 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
             model_version=published.version,
             promotion=published.promotion,
             plot=str(plot),
-            lineage=lineage,
+            lineage=read_head_lineage(head_dir),
         )

@@ -36,8 +36,8 @@ from peagle import stages
 from peagle.config import PipelineConfig, load_config
 from peagle.identity import dataset_key, evaluation_key, training_key
 from peagle.layout import BEST, RunLayout
-from peagle.lineage import target_revision
 from peagle.methods import get_method
+from peagle.tracking.gate import ChampionHead, champion_to_measure
 from peagle.tracking.publish import PublishOutcome, drafted, publish_once
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
@@ -63,7 +63,8 @@ def target_task(cfg: PipelineConfig) -> stages.TargetInfo:
 def resolve_target(cfg: PipelineConfig) -> stages.TargetInfo:
     """The target task under the run's time limit for it."""
     target = target_task.with_options(**limits(cfg, "target"))(cfg)
-    run_logger().info("target %s: %s (revision %s)", cfg.target.model, target.path, target_revision(cfg, target))
+    run_logger().info("target %s: %s (revision %s: %s)", cfg.target.model, target.path, target.revision,
+                      target.revision_source)
     return target
 
 
@@ -154,10 +155,11 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
 
 
 @task(name="evaluate-online", **CACHED, **TRANSIENT_RETRIES)
-def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str], key: str):
-    """``heads``: method name -> head directory."""
+def online_task(cfg: PipelineConfig, target: stages.TargetInfo, heads: dict[str, str], key: str,
+                champion: ChampionHead | None = None):
+    """``heads``: method name -> head directory; ``champion``: the registry's, served beside them."""
     with on_accelerator(cfg):
-        return stages.evaluate_online(cfg, target, {name: Path(d) for name, d in heads.items()})
+        return stages.evaluate_online(cfg, target, {name: Path(d) for name, d in heads.items()}, champion)
 
 
 @flow(name="peagle-evaluate", flow_run_name=run_namer("evaluate"))
@@ -165,7 +167,8 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
                   target: stages.TargetInfo | None = None, head_key: str | None = None,
                   baseline_dir: str | None = None):
     """Acceptance per K and tokens/s in vLLM (cached on the heads' training keys, or their file
-    hashes); publishes the acceptance table as a Prefect markdown artifact.
+    hashes), with the registry's champion served in the same run (rows ``champion-v<N>``) so
+    the gate compares like with like; publishes the acceptance table as a Prefect markdown artifact.
 
     ``head_dir``: the ``train.method`` head (default the run's ``heads/<method>``);
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data, served alongside as its
@@ -177,8 +180,13 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
         target = target or resolve_target(cfg)
-        key = evaluation_key(cfg, target, heads, head_key)
-        online = online_task.with_options(**limits(cfg, "evaluate", cached=True))(cfg, target, heads, key)
+        head = heads[get_method(cfg.train.method).name]
+        champion = champion_to_measure(cfg, head)
+        if champion is not None:
+            get_run_logger().info("measuring champion v%s beside the new head (same prompts, K and engine settings)",
+                                  champion.version)
+        key = evaluation_key(cfg, target, heads, head_key, champion)
+        online = online_task.with_options(**limits(cfg, "evaluate", cached=True))(cfg, target, heads, key, champion)
         get_run_logger().info("%s", acceptance_markdown(online))
         publish_acceptance_artifact(online, cfg.name)
         return online
@@ -188,15 +196,15 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
 
 
 @task(name="register-and-gate", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
-def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool, lineage: dict) -> PublishOutcome:
-    return publish_once(cfg, tracker, Path(head_dir), online, validated=validated, lineage=lineage)
+def publish_task(cfg: PipelineConfig, tracker, head_dir: str, online, validated: bool) -> PublishOutcome:
+    return publish_once(cfg, tracker, Path(head_dir), online, validated=validated)
 
 
 @flow(name="peagle-publish", flow_run_name=run_namer("publish"))
 def publish_flow(config: str, head_dir: str | None = None, online_results: str | None = None,
-                 overrides: dict | None = None, mlflow_run_id: str | None = None,
-                 lineage: dict | None = None) -> PublishOutcome:
-    """Register the head (alias challenger) and promote it through the registry gate.
+                 overrides: dict | None = None, mlflow_run_id: str | None = None) -> PublishOutcome:
+    """Register the head (alias challenger, its ``lineage.json`` as tags) and promote it through
+    the registry gate (on the champion measured beside it in ``online_results``).
 
     ``head_dir`` / ``online_results``: by default the run directory's exported ``train.method`` head and
     the JSON the evaluate stage saved there (so a deployment names no machine-local path). With
@@ -210,15 +218,14 @@ def publish_flow(config: str, head_dir: str | None = None, online_results: str |
     head_dir = str(head_dir or stages.exported_head_dir(cfg, cfg.train.method))
     online_results = str(online_results or RunLayout(cfg.run_dir).online_results)
     online = OnlineResult.load(online_results)
-    lineage = lineage or {}
     validated = drafted(online, get_method(cfg.train.method).label)
     publish = publish_task.with_options(**limits(cfg, "publish"))
     with run_logs(cfg):
         if mlflow_run_id:
             tracker = Tracker(cfg.tracking, target_id=cfg.target.model, run_id=mlflow_run_id).start()
-            outcome = publish(cfg, tracker, head_dir, online, validated, lineage)
+            outcome = publish(cfg, tracker, head_dir, online, validated)
         else:
             with Tracker(cfg.tracking, target_id=cfg.target.model, config=cfg, run_name=f"{cfg.name}-publish") as tracker:
-                outcome = publish(cfg, tracker, head_dir, online, validated, lineage)
+                outcome = publish(cfg, tracker, head_dir, online, validated)
         get_run_logger().info("registered %s version %s: %s", cfg.name, outcome.version, outcome.promotion.reason)
         return outcome

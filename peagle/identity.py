@@ -90,9 +90,9 @@ def _digest_parts(*parts) -> str:
 def dataset_key(cfg, target) -> str:
     """The dataset: target+data config, prompt-file contents, target revision (``target``: a
     ``peagle.stages.TargetInfo``)."""
-    from peagle.lineage import lineage
+    from peagle.lineage import dataset_inputs
 
-    values = lineage(cfg, target)
+    values = dataset_inputs(cfg, target)
     return "data-" + _digest_parts(values["data_config_hash"], values["prompt_files"], values["target_revision"])
 
 
@@ -101,15 +101,18 @@ def training_key(cfg, data_dir, method: str | DraftingMethod) -> str:
     return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
 
 
-def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None = None) -> str:
+def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None = None, champion=None) -> str:
     """Online acceptance: the heads (their training keys when known, else their files' hashes;
-    the card does not count), the target, vLLM and eval settings."""
+    the card and the lineage file do not count), the registry champion measured beside them
+    (its content; ``peagle.tracking.gate.ChampionHead``), the target, vLLM and eval settings."""
     from pathlib import Path
 
     from peagle.fileio import sha256_file
-    from peagle.lineage import target_revision
+    from peagle.layout import LINEAGE_FILE
+    from peagle.lineage import revision_of
 
     head = head_key or {label: {p.name: sha256_file(p) for p in sorted(Path(d).glob("*"))
-                                if p.is_file() and p.name != "README.md"} for label, d in heads.items()}
-    return "eval-" + _digest_parts(head, sorted(heads), target_revision(cfg, target),
+                                if p.is_file() and p.name not in ("README.md", LINEAGE_FILE)}
+                        for label, d in heads.items()}
+    return "eval-" + _digest_parts(head, sorted(heads), champion and champion.content, revision_of(cfg, target),
                                    cfg.section_hash("vllm", "eval"), cfg.target.dtype)

@@ -4,14 +4,15 @@
 
     <run>/                              RunLayout(cfg.run_dir)
       data/                             DataLayout: the dataset (docs/design.md, "Dataset")
-        build.json  samples.jsonl  target_facts.json  vocab.safetensors  work/
+        build.json  samples.jsonl  target_facts.json  vocab.safetensors  lineage.json  work/
         splits/<train|eval>/manifest.json, shard-NNNNN.safetensors
       checkpoints/<method>/<identity>/  one head's training (peagle.identity, first 12 hex digits):
                                         launch_config.json, metrics.jsonl, train_result.json, latest, best
         step-NNNNNN/                    drafter.safetensors, head_spec.json, trainer_state.json
-      heads/<method>/                   the exported head (config.json, model.safetensors, README.md)
+      heads/<method>/                   the exported head (config.json, model.safetensors, README.md, lineage.json)
       eval/                             online_results.json, online_acceptance.png
       warm_start/v<N>/                  a downloaded registry champion (train.init_from: champion)
+      champion/v<N>/                    the registry champion, served beside the head by the evaluate stage
       revisions/<lineage key>/          a retraining revision: a run directory of its own
       config.resolved.json              the config the run's stage subflows load
 """
@@ -28,6 +29,8 @@ TARGET_FACTS_FILE = "target_facts.json"
 LEGACY_HEAD_SPEC_FILE = "head_spec.json"  # a dataset of an older peagle (drafter shape frozen at data time)
 VOCAB_FILE = "vocab.safetensors"
 MANIFEST_FILE = "manifest.json"
+# What a dataset was built from, and (in a head directory) what a head was trained on (peagle.lineage).
+LINEAGE_FILE = "lineage.json"
 SPLITS = ("train", "eval")
 TRAIN_SPLIT, EVAL_SPLIT = SPLITS
 
@@ -80,6 +83,11 @@ class DataLayout:
     @property
     def vocab(self) -> Path:
         return self.root / VOCAB_FILE
+
+    @property
+    def lineage(self) -> Path:
+        """The inputs the dataset was built from (prompt files, target revision, data config)."""
+        return self.root / LINEAGE_FILE
 
     @property
     def work(self) -> Path:
@@ -176,6 +184,10 @@ class RunLayout:
     def warm_start(self, version: str | int) -> Path:
         """A registry champion's head downloaded for ``train.init_from: champion``."""
         return self.root / "warm_start" / f"v{version}"
+
+    def champion(self, version: str | int) -> Path:
+        """The registry champion's head, downloaded to be measured beside this run's head."""
+        return self.root / "champion" / f"v{version}"
 
     def revision(self, key: str) -> Path:
         """The run directory of a retraining revision (``flows/retrain.py``)."""

@@ -1,20 +1,157 @@
-"""What a head is trained on, known before any work: the lineage retraining compares.
+"""What a head was trained on, and what differs now: the facts scheduled retraining decides by.
 
-A registered head carries its lineage as model-version tags (``tag_lineage``); the
-retraining flow compares them with the current inputs (``changes_since``) to decide
-whether anything changed. The training part is ``peagle.identity.training_hash``.
+A head's lineage is the dataset's inputs (prompt files by content, the target revision, the
+target/data config) plus the training half of its identity (``peagle.identity.training_hash``).
+Each part is written down where it is known, so every way of registering a head carries it:
+
+- the data stage records what built the dataset beside it (``data/lineage.json``);
+- export writes the head's ``lineage.json`` (those inputs + the training hash + the dataset's
+  manifests), but only when the checkpoint's own identity (``trainer_state.json``) proves it
+  was trained on that dataset with that config;
+- ``peagle.tracking.registry.register_head`` copies the head's ``lineage.json`` into the
+  version's tags (``peagle.lineage.*``), whichever flow or command registers it.
+
+The target revision names the target's content, never where it lies: a hub target's commit
+sha (``HfApi().model_info``; offline, the commit the cached snapshot's ref points at), a local
+directory's content hash (file names, sizes and sha256). The CLI and a worker agree on it.
+Whether to retrain and whether to promote are decided in ``peagle.tracking.gate``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from peagle.config import PipelineConfig
-from peagle.fileio import sha256_file as file_digest
+from peagle.config import ConfigError, PipelineConfig, TargetConfig
+from peagle.fileio import sha256_file, write_json_atomic
+from peagle.layout import LINEAGE_FILE, DataLayout
 
-LINEAGE_PREFIX = "peagle.lineage."
+log = logging.getLogger(__name__)
+
+LINEAGE_PREFIX = "peagle.lineage."  # model version tags holding a head's lineage
+DATASET_KEYS = ("data_config_hash", "target_revision", "prompt_files")  # what builds a dataset
+COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
+DIGEST_CACHE = Path("cache") / "file-sha256.json"  # under PEAGLE_HOME: sha256 of big files by (path, size, mtime)
+HUB_TIMEOUT_S = 30  # a scheduled run must not hang on an unreachable hub: it falls back to the cache
+
+# Top-level files that decide what a local target computes (config, tokenizer, weights, remote
+# code); documentation and peagle's build report of the embedded target do not.
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".model", ".tiktoken", ".txt",
+                       ".jinja", ".py")
+NOT_MODEL_FILES = ("build_report.json",)
+DOC_STEMS = ("readme", "license", "notice", "use_policy")
+
+
+# ----------------------------------------------------------------------------- the target's revision
+
+
+@dataclass(frozen=True)
+class TargetRevision:
+    value: str  # a hub commit sha, or "local:<content digest>"
+    source: str  # how it was found, for the logs ("hub commit of org/name@main", ...)
+
+
+def target_revision(target: TargetConfig, resolved: str, *, cache_dir: str | Path | None = None) -> TargetRevision:
+    """The revision of the target ``resolved`` (``peagle.target.resolve_target``'s answer) names."""
+    local = Path(resolved)
+    if local.is_dir():
+        digest, count = local_content_digest(local)
+        return TargetRevision(f"local:{digest[:16]}", f"content hash of {count} model files of a local directory")
+    return hub_revision(resolved, target.revision, cache_dir=cache_dir)
+
+
+def hub_revision(repo_id: str, revision: str | None = None, *, cache_dir: str | Path | None = None) -> TargetRevision:
+    """The commit ``repo_id@revision`` (default ``main``) points at on the hub.
+
+    Asks the hub with the user's token (``HF_TOKEN`` or ``hf auth login``'s, as huggingface_hub
+    finds it). Offline (``HF_HUB_OFFLINE``) or when the hub cannot answer: the commit the cached
+    snapshot's ``refs/<revision>`` names, and the source says so.
+    """
+    from huggingface_hub import HfApi, is_offline_mode
+
+    ref = revision or "main"
+    if COMMIT_SHA.match(ref):
+        return TargetRevision(ref, f"the configured commit of {repo_id}")
+    why = "HF_HUB_OFFLINE is set"
+    if not is_offline_mode():
+        try:
+            sha = HfApi().model_info(repo_id, revision=ref, timeout=HUB_TIMEOUT_S).sha
+            if sha:
+                return TargetRevision(sha, f"hub commit of {repo_id}@{ref}")
+            why = "the hub returned no commit"
+        except Exception as err:  # offline, gated without a token, 5xx, DNS (httpx errors are no OSError)
+            why = f"the hub did not answer: {(str(err).strip().splitlines() or [type(err).__name__])[0][:200]}"
+    cached = cached_hub_commit(repo_id, ref, cache_dir=cache_dir)
+    if cached is None:
+        raise ConfigError(
+            f"target.model {repo_id!r}: cannot tell its revision ({why}) and the Hugging Face cache holds no "
+            f"snapshot of {ref!r}. Unset HF_HUB_OFFLINE and check the network, set HF_TOKEN (or `hf auth login`) "
+            "for a gated or private model, or download it once (`hf download`)"
+        )
+    return TargetRevision(cached, f"commit of the cached snapshot {repo_id}@{ref} ({why})")
+
+
+def cached_hub_commit(repo_id: str, ref: str, *, cache_dir: str | Path | None = None) -> str | None:
+    """The commit the Hugging Face cache's ``refs/<ref>`` of ``repo_id`` names (None: not cached)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    refs = Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs"
+    path = refs / ref
+    return path.read_text().strip() if path.is_file() else None
+
+
+def is_model_file(path: Path) -> bool:
+    name = path.name
+    return (path.is_file() and not name.startswith(".") and path.suffix in MODEL_FILE_SUFFIXES
+            and name not in NOT_MODEL_FILES and path.stem.lower() not in DOC_STEMS)
+
+
+def local_content_digest(root: Path) -> tuple[str, int]:
+    """(sha256 over ``name:size:sha256`` of a directory's top-level model files, their count).
+
+    Top level only: transformers and vLLM load a model from there (a hub repo's ``original/``
+    weights are not what they serve). File digests are cached by path, size and mtime, so a
+    16 GB target is hashed once, not on every scheduled run.
+    """
+    files = sorted((p for p in Path(root).iterdir() if is_model_file(p)), key=lambda p: p.name)
+    if not files:
+        raise ConfigError(f"target directory {root} holds no model files (config, tokenizer, weights)")
+    digests = cached_digests(files)
+    parts = [f"{p.name}:{p.stat().st_size}:{digests[p]}" for p in files]
+    return _digest_strings(parts), len(files)
+
+
+def cached_digests(files: list[Path]) -> dict[Path, str]:
+    """sha256 of each file, reusing the digest cache where a file's size and mtime are unchanged."""
+    from peagle.paths import peagle_home
+
+    cache_path = peagle_home() / DIGEST_CACHE
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        cache = {}
+    out, changed = {}, False
+    for path in files:
+        stat, key = path.stat(), str(path.resolve())
+        hit = cache.get(key)
+        if hit and hit["size"] == stat.st_size and hit["mtime_ns"] == stat.st_mtime_ns:
+            out[path] = hit["sha256"]
+            continue
+        out[path] = sha256_file(path)
+        cache[key] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": out[path]}
+        changed = True
+    if changed:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cache_path, cache, durable=False)  # a cache: losing it costs one re-hash
+    return out
+
+
+# ----------------------------------------------------------------------------- the current inputs
 
 
 def prompt_file_hashes(cfg: PipelineConfig) -> dict[str, str]:
@@ -27,45 +164,110 @@ def prompt_file_hashes(cfg: PipelineConfig) -> dict[str, str]:
         if src.kind == "hf" or not path.exists():
             hashes[src.path] = f"hub:{src.path}@{src.split}/{src.subset or ''}"
         elif path.is_dir():
-            hashes[src.path] = _digest_strings(f"{p.relative_to(path)}:{file_digest(p)}"
+            hashes[src.path] = _digest_strings(f"{p.relative_to(path)}:{sha256_file(p)}"
                                                for p in sorted(path.rglob("*")) if p.is_file())
         else:
-            hashes[src.path] = file_digest(path)
+            hashes[src.path] = sha256_file(path)
     return hashes
 
 
-def target_revision(cfg: PipelineConfig, target) -> str:
-    """The configured revision, else a digest of the resolved target's config and weight files
-    (``target``: a ``peagle.stages.TargetInfo``; the directory's name counts, never its absolute
-    path: the CLI and a worker may differ)."""
-    if cfg.target.revision:
-        return cfg.target.revision
-    root = Path(target.path)
-    parts = [root.resolve().name]
-    if (root / "config.json").exists():
-        parts.append(file_digest(root / "config.json"))
-    parts += [f"{p.name}:{p.stat().st_size}" for p in sorted(root.glob("*.safetensors"))]
-    return "local:" + _digest_strings(parts)[:16]
+def data_config_hash(cfg: PipelineConfig, target) -> str:
+    """The target and data sections; a local target directory's path left out (its content is the
+    target revision), so the same target copied elsewhere (a worker's disk) is the same input."""
+    if not cfg.target.is_embedded and Path(target.path).is_dir():
+        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"model": "<local directory>"})})
+    return cfg.section_hash("target", "data")
 
 
-def _digest_strings(parts) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+def revision_of(cfg: PipelineConfig, target) -> str:
+    """The resolved target's revision (``TargetInfo.revision``, set by ``prepare_target``;
+    computed here when a caller built the TargetInfo itself)."""
+    return target.revision or target_revision(cfg.target, target.path).value
 
 
 def lineage(cfg: PipelineConfig, target) -> dict[str, str]:
-    """What a head is trained on, known before any work: the keys retraining compares.
-
-    The dataset is named by what builds it (it is not built yet); the training part is the
-    head identity's own (``peagle.identity.training_hash``: bookkeeping never counts).
-    """
+    """What a head trained now would be trained on, known before any work: the keys retraining
+    compares. The dataset is named by what builds it (it is not built yet); the training part
+    is the head identity's own (``peagle.identity.training_hash``: bookkeeping never counts)."""
     from peagle.identity import training_hash
 
     return {
-        "data_config_hash": cfg.section_hash("target", "data"),
+        "data_config_hash": data_config_hash(cfg, target),
         "train_config_hash": training_hash(cfg),
-        "target_revision": target_revision(cfg, target),
+        "target_revision": revision_of(cfg, target),
         "prompt_files": json.dumps(prompt_file_hashes(cfg), sort_keys=True),
     }
+
+
+def dataset_inputs(cfg: PipelineConfig, target) -> dict[str, str]:
+    """The part of the lineage that builds the dataset (read before it is built)."""
+    values = lineage(cfg, target)
+    return {k: values[k] for k in DATASET_KEYS}
+
+
+def record_dataset_inputs(data_dir: str | Path, inputs: dict[str, str]) -> Path:
+    """Write what built the dataset beside it (atomic): export reads it back for the head."""
+    return write_json_atomic(DataLayout(data_dir).lineage, inputs, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- a head's lineage
+
+
+def head_lineage(cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Path, method) -> tuple[dict | None, str]:
+    """(the lineage of ``checkpoint``'s head, "") or (None, why it cannot be told).
+
+    Told only when the checkpoint's identity (recorded by the trainer) is this config's on this
+    dataset: a lineage stamped on a head trained on other inputs would stop retraining forever.
+    """
+    from peagle.identity import dataset_manifests, head_identity, training_hash
+    from peagle.train.checkpoint import read_trainer_state, resolve_checkpoint
+
+    data = DataLayout(data_dir)
+    if not data.lineage.is_file():
+        return None, f"{data.lineage} is missing (the dataset was built by an older peagle)"
+    manifests = dataset_manifests(data_dir)
+    trained = read_trainer_state(resolve_checkpoint(checkpoint)).config_hash
+    if trained != head_identity(cfg, manifests, method):
+        return None, (f"checkpoint {checkpoint} was not trained on {data.root} with this config "
+                      "(its head identity differs)")
+    inputs = json.loads(data.lineage.read_text())
+    return {**{k: inputs[k] for k in DATASET_KEYS}, "train_config_hash": training_hash(cfg, method),
+            "data_manifests": json.dumps(manifests, sort_keys=True)}, ""
+
+
+def write_head_lineage(head_dir: str | Path, cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Path,
+                       method) -> dict | None:
+    """Write ``<head>/lineage.json`` (atomic); without a provable lineage write none and say why
+    (the next retraining then retrains: the safe side)."""
+    values, why = head_lineage(cfg, data_dir, checkpoint, method)
+    path = Path(head_dir) / LINEAGE_FILE
+    if values is None:
+        path.unlink(missing_ok=True)  # an earlier export's lineage would claim these weights
+        log.warning("head %s ships no lineage.json: %s; scheduled retraining will retrain it", head_dir, why)
+        return None
+    write_json_atomic(path, values, sort_keys=True)
+    return values
+
+
+def read_head_lineage(head_dir: str | Path) -> dict[str, str]:
+    """A head directory's lineage (empty when it ships none)."""
+    path = Path(head_dir) / LINEAGE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def lineage_tags(values: dict[str, str]) -> dict[str, str]:
+    """A lineage as model version tags."""
+    return {LINEAGE_PREFIX + k: str(v) for k, v in values.items()}
+
+
+def recorded_lineage(version) -> dict[str, str]:
+    """The lineage tags of a registered model version (empty when it has none)."""
+    if version is None:
+        return {}
+    return {k.removeprefix(LINEAGE_PREFIX): v for k, v in version.tags.items() if k.startswith(LINEAGE_PREFIX)}
+
+
+# ----------------------------------------------------------------------------- comparing
 
 
 def lineage_key(values: dict[str, str]) -> str:
@@ -76,7 +278,7 @@ def lineage_key(values: dict[str, str]) -> str:
 def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
     """Human-readable differences between a head's recorded lineage and the current inputs."""
     if not recorded:
-        return ["the champion has no recorded lineage (trained before lineage tags existed)"]
+        return ["the champion has no recorded lineage (registered before heads shipped lineage.json)"]
     changes = []
     old_files = json.loads(recorded.get("prompt_files", "{}"))
     new_files = json.loads(current["prompt_files"])
@@ -94,32 +296,5 @@ def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str
     return changes
 
 
-def recorded_lineage(version) -> dict[str, str]:
-    """The lineage tags of a registered model version (empty when it has none)."""
-    if version is None:
-        return {}
-    return {k.removeprefix(LINEAGE_PREFIX): v for k, v in version.tags.items() if k.startswith(LINEAGE_PREFIX)}
-
-
-def tag_lineage(tracker, name: str, version: str, values: dict[str, str]) -> None:
-    """Write a head's lineage on its registered version, where retraining reads it back."""
-    for key, value in values.items():
-        tracker.client.set_model_version_tag(name, str(version), LINEAGE_PREFIX + key, value)
-
-
-def revision_config(cfg: PipelineConfig, current: dict[str, str]) -> PipelineConfig:
-    """The same config, writing checkpoints and heads under a directory of its own inputs
-    (``<run>/revisions/<lineage key>``)."""
-    from peagle.layout import RunLayout
-
-    workdir = RunLayout(cfg.run_dir).revision(lineage_key(current))
-    return cfg.model_copy(update={"workdir": str(workdir)})
-
-
-def registry_state(cfg: PipelineConfig, current: dict[str, str]):
-    """(champion, its lineage, the newest version already trained on exactly ``current`` or None)."""
-    from peagle.tracking.registry import champion_and_match
-
-    champion, latest = champion_and_match(
-        cfg.tracking, cfg.target.model, lambda v: not changes_since(recorded_lineage(v), current))
-    return champion, recorded_lineage(champion), latest
+def _digest_strings(parts) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()

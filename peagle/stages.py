@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 class TargetInfo:
     path: str
     facts: TargetFacts  # before the data stage: no draft vocabulary size yet
+    revision: str | None = None  # peagle.lineage.target_revision: hub commit or local content hash
+    revision_source: str = ""  # how the revision was found (for the logs)
 
 
 @dataclass
@@ -47,21 +49,29 @@ class StageTimer:
 
 
 def prepare_target(cfg: PipelineConfig) -> TargetInfo:
-    """Resolve (or build) the target and check the config against it before heavy work."""
+    """Resolve (or build) the target and check the config against it before heavy work; tell its
+    revision (what the lineage and cache keys name it by) once per run."""
+    from peagle.lineage import target_revision
     from peagle.target import load_target_config_and_tokenizer, resolve_target
 
     path = resolve_target(cfg.target)
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
     facts = target_facts_from_target(cfg, target_config, tokenizer)
     drafter_shape(cfg, facts)  # a drafter/train section that cannot work fails now, not after the data stage
-    return TargetInfo(path=path, facts=facts)
+    revision = target_revision(cfg.target, path)
+    return TargetInfo(path=path, facts=facts, revision=revision.value, revision_source=revision.source)
 
 
 def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False):
-    """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary."""
+    """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary, and what
+    built them (``data/lineage.json``, which export hands on to the head)."""
     from peagle.data.pipeline import build_dataset
+    from peagle.lineage import dataset_inputs, record_dataset_inputs
 
-    return build_dataset(cfg, target.path, target.facts, progress=True, force=force)
+    inputs = dataset_inputs(cfg, target)  # read before the build: what it is built from
+    info = build_dataset(cfg, target.path, target.facts, progress=True, force=force)
+    record_dataset_inputs(info.data_dir, inputs)
+    return info
 
 
 def dataset_on_disk(cfg: PipelineConfig) -> bool:
@@ -201,13 +211,16 @@ def exported_head_dir(cfg: PipelineConfig, method: Method) -> Path:
 
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
                 *, method: Method | None = None, card=None) -> Path:
-    """Write the vLLM head directory of a ``method`` checkpoint (default ``train.method``);
-    refuses a head that fails validation."""
+    """Write the vLLM head directory of a ``method`` checkpoint (default ``train.method``) with the
+    lineage it provably was trained on (``peagle.lineage``); refuses a head that fails validation."""
     from peagle.export.head import export_from_checkpoint
+    from peagle.lineage import write_head_lineage
 
     method = get_method(method or cfg.train.method)
-    return export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
+    head = export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
                                   target_path=target.path, overwrite=True, method=method)
+    write_head_lineage(head, cfg, data_dir, checkpoint, method)
+    return head
 
 
 def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
@@ -241,15 +254,20 @@ def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
     return load_prompt_set(str(path) if path.exists() else prompts, cfg.eval.num_prompts)
 
 
-def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path]):
+def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path], champion=None):
     """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
-    method's label, drafting as the method does), against the no-speculation baseline."""
+    method's label, drafting as the method does), against the no-speculation baseline; the
+    registry's champion (a ``peagle.tracking.gate.ChampionHead``) in the same run when given,
+    its rows labelled ``champion-v<N>``, so the gate compares like with like."""
     from peagle.eval.online import evaluate_online as run_online
 
     methods = {get_method(m).label: get_method(m) for m in heads}
+    paths = {get_method(m).label: Path(d) for m, d in heads.items()}
+    if champion is not None:
+        methods[champion.label], paths[champion.label] = get_method(champion.method), Path(champion.head_dir)
     return run_online(
         target.path,
-        {get_method(m).label: Path(d) for m, d in heads.items()},
+        paths,
         cfg.vllm,
         load_eval_prompts(cfg),
         ks=cfg.eval.ks,

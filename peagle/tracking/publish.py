@@ -1,4 +1,7 @@
-"""Registering a pipeline run's head: its promotion score, the serving check, the registry gate."""
+"""Registering a pipeline run's head: its promotion score, the serving check, the registry gate.
+
+The head's lineage travels in its own ``lineage.json`` (``register_head`` tags it); the gate
+compares it with the champion measured in the same evaluation run (``peagle.tracking.gate``)."""
 
 from __future__ import annotations
 
@@ -18,16 +21,15 @@ def drafted(online, label: str) -> bool:
 def promotion_score(cfg: PipelineConfig, online) -> float:
     """Weighted acceptance length of the ``train.method`` head at the largest evaluated K over
     the configured benchmarks."""
-    from peagle.tracking.registry import weighted_score
+    from peagle.tracking.gate import head_score
 
-    acceptance = online.acceptance_by_k(get_method(cfg.train.method).label)
-    value = acceptance[max(acceptance)] if acceptance else 0.0
-    benchmarks = {name: value for name in cfg.tracking.benchmark_weights}
-    return weighted_score(benchmarks, cfg.tracking.benchmark_weights)
+    return head_score(cfg, online, get_method(cfg.train.method).label)
 
 
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
-    """Register the ``train.method`` head as a model version (alias challenger); promote it only if it wins."""
+    """Register the ``train.method`` head as a model version (alias challenger); promote it only if
+    it beats the champion measured in the same evaluation run (``online``)."""
+    from peagle.tracking.gate import measured_champions
     from peagle.tracking.mlflow_run import registered_model_name
     from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
 
@@ -41,7 +43,8 @@ def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
               "method": method.label, "config": cfg.name},
         metrics={"score": score, **{f"acceptance_length_k{k}": v for k, v in acceptance.items()}},
     )
-    decision = promote_if_better(tracker, name, version.version, score, cfg.tracking.promotion_margin, validated)
+    decision = promote_if_better(tracker, name, version.version, score, cfg.tracking.promotion_margin, validated,
+                                 measured=measured_champions(cfg, online))
     return version, decision
 
 
@@ -52,11 +55,10 @@ class PublishOutcome:
     reused: bool  # an identical head was already registered: nothing new registered
 
 
-def publish_once(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool,
-                 lineage: dict[str, str]) -> PublishOutcome:
+def publish_once(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool) -> PublishOutcome:
     """Register and gate the head unless an identical one (same files) is registered already;
-    a new version carries its lineage (what retraining compares) and its content hash."""
-    from peagle.lineage import tag_lineage
+    a new version carries its lineage (its ``lineage.json``: what retraining compares) and its
+    content hash."""
     from peagle.tracking.mlflow_run import registered_model_name
     from peagle.tracking.registry import (
         PromotionDecision,
@@ -75,6 +77,5 @@ def publish_once(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
         reason = f"identical head already registered as version {twin.version}; nothing registered"
         return PublishOutcome(str(twin.version), PromotionDecision(False, reason, before, before), True)
     version, decision = publish_head(cfg, tracker, Path(head_dir), online, validated=validated)
-    tag_lineage(tracker, name, version.version, lineage)
     tag_head_content(tracker, name, version.version, Path(head_dir))
     return PublishOutcome(str(version.version), decision, False)

@@ -1,9 +1,10 @@
 """The registry gate between training and serving.
 
 Every exported head becomes a version of the target's registered model and takes the
-``challenger`` alias. The ``champion`` alias (what deployments pull) moves only to a
-head that passed validation and whose weighted acceptance beats the champion's by the
-configured margin; every decision is written on the version as tags, so the registry
+``challenger`` alias, with its lineage (the head's ``lineage.json``) as tags. The ``champion``
+alias (what deployments pull) moves only to a head that passed validation and whose weighted
+acceptance beats the champion's, both measured in the same evaluation run
+(``peagle.tracking.gate``), by the configured margin; every decision is written on the version as tags, so the registry
 itself explains why a head is or is not serving. The version's description (what the MLflow
 UI shows on its page) is the head's model card as registered.
 """
@@ -17,7 +18,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,7 @@ TAG_VALIDATED = "peagle.validated"
 TAG_DECISION = "peagle.promotion.decision"
 TAG_REASON = "peagle.promotion.reason"
 TAG_CHAMPION_BEFORE = "peagle.promotion.champion_before"
+TAG_CHAMPION_SCORE = "peagle.promotion.champion_score"  # the champion's score measured beside the head
 TAG_MARGIN = "peagle.promotion.margin"
 TAG_DECIDED_AT = "peagle.promotion.decided_at"
 TAG_SUPERSEDED_BY = "peagle.superseded_by"
@@ -136,8 +138,12 @@ def register_head(
     version of ``name`` with the ``challenger`` alias, its model card as the description.
 
     ``tags`` carry what the version is (target id, K, validation status...); ``metrics``
-    are written as ``metric.<name>`` tags so the registry view shows them.
+    are written as ``metric.<name>`` tags so the registry view shows them; the head's own
+    ``lineage.json`` (what it was trained on) becomes ``peagle.lineage.*`` tags, which
+    scheduled retraining compares with its current inputs, whichever flow registers it.
     """
+    from peagle.lineage import lineage_tags, read_head_lineage
+
     client = _client(client)
     head_dir = Path(head_dir)
     files = head_file_manifest(head_dir)
@@ -152,6 +158,7 @@ def register_head(
 
     version_tags = {str(k): scrub_text(str(v)) for k, v in tags.items()}
     version_tags.update({f"metric.{k}": repr(float(v)) for k, v in metrics.items()})
+    version_tags.update(lineage_tags(read_head_lineage(head_dir)))
     version_tags[TAG_FILES] = json.dumps(files, sort_keys=True)
     ensure_registered_model(client, name)
     card = head_dir / CARD
@@ -268,22 +275,32 @@ def promote_if_better(
     score: float,
     margin: float,
     validated: bool,
+    *,
+    measured: Mapping[str, float] | None = None,
 ) -> PromotionDecision:
     """Move ``champion`` to ``version`` only if it is validated and its score beats the
-    champion's by ``margin`` (relative): ``score > champion_score * (1 + margin)``."""
+    champion's by ``margin`` (relative): ``score > champion_score * (1 + margin)``.
+
+    ``measured`` maps champion versions to their scores measured in the same evaluation run
+    as ``score`` (``peagle.tracking.gate.measured_champions``); a champion not measured there
+    is not compared with: its stored score came from another run (other prompts, K or hardware).
+    """
     client = _client(client)
     version = str(version)
-    if not math.isfinite(score) or score < 0:
-        raise ValueError(f"score must be a finite acceptance >= 0, got {score}")
+    measured = {str(v): float(s) for v, s in (measured or {}).items()}
+    if not all(math.isfinite(s) and s >= 0 for s in (score, *measured.values())):
+        raise ValueError(f"scores must be finite acceptances >= 0, got {score} and {measured}")
     if margin < 0:
         raise ValueError(f"promotion margin must be >= 0, got {margin}")
     client.get_model_version(name, version)  # a clear error for an unknown version
     champion = champion_version(client, name)
     before = str(champion.version) if champion else None
-    promoted, reason = _decide(champion, version, score, margin, validated)
+    promoted, reason = _decide(champion, version, score, margin, validated, measured)
 
     client.set_model_version_tag(name, version, TAG_SCORE, repr(float(score)))
     client.set_model_version_tag(name, version, TAG_VALIDATED, str(bool(validated)).lower())
+    if before in measured:
+        client.set_model_version_tag(name, version, TAG_CHAMPION_SCORE, repr(measured[before]))
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version)
         if before:
@@ -299,23 +316,26 @@ def promote_if_better(
     return PromotionDecision(promoted, reason, before, version if promoted else before)
 
 
-def _decide(champion: ModelVersion | None, version: str, score: float, margin: float, validated: bool):
+def _decide(champion: ModelVersion | None, version: str, score: float, margin: float, validated: bool,
+            measured: Mapping[str, float]):
     if not validated:
         return False, "refused: the head did not pass validation"
     if champion is None:
         return True, f"promoted: first validated head (score {score:.4f}), no champion yet"
     if str(champion.version) == version:
         return False, f"version {version} is already the champion"
-    recorded = champion.tags.get(TAG_SCORE)
-    if recorded is None:
+    stored = champion.tags.get(TAG_SCORE)
+    history = f"; its stored score from its own run, {float(stored):.4f}, is history" if stored else ""
+    if str(champion.version) not in measured:
         return False, (
-            f"refused: champion v{champion.version} has no recorded score (tag {TAG_SCORE}); "
-            "tag it with its weighted acceptance or move the alias by hand"
+            f"refused: champion v{champion.version} was not measured in this evaluation run{history}. "
+            "The gate compares heads measured together (same prompts, K, vLLM and hardware): run the "
+            "evaluate stage again, which serves the champion beside the head"
         )
-    champion_score = float(recorded)
+    champion_score = measured[str(champion.version)]
     needed = champion_score * (1 + margin)
-    comparison = (f"score {score:.4f} vs champion v{champion.version} {champion_score:.4f} "
-                  f"x (1 + margin {margin:g}) = {needed:.4f}")
+    comparison = (f"score {score:.4f} vs champion v{champion.version} {champion_score:.4f} measured in the same "
+                  f"run, x (1 + margin {margin:g}) = {needed:.4f}{history}")
     if score > needed:
         return True, f"promoted: {comparison}"
     return False, f"refused: {comparison} (must be strictly greater)"

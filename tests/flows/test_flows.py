@@ -2,8 +2,10 @@
 
 The first run is ``tests/conftest.py::pipeline_run`` (shared with the end-to-end tests);
 here: a second run with unchanged inputs (data, training and online evaluation come from
-the cache), a retraining run with nothing new (does nothing), and one after new prompts
-were appended (regenerates only what it lacks, promotes only when better).
+the cache), the head published alone into another registry (its lineage goes with it), a
+retraining run with nothing new (does nothing), and one after new prompts were appended
+(regenerates only what it lacks; the champion is measured beside the new head in the same
+vLLM run, and promotion is decided on that comparison).
 """
 
 import json
@@ -14,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from flows.common import artifact_key
+from peagle.config import load_config
+from peagle.lineage import read_head_lineage, recorded_lineage
+from peagle.tracking.gate import head_score
 
 pytestmark = pytest.mark.slow
 
@@ -111,6 +116,26 @@ def test_lineage_is_recorded_on_the_registered_version(two_runs, pipeline_run):
     assert tags["peagle.lineage.data_config_hash"] == first.lineage["data_config_hash"]
     assert tags["peagle.lineage.target_revision"].startswith("local:")
     assert "train" in tags["peagle.lineage.data_manifests"]
+    assert recorded_lineage(client.get_model_version("peagle-embedded", first.model_version)) == \
+        read_head_lineage(first.head_dir)  # the head's own lineage.json, shipped with it
+
+
+def test_a_head_published_alone_carries_its_lineage_and_is_not_retrained(two_runs, pipeline_run, tmp_path):
+    """The standalone publish flow (publish-demo) registers the run's head into another registry;
+    a scheduled retrain against that registry finds the head's inputs unchanged."""
+    from mlflow import MlflowClient
+
+    from flows.retrain import retrain_flow
+    from flows.stages import publish_flow
+
+    first, *_ = two_runs
+    overrides = {**pipeline_run.overrides, "tracking.tracking_uri": f"sqlite:///{tmp_path / 'other.db'}"}
+    published = publish_flow(pipeline_run.config, overrides=overrides)
+    version = MlflowClient(tracking_uri=overrides["tracking.tracking_uri"]).get_model_version(
+        "peagle-embedded", published.version)
+    assert published.promotion.promoted and recorded_lineage(version) == read_head_lineage(first.head_dir)
+    result = retrain_flow(pipeline_run.config, overrides)
+    assert not result.retrained and result.message.startswith(f"nothing new: champion v{published.version}")
 
 
 def test_retraining_with_nothing_new_does_nothing(two_runs, pipeline_run):
@@ -157,15 +182,31 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     assert Path(result.pipeline.head_dir).is_relative_to(tmp / "run" / "revisions")
     assert result.pipeline.data_dir == str(tmp / "run" / "data")
 
+    # the gate measured the champion beside the new head, in the same vLLM run, and decided on that
     client = MlflowClient(tracking_uri=pipeline_run.overrides["tracking.tracking_uri"])
     champion_before = client.get_model_version("peagle-embedded", result.champion_before)
     new = client.get_model_version("peagle-embedded", result.pipeline.model_version)
-    better = float(new.tags["peagle.score"]) > float(champion_before.tags["peagle.score"])
-    assert result.pipeline.promotion.promoted == better
+    online, label = result.pipeline.online, f"champion-v{champion_before.version}"
+    assert online.methods() == ["p-eagle", label]
+    rows = {m: [(r.k, r.concurrency, r.requests) for r in online.rows if r.method == m] for m in online.methods()}
+    assert rows["p-eagle"] == rows[label] and all(r.num_drafts > 0 for r in online.rows if r.method == label)
+    cfg = load_config(pipeline_run.config, retrain_overrides(pipeline_run))
+    score, champion_score = head_score(cfg, online, "p-eagle"), head_score(cfg, online, label)
+    assert float(new.tags["peagle.score"]) == score
+    assert float(new.tags["peagle.promotion.champion_score"]) == champion_score
+    better = score > champion_score * (1 + cfg.tracking.promotion_margin)
+    assert result.pipeline.promotion.promoted == better, result.pipeline.promotion.reason
+    assert "measured in the same run" in result.pipeline.promotion.reason
+    first_cfg = load_config(pipeline_run.config, pipeline_run.overrides)  # the champion's own-run score: history
+    assert float(champion_before.tags["peagle.score"]) == head_score(first_cfg, pipeline_run.result.online, "p-eagle")
     champion = client.get_model_version_by_alias("peagle-embedded", "champion")
     assert champion.version == (new.version if better else champion_before.version)
     assert json.loads(new.tags["peagle.lineage.prompt_files"]) != json.loads(
         champion_before.tags["peagle.lineage.prompt_files"])
+    # the new head's card states its own acceptance, not the champion's
+    card = (Path(result.pipeline.head_dir) / "README.md").read_text()
+    assert label not in card
+    assert f"| 3 | {online.acceptance_by_k('p-eagle')[3]:.2f} |" in card
 
     # warm-started from the champion it replaces: its first steps start from the champion's loss
     revision = Path(result.pipeline.checkpoint_dir).parent

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from peagle.layout import LINEAGE_FILE
+from peagle.lineage import recorded_lineage
 from peagle.tracking.mlflow_run import Tracker
 from peagle.tracking.registry import (
     CHALLENGER,
     CHAMPION,
+    TAG_CHAMPION_SCORE,
     MAX_DESCRIPTION_CHARS,
     TAG_DECISION,
     TAG_SCORE,
@@ -91,7 +94,8 @@ def test_gate_moves_champion_only_for_validated_margin_beaters(tracker, register
     promote_if_better(tracker, model_name, v1.version, score=0.5, margin=0.05, validated=True)
     v2 = register(model_name, seed=2, validated=validated)
 
-    decision = promote_if_better(tracker, model_name, v2.version, score=score, margin=0.05, validated=validated)
+    decision = promote_if_better(tracker, model_name, v2.version, score=score, margin=0.05, validated=validated,
+                                 measured={v1.version: 0.5})
 
     assert decision.promoted is promoted
     assert decision.champion_before == str(v1.version)
@@ -103,6 +107,46 @@ def test_gate_moves_champion_only_for_validated_margin_beaters(tracker, register
     assert ("validation" in decision.reason) is (not validated)
     old = tracker.client.get_model_version(model_name, v1.version).tags
     assert (old.get(TAG_SUPERSEDED_BY) == str(v2.version)) is promoted
+
+
+def test_the_gate_compares_with_the_champion_measured_in_the_same_run(tracker, register, model_name):
+    """v1's stored score came from its own run (other hardware, say); only the same-run score counts."""
+    v1 = register(model_name, seed=1)
+    promote_if_better(tracker, model_name, v1.version, score=0.9, margin=0.05, validated=True)
+    v2 = register(model_name, seed=2)
+
+    decision = promote_if_better(tracker, model_name, v2.version, score=0.6, margin=0.05, validated=True,
+                                 measured={v1.version: 0.5})
+
+    assert decision.promoted, decision.reason
+    assert f"champion v{v1.version} 0.5000 measured in the same run" in decision.reason
+    assert "stored score from its own run, 0.9000, is history" in decision.reason
+    assert float(tracker.client.get_model_version(model_name, v2.version).tags[TAG_CHAMPION_SCORE]) == 0.5
+    assert float(tracker.client.get_model_version(model_name, v1.version).tags[TAG_SCORE]) == 0.9  # history kept
+
+
+@pytest.mark.parametrize("measured", [None, {"99": 0.1}], ids=["nothing-measured", "another-version-measured"])
+def test_a_champion_not_measured_beside_the_head_is_not_compared_with(tracker, register, model_name, measured):
+    v1 = register(model_name, seed=1)
+    promote_if_better(tracker, model_name, v1.version, score=0.1, margin=0.0, validated=True)
+    v2 = register(model_name, seed=2)
+
+    decision = promote_if_better(tracker, model_name, v2.version, score=3.0, margin=0.0, validated=True,
+                                 measured=measured)
+
+    assert not decision.promoted and decision.champion_after == str(v1.version)
+    assert f"champion v{v1.version} was not measured in this evaluation run" in decision.reason
+    assert "run the evaluate stage again" in decision.reason
+    assert TAG_CHAMPION_SCORE not in tracker.client.get_model_version(model_name, v2.version).tags
+
+
+def test_the_heads_lineage_file_becomes_version_tags(tracker, tmp_path, make_head_dir, model_name):
+    head = make_head_dir(tmp_path / f"{model_name}-head", seed=5)  # its own artifact path in the shared run
+    lineage = {"target_revision": "local:abc", "train_config_hash": "t1", "prompt_files": '{"p.jsonl": "h"}'}
+    (head / LINEAGE_FILE).write_text(json.dumps(lineage))
+    version = register_head(tracker, tracker.run_id, head, model_name, tags={}, metrics={})
+    assert recorded_lineage(version) == lineage
+    assert LINEAGE_FILE in json.loads(version.tags["peagle.files"])  # shipped with the head, verified on download
 
 
 def test_download_champion_gives_the_registered_files(tracker, register, tmp_path, model_name):
