@@ -290,6 +290,7 @@ def test_pull_the_shared_runs_champion(pipeline_run, pipeline_mlflow, user_env, 
 # ----------------------------------------------------------------------------- Prefect
 
 
+@pytest.mark.slow  # two Prefect flow runs in subprocesses: ~65 s on 2 cores
 def test_retrain_with_nothing_new(prefect_server, user_env, embedded_target, tmp_path):
     """`peagle retrain configs/demo.yaml [--warm-start]` against a registry whose champion was
     trained on exactly these inputs: nothing is generated or trained, and it says so."""
