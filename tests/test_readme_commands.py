@@ -9,7 +9,8 @@ Substitutions, the only differences from what a user types in the checkout:
 - ``.venv/bin/`` is the bin directory of the Python running the tests (``.venv/bin`` itself
   after ``make test``), with this checkout first on PYTHONPATH;
 - ``[...]`` (an optional part) runs both without it and with it;
-- ``TARGET`` (``peagle pull --target``) is the embedded target's directory;
+- ``TARGET`` (``peagle pull --target``) is the embedded target's directory, and ``8000``
+  (``peagle serve --port``) a free port;
 - ``--set`` overrides are appended where a command takes them: the shared pipeline run's own
   (tests/conftest.py) to work on its outputs, and a few that shrink the work (train steps,
   eval prompts). Commands run with cwd = the checkout (the README's relative ``configs/``);
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.mlflow_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -59,9 +62,8 @@ COVERAGE = {
     ".venv/bin/peagle retrain configs/demo.yaml --warm-start": f"{THIS}::test_retrain_with_nothing_new",
     ".venv/bin/peagle deploy": f"{THIS}::test_deploy",
     ".venv/bin/peagle pull models:/peagle-embedded@champion heads/champion --target TARGET":
-        f"{THIS}::test_pull_the_shared_runs_champion",
-    ".venv/bin/peagle serve heads/champion --port 8000":
-        "tests/tracking/test_pull_and_serve.py::test_pull_the_champion_and_serve_it_with_vllm",
+        f"{THIS}::test_pull_and_serve_the_shared_runs_champion",
+    ".venv/bin/peagle serve heads/champion --port 8000": f"{THIS}::test_pull_and_serve_the_shared_runs_champion",
 }
 CI_FILE = REPO / ".ci" / "run"
 
@@ -271,10 +273,13 @@ def test_evaluate_the_shared_runs_heads(pipeline_run, user_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_pull_the_shared_runs_champion(pipeline_run, pipeline_mlflow, user_env, embedded_target, tmp_path):
+def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, user_env, embedded_target, tmp_path):
     """`peagle pull models:/peagle-embedded@champion heads/champion --target TARGET` from the shared
-    run's `mlflow server` (MLFLOW_TRACKING_URI names it, as the README says)."""
+    run's `mlflow server` (MLFLOW_TRACKING_URI names it, as the README says), then
+    `peagle serve heads/champion --port PORT` as written (no vLLM arguments added): chat over
+    HTTP, and vLLM's own counters show the trained head's drafts accepted."""
     from peagle.export.card import read_serve_line
+    from tests.tracking.test_pull_and_serve import http_json, spec_decode_counters, stop_tree
 
     env = {**user_env, "MLFLOW_TRACKING_URI": pipeline_mlflow}
     argv = readme_argv(".venv/bin/peagle pull models:/peagle-embedded@champion heads/champion --target TARGET",
@@ -285,6 +290,35 @@ def test_pull_the_shared_runs_champion(pipeline_run, pipeline_mlflow, user_env, 
     assert (head / "model.safetensors").exists()
     line = read_serve_line((head / "README.md").read_text())
     assert (line.target_ref, line.head_ref) == (str(embedded_target), str(head))
+
+    port = free_port()
+    argv = readme_argv(".venv/bin/peagle serve heads/champion --port 8000", **{"8000": str(port)})
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as output:
+        server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while f"ready: {url}/v1" not in log.read_text(errors="replace"):  # the line the user waits for
+            assert server.poll() is None, f"peagle serve exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"peagle serve not ready after 600 s: {log.read_text()[-3000:]}"
+            time.sleep(2)
+        model = http_json(f"{url}/v1/models")["data"][0]["id"]
+        before = spec_decode_counters(url)
+        reply = http_json(f"{url}/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "Write a Python function that reverses a list."}],
+            "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        after = spec_decode_counters(url)
+    finally:
+        leftovers = stop_tree(server)
+    assert not leftovers, f"peagle serve left {leftovers} running"
+    assert reply["usage"]["completion_tokens"] == 48
+    drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+    print(f"served the shared run's champion: {drafts:.0f} drafts, acceptance length "
+          f"{1 + accepted / drafts if drafts else 0:.2f}")
+    assert drafts > 0 and accepted > 0
 
 
 # ----------------------------------------------------------------------------- Prefect
