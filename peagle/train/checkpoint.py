@@ -411,17 +411,20 @@ def base_optimizer(engine) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _full_tensors(engine, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+def _full_tensors(engine, param: torch.nn.Parameter, stepped: bool) -> dict[str, torch.Tensor]:
     """fp32 weights and AdamW moments of one parameter, whole; collective under ZeRO.
 
     A parameter DeepSpeed does not shard (ZeRO-0 in fp32) is its own fp32 master, with
-    its moments in the optimizer's state under itself.
+    its moments in the optimizer's state under itself. Before the first step (``stepped``
+    false) AdamW has no moments yet: zeros, what its first step starts from.
     """
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     full = {"fp32": safe_get_full_fp32_param(param)}
     for key in MOMENTS:
-        full[key] = safe_get_full_optimizer_state(param, key)
+        full[key] = safe_get_full_optimizer_state(param, key) if stepped and full["fp32"] is not None else None
+        if full[key] is None and full["fp32"] is not None:
+            full[key] = torch.zeros_like(full["fp32"])
     if full["fp32"] is None:
         own = base_optimizer(engine).state.get(param, {})
         full = {"fp32": param.detach(), **{key: own.get(key, torch.zeros_like(param)) for key in MOMENTS}}
@@ -431,11 +434,12 @@ def _full_tensors(engine, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
 def consolidated_optimizer_state(engine) -> dict[str, torch.Tensor]:
     """``{"fp32/NAME", "exp_avg/NAME", "exp_avg_sq/NAME"}`` for every trained parameter
     (every rank computes them: DeepSpeed's accessors are collectives)."""
+    stepped = any(base_optimizer(engine).state.values())
     _link_optimizer_state(engine)
     tensors = {}
     for name, param in engine.module.named_parameters():
         if param.requires_grad:
-            for key, value in _full_tensors(engine, param).items():
+            for key, value in _full_tensors(engine, param, stepped).items():
                 tensors[f"{key}/{name}"] = value
     return tensors
 
