@@ -12,7 +12,9 @@ Outputs under ``out_dir``: ``step-NNNNNN/`` checkpoints (``checkpoint``), ``late
 written by rank 0, each with its wall-clock ``time``) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
 from ``latest`` at the exact data position, optimizer, schedule and RNG state, if it trains
 the same head (``peagle.identity.head_identity``, kept in each checkpoint's
-``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change.
+``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change,
+and so may the world size when ``world_size x grad_accum`` stays (``checkpoint``).
+Each step's record lists the split's samples it trained on (``samples``, over all ranks).
 """
 
 from __future__ import annotations

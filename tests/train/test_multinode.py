@@ -97,6 +97,22 @@ def test_launch_fields_and_the_split_of_the_batch_keep_the_head_identity():
     assert head_identity(tiny_config(world_size=1, grad_accum=1), dataset) != two_ranks  # another global batch
 
 
+@pytest.mark.parametrize("samples", [16, 23])
+def test_a_step_trains_the_same_samples_however_the_batch_splits(samples):
+    from peagle.train.data import BatchPlan, rank_order
+
+    def steps(world_size: int, grad_accum: int, micro_batch_size: int) -> list[list[int]]:
+        plan = BatchPlan(samples, world_size, micro_batch_size, grad_accum)
+        per_step = plan.samples_per_step
+        orders = [rank_order(plan, 3, 0, rank) for rank in range(world_size)]
+        return [sorted(i for order in orders for i in order[s * per_step:(s + 1) * per_step])
+                for s in range(plan.steps_per_epoch)]
+
+    reference = steps(4, 1, 1)
+    assert steps(2, 2, 1) == steps(1, 4, 1) == steps(1, 2, 2) == reference
+    assert len(reference) == samples // 4 and len({i for step in reference for i in step}) == 4 * len(reference)
+
+
 @pytest.mark.slow  # two torchrun launchers meeting at a c10d rendezvous, plus the single-node reference: ~90 s
 def test_two_nodes_through_the_training_stage_match_one_node(tiny_data, single_node, tmp_path, monkeypatch):
     from peagle.stages import TargetInfo, checkpoint_dir, train_head
