@@ -500,8 +500,8 @@ def load_consolidated(engine, checkpoint: Path, written_by: int) -> None:
         )
     if not path.is_file():
         raise FileNotFoundError(
-            f"{checkpoint} was written by {written_by} ranks and this run has {world_size}, but it has no {OPTIMIZER_FILE} "
-            "(an older peagle wrote it): resume with train.world_size={written_by}"
+            f"{checkpoint} was written by {written_by} ranks and this run has {world_size}, but it has no "
+            f"{OPTIMIZER_FILE} (an older peagle wrote it): resume with train.world_size={written_by}"
         )
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as fh:

@@ -82,7 +82,8 @@ def test_launch_settings_are_checked_before_anything_starts(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
     with pytest.raises(ConfigError, match="4 slots but train.world_size is 2"):
-        training_command(Path("c.json"), Path("d"), "t", Path("o"), tiny_config(world_size=2, hostfile=str(hostfile)).train)
+        training_command(Path("c.json"), Path("d"), "t", Path("o"),
+                         tiny_config(world_size=2, hostfile=str(hostfile)).train)
     cmd = training_command(Path("c.json"), Path("d"), "t", Path("/runs/x"),
                            tiny_config(world_size=4, nodes=2, rdzv_endpoint="10.0.0.1:29400").train)
     assert "--nnodes=2" in cmd and "--nproc_per_node=2" in cmd and "--rdzv_endpoint=10.0.0.1:29400" in cmd
@@ -186,8 +187,9 @@ def test_resume_at_another_world_size_carries_optimizer_and_data_position(tiny_d
     # 1 -> 2: a one-rank run's step-4 checkpoint resumes on two ranks.
     fresh = train_drafter(one_rank, data_dir, str(target), tmp_path / "one", progress=False)
     assert losses(fresh.metrics_history) == pytest.approx(reference, rel=1e-4)  # the split does not change the run
-    back = launch_training(tiny_config(world_size=2, **RUN), data_dir, str(target),
-                           resume_from(tmp_path / "one" / "step-000004", tmp_path / "to-two"), progress=False, env=ONE_THREAD)
+    two_ranks_from_one = resume_from(tmp_path / "one" / "step-000004", tmp_path / "to-two")
+    back = launch_training(tiny_config(world_size=2, **RUN), data_dir, str(target), two_ranks_from_one,
+                           progress=False, env=ONE_THREAD)
     assert losses(back.metrics_history) == pytest.approx({s: losses(fresh.metrics_history)[s] for s in later}, rel=1e-4)
     assert samples_by_step(back.metrics_history) == {step: order[step] for step in later}
     assert ckpt.read_trainer_state(back.last_checkpoint).world_size == 2
