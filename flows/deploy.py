@@ -150,8 +150,12 @@ def deployment_config(d: Deployment):
 def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:
     """Do the GPUs ``d`` asks its pool for cover the ranks (and vLLM replicas) its config starts?"""
     vllm_gpus = cfg.vllm.tensor_parallel_size * cfg.vllm.data_parallel_size
-    needed = max(cfg.train.world_size, vllm_gpus)
-    needs = f"train.world_size {cfg.train.world_size}, vLLM tensor x data parallel {vllm_gpus}"
+    ranks = cfg.train.ranks_per_node  # a multi-node run's deployment runs on every node: one node's share
+    needed = max(ranks, vllm_gpus)
+    spread = f" over train.nodes {cfg.train.nodes}" if cfg.train.nodes > 1 else ""
+    starts = (f"train.world_size {cfg.train.world_size}{spread}: {ranks} ranks per node" if spread
+              else f"train.world_size {cfg.train.world_size} ranks")
+    needs = f"train.world_size {cfg.train.world_size}{spread}, vLLM tensor x data parallel {vllm_gpus}"
     requested = requested_gpus(pool.type, {**pool.defaults(), **d.job_variables})
     if requested is None:
         where = "the worker host's devices" if pool.type == "process" else "every GPU of the host (count -1)"
@@ -163,7 +167,7 @@ def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:
     fix = GPU_FIX[pool.type].format(n=needed)
     return GpuCheck(d.name, False,
                     f"{d.name}: requests {requested} GPU{'s' if requested != 1 else ''} ({pool.name} "
-                    f"{GPU_VARIABLE[pool.type]}) but its config starts train.world_size {cfg.train.world_size} ranks "
+                    f"{GPU_VARIABLE[pool.type]}) but its config starts {starts} "
                     f"(needs {needed} GPUs: {needs}); fix: {fix}, or lower train.world_size in its `overrides`")
 
 

@@ -185,7 +185,17 @@ class TrainConfig(Strict):
     zero_stage: Literal[0, 1, 2, 3] = 2
     precision: Literal["fp32", "bf16"] = "fp32"
     offload_optimizer: bool = False
-    world_size: int = Field(1, ge=1)
+    # --- where the ranks run (peagle.train.launch); never part of a head's identity except
+    # world_size, whose product with grad_accum sets the global batch. One node: torchrun
+    # --standalone. Several: either every node starts the same command and its launcher joins
+    # the c10d rendezvous at rdzv_endpoint, or this host starts all of them over ssh with
+    # DeepSpeed's launcher (hostfile). ---
+    world_size: int = Field(1, ge=1)  # ranks over all nodes
+    nodes: int = Field(1, ge=1)  # hosts taking part; each runs world_size // nodes ranks
+    rdzv_endpoint: str | None = None  # "HOST:PORT" every node reaches (nodes > 1); that host keeps the store
+    rdzv_id: str | None = None  # the job's rendezvous id, the same on every node; default: from the checkpoint dir
+    rdzv_timeout_s: int = Field(900, ge=1)  # how long a launcher waits for the other nodes to join
+    hostfile: str | None = None  # DeepSpeed launcher instead: "HOST slots=N" lines, ssh from this host
     eval_every: int | None = Field(None, ge=1)
     save_every: int | None = Field(None, ge=1)
     keep_last: int = Field(2, ge=1)
@@ -209,6 +219,39 @@ class TrainConfig(Strict):
         if self.segments > self.max_len:
             raise ValueError("train.segments cannot exceed train.max_len")
         return self
+
+    @model_validator(mode="after")
+    def _launch_fits(self):
+        if self.world_size % self.nodes:
+            raise ValueError(
+                f"train.world_size ({self.world_size}) must be a multiple of train.nodes ({self.nodes}): "
+                "every node runs the same number of ranks"
+            )
+        if self.hostfile is not None and (self.nodes > 1 or self.rdzv_endpoint is not None):
+            raise ValueError(
+                "train.hostfile (DeepSpeed's launcher starts every node over ssh) and train.nodes/"
+                "train.rdzv_endpoint (each node starts its own launcher) are two ways to launch: set one"
+            )
+        if self.nodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(
+                f"train.nodes={self.nodes} needs train.rdzv_endpoint: 'HOST:PORT' of one node that every "
+                "node reaches (e.g. the first node's address and a free port, 29400)"
+            )
+        if self.rdzv_endpoint is not None:
+            host, sep, port = self.rdzv_endpoint.rpartition(":")
+            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(f"train.rdzv_endpoint {self.rdzv_endpoint!r} is not 'HOST:PORT' (e.g. 10.0.0.1:29400)")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches in one optimizer step over all ranks: with micro_batch_size, the
+        global batch; the same whichever way it splits into world_size x grad_accum."""
+        return self.world_size * self.grad_accum
 
 
 class EvalConfig(Strict):

@@ -31,7 +31,12 @@ Bookkeeping, which never counts (``BOOKKEEPING``):
   head for the same inputs, so a head already trained (or registered) on them is reused
   rather than retrained from another start; the start is recorded in
   ``train_result.json`` (``warm_start``).
-``world_size`` counts: it sets the global batch and each rank's slice of the data order.
+- ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``: where the
+  ranks run, not what they compute.
+``world_size`` and ``grad_accum`` count as their product (``micro_batches_per_step``): with
+``micro_batch_size`` it sets the global batch, and step s trains the same samples however
+it splits into ranks x accumulation (``peagle.train.data``), so a head trained on 2 ranks
+resumes on 1 with twice the accumulation (``peagle.train.checkpoint``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from collections.abc import Mapping
 from peagle.methods import DraftingMethod, available_methods, get_method
 
 BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "init_from"})
+LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "hostfile"})
+SPLIT_OF_THE_BATCH = frozenset({"world_size", "grad_accum"})  # count as micro_batches_per_step
 
 
 def _digest(value) -> str:
@@ -53,8 +60,9 @@ def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
     """The config that decides a head's weights for ``method`` (default ``train.method``)."""
     method = get_method(method or cfg.train.method)
     others = {f for name in available_methods() for f in get_method(name).own_train_fields}
-    ignored = BOOKKEEPING | (others - method.own_train_fields)
+    ignored = BOOKKEEPING | LAUNCH | SPLIT_OF_THE_BATCH | (others - method.own_train_fields)
     train = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in ignored}
+    train["micro_batches_per_step"] = cfg.train.micro_batches_per_step
     train["method"] = method.name
     return {"drafter": cfg.drafter.model_dump(mode="json"), "train": train}
 

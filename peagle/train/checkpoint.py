@@ -8,7 +8,11 @@
     trainer_state.json    step, epoch, position in the epoch, batch plan, metrics, the
                           acceptance it was chosen by, and rank 0's python/numpy/torch RNG
                           states as plain lists (ranks > 0: rng-rank-R.json)
-    deepspeed/engine/     DeepSpeed's own engine checkpoint (module, optimizer, scheduler)
+    deepspeed/engine/     DeepSpeed's own engine checkpoint (module, optimizer, scheduler),
+                          partitioned for the world size that wrote it
+    optimizer.safetensors the same state consolidated, free of any world size: per
+                          parameter name its fp32 weights and AdamW moments, with the
+                          AdamW step, LR schedule and DeepSpeed's counters as metadata
 
 A checkpoint is written into ``<root>/.tmp-step-NNNNNN`` and renamed when every rank
 has finished, so a visible ``step-*`` directory is always complete; ``latest`` and
@@ -18,6 +22,14 @@ DeepSpeed saves its engine state with ``torch.save`` and its stock loader calls
 ``torch.load(weights_only=False)``, i.e. full unpickling. ``install_safe_loader`` swaps
 in a loader that uses ``weights_only=True`` with only the three DeepSpeed classes its
 ZeRO optimizer states contain allow-listed, so resuming never runs arbitrary pickle code.
+
+A resume at the world size that wrote the checkpoint loads DeepSpeed's engine checkpoint
+(bit-exact). At another world size (a node lost, or added: ``train.world_size x
+train.grad_accum`` must stay the same, see ``peagle.identity``) ZeRO's partitions no longer
+fit, so the engine is rebuilt from ``optimizer.safetensors`` through DeepSpeed's documented
+full-state accessors (``deepspeed.utils.safe_set_full_fp32_param`` /
+``safe_set_full_optimizer_state``), which cut each rank's fragment from the full tensors.
+ZeRO 0-2 can; ZeRO-3 resumes only at its own world size.
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from peagle.facts import HeadSpec
 from peagle.fileio import is_temp_name, publish_dir, write_text_atomic
@@ -39,6 +52,8 @@ from peagle.layout import BEST, DRAFTER_FILE, HEAD_SPEC_FILE, LATEST, TRAINER_ST
 
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "engine"
+OPTIMIZER_FILE = "optimizer.safetensors"
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step count
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 STATE_VERSION = 1
@@ -312,8 +327,10 @@ def save_checkpoint(
     if drafter_state is None:
         drafter_state = gathered_state_dict(engine)
     engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, save_latest=False)
+    optimizer_tensors = consolidated_optimizer_state(engine)
     if rank == 0:
         save_file({k: v.contiguous() for k, v in drafter_state.items()}, str(tmp / DRAFTER_FILE))
+        save_file(optimizer_tensors, str(tmp / OPTIMIZER_FILE), metadata=engine_counters(engine))
         (tmp / HEAD_SPEC_FILE).write_text(spec.to_json())
         (tmp / TRAINER_STATE_FILE).write_text(replace(state, rng=capture_rng()).to_json())
     else:
@@ -355,24 +372,160 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
 
 
 def load_checkpoint(engine, checkpoint: Path) -> TrainerState:
-    """Restore DeepSpeed's engine (module, optimizer, scheduler) and this rank's RNG; collective."""
+    """Restore the engine (module, optimizer, scheduler, counters) and this rank's RNG; collective.
+
+    At the checkpoint's own world size from DeepSpeed's engine checkpoint; at another one
+    from the consolidated ``optimizer.safetensors`` (see the module docstring).
+    """
     checkpoint = Path(checkpoint)
     state = read_trainer_state(checkpoint)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if state.world_size != world_size:
-        raise ValueError(
-            f"{checkpoint} was written by {state.world_size} ranks but this run has {world_size}; "
-            "resume with the same train.world_size or start a fresh output directory"
+    if state.world_size == world_size:
+        load_path, _ = engine.load_checkpoint(
+            str(checkpoint / DEEPSPEED_DIR),
+            tag=DEEPSPEED_TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
         )
-    load_path, _ = engine.load_checkpoint(
-        str(checkpoint / DEEPSPEED_DIR),
-        tag=DEEPSPEED_TAG,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
-    if load_path is None:
-        raise FileNotFoundError(f"{checkpoint / DEEPSPEED_DIR} holds no DeepSpeed engine checkpoint")
+        if load_path is None:
+            raise FileNotFoundError(f"{checkpoint / DEEPSPEED_DIR} holds no DeepSpeed engine checkpoint")
+    else:
+        load_consolidated(engine, checkpoint, state.world_size)
     rank = _rank()
-    rng = state.rng if rank == 0 else json.loads((checkpoint / f"rng-rank-{rank}.json").read_text())
+    own_rng = checkpoint / f"rng-rank-{rank}.json"
+    # A rank the writing world did not have starts from rank 0's RNG (the data order never
+    # depends on it: peagle.train.data seeds each example by its index).
+    rng = json.loads(own_rng.read_text()) if rank != 0 and own_rng.is_file() else state.rng
     restore_rng(rng)
     return state
+
+
+# ----------------------------------------------------------------------------- world-size-free optimizer state
+
+
+def base_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch AdamW under DeepSpeed's wrappers (ZeRO / bf16 optimizers hold it as ``.optimizer``)."""
+    optimizer = engine.optimizer
+    while not type(optimizer).__module__.startswith("torch.optim"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _full_tensors(engine, param: torch.nn.Parameter, stepped: bool) -> dict[str, torch.Tensor]:
+    """fp32 weights and AdamW moments of one parameter, whole; collective under ZeRO.
+
+    A parameter DeepSpeed does not shard (ZeRO-0 in fp32) is its own fp32 master, with
+    its moments in the optimizer's state under itself. Before the first step (``stepped``
+    false) AdamW has no moments yet: zeros, what its first step starts from.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    full = {"fp32": safe_get_full_fp32_param(param)}
+    for key in MOMENTS:
+        full[key] = safe_get_full_optimizer_state(param, key) if stepped and full["fp32"] is not None else None
+        if full[key] is None and full["fp32"] is not None:
+            full[key] = torch.zeros_like(full["fp32"])
+    if full["fp32"] is None:
+        own = base_optimizer(engine).state.get(param, {})
+        full = {"fp32": param.detach(), **{key: own.get(key, torch.zeros_like(param)) for key in MOMENTS}}
+    return {key: value.detach().float().cpu() for key, value in full.items()}
+
+
+def consolidated_optimizer_state(engine) -> dict[str, torch.Tensor]:
+    """``{"fp32/NAME", "exp_avg/NAME", "exp_avg_sq/NAME"}`` for every trained parameter
+    (every rank computes them: DeepSpeed's accessors are collectives)."""
+    stepped = any(base_optimizer(engine).state.values())
+    _link_optimizer_state(engine)
+    tensors = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            for key, value in _full_tensors(engine, param, stepped).items():
+                tensors[f"{key}/{name}"] = value
+    return tensors
+
+
+def engine_counters(engine) -> dict[str, str]:
+    """What DeepSpeed and the schedule count, as safetensors metadata (strings)."""
+    steps = {float(s["step"]) for s in base_optimizer(engine).state.values() if "step" in s}
+    if len(steps) > 1:
+        raise RuntimeError(f"AdamW's parameter groups are at different steps {sorted(steps)}")
+    return {
+        "adam_step": str(steps.pop() if steps else 0.0),
+        "lr_scheduler": json.dumps(engine.lr_scheduler.state_dict()),
+        "global_steps": str(engine.global_steps),
+        "global_samples": str(engine.global_samples),
+        "skipped_steps": str(engine.skipped_steps),
+    }
+
+
+def _materialize_adam_state(engine) -> None:
+    """Give every AdamW parameter the (zero) state torch creates at its first step, and let
+    DeepSpeed map its fragments onto it, so the full-state setters have somewhere to write."""
+    adam = base_optimizer(engine)
+    for group in adam.param_groups:
+        for param in group["params"]:
+            if not adam.state.get(param):
+                adam.state[param] = {
+                    "step": torch.tensor(0.0),
+                    **{key: torch.zeros_like(param, memory_format=torch.preserve_format) for key in MOMENTS},
+                }
+    _link_optimizer_state(engine)
+
+
+def _link_optimizer_state(engine) -> None:
+    """Let every parameter's DeepSpeed fragment view AdamW's current state.
+
+    ZeRO 1-2 / bf16 link those views once, after their first step, and ZeRO 1-2 do it after
+    stepping only the first parameter group (DeepSpeed 0.19, measured: the no-decay group's
+    norms and ``mask_hidden`` had no ``exp_avg``), so peagle links again before reading or
+    writing the state. A private DeepSpeed method: checked, and a no-op where absent (ZeRO-0).
+    """
+    zero = engine.optimizer
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state") and hasattr(zero, "_hp_optimizer_states_linked"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
+def load_consolidated(engine, checkpoint: Path, written_by: int) -> None:
+    """Rebuild the engine's weights, AdamW state, schedule and counters at this world size
+    from ``optimizer.safetensors``; collective. Refuses ZeRO-3 (see the module docstring)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    path = checkpoint / OPTIMIZER_FILE
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if engine.zero_optimization_partition_weights():
+        raise ValueError(
+            f"{checkpoint} was written by {written_by} ranks and this run has {world_size}: ZeRO-3 resumes only "
+            "at the world size that wrote it; resume with that train.world_size, or train with train.zero_stage <= 2"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{checkpoint} was written by {written_by} ranks and this run has {world_size}, but it has no "
+            f"{OPTIMIZER_FILE} (an older peagle wrote it): resume with train.world_size={written_by}"
+        )
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as fh:
+        counters = fh.metadata()
+    _materialize_adam_state(engine)
+    adam = base_optimizer(engine)
+    with torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            if not param.requires_grad:
+                continue
+            fp32 = tensors[f"fp32/{name}"].to(param.device)
+            param.data.copy_(fp32.to(param.dtype))  # the weights the next forward uses
+            safe_set_full_fp32_param(param, fp32)  # ZeRO's master fragment (a no-op without ZeRO)
+            for key in MOMENTS:
+                value = tensors[f"{key}/{name}"].to(param.device)
+                if hasattr(param, "_hp_mapping"):
+                    safe_set_full_optimizer_state(param, value, key)
+                else:
+                    adam.state[param][key].copy_(value)
+        for param_state in adam.state.values():
+            param_state["step"] = torch.full_like(param_state["step"], float(counters["adam_step"]))
+    engine.lr_scheduler.load_state_dict(json.loads(counters["lr_scheduler"]))
+    for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
+    engine.global_steps = int(counters["global_steps"])
+    engine.global_samples = int(counters["global_samples"])
+    engine.skipped_steps = int(counters["skipped_steps"])

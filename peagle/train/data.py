@@ -6,6 +6,11 @@ sees exactly the same order. The randomness inside an example (COD sampling) com
 from a generator seeded by (seed, epoch, sample index), not from a running stream, so
 resuming mid-epoch rebuilds bit-identical examples without saving generator states.
 
+Dealt round-robin, rank r's i-th sample is the permutation's entry ``i * world_size + r``,
+so optimizer step s of an epoch trains entries ``[s * G, (s + 1) * G)`` with ``G`` the
+global batch (``world_size x grad_accum x micro_batch_size``): the same samples however ``G``
+splits into ranks and accumulation, which is what lets a run resume at another world size.
+
 Every rank gets the same number of micro-batches per epoch (the tail that does not
 fill a whole optimizer step on every rank is dropped): DeepSpeed's collectives need all
 ranks to step together.
@@ -86,7 +91,8 @@ class EpochSamples(Dataset):
     """Sample ``i`` of the split turned into one training example for the current epoch.
 
     ``make_example(sample, generator)`` is the objective's example builder (P-EAGLE or
-    EAGLE-3). Items are ``(example, num_tokens)``: the token count feeds tokens/s.
+    EAGLE-3). Items are ``(example, num_tokens, index)``: the token count feeds tokens/s,
+    the index the step's record of which samples it trained on.
     """
 
     def __init__(self, samples: Sequence, make_example: Callable[[Any, torch.Generator], Any], seed: int):
@@ -104,7 +110,7 @@ class EpochSamples(Dataset):
     def __getitem__(self, index: int):
         sample = self.samples[index]
         example = self.make_example(sample, example_generator(self.seed, self.epoch, index))
-        return example, int(sample.token_ids.numel())
+        return example, int(sample.token_ids.numel()), index
 
 
 class MicroBatches(Sampler[list[int]]):
@@ -131,7 +137,7 @@ def epoch_loader(
     collate: Callable[[list], Any],
     skip_micro_batches: int = 0,
 ) -> DataLoader:
-    """Micro-batches ``(batch, num_tokens)`` of ``epoch`` for ``rank``, in the fixed order.
+    """Micro-batches ``(batch, num_tokens, sample_indices)`` of ``epoch`` for ``rank``, in the fixed order.
 
     Built in the main process (no workers): example construction is cheap next to the
     drafter's forward, and it keeps the order and the generators trivially reproducible.
@@ -141,7 +147,7 @@ def epoch_loader(
     sampler = MicroBatches(order, plan.micro_batch_size, skip_micro_batches)
 
     def collate_with_tokens(items):
-        examples, tokens = zip(*items)
-        return collate(list(examples)), sum(tokens)
+        examples, tokens, indices = zip(*items)
+        return collate(list(examples)), sum(tokens), list(indices)
 
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_with_tokens, num_workers=0)

@@ -1,4 +1,4 @@
-"""Start drafter training in its own process group: torchrun on one host, DeepSpeed's launcher across hosts.
+"""Start drafter training in its own process group: torchrun on one or several hosts, or DeepSpeed's launcher.
 
 Entry point (what every rank runs)::
 
@@ -6,22 +6,31 @@ Entry point (what every rank runs)::
         --data-dir RUN/data --target TARGET_DIR --out RUN/checkpoints/peagle/IDENTITY
     python -m peagle.train.launch --config-json '{"name": ..., ...}' ...   # or a .json path
 
-``launch_training`` runs it as a subprocess and waits:
+``launch_training`` runs it as a subprocess and waits; ``cfg.train`` picks the launcher:
 
-- ``train.world_size == 1``: ``python -m torch.distributed.run --standalone --nproc_per_node=1 -m peagle.train.launch ...``
-- ``train.world_size == N`` on this host: the same with ``--nproc_per_node=N`` (one process
-  per GPU; on CPU N gloo processes).
-- several hosts: pass ``hostfile`` (DeepSpeed format, one ``HOST slots=GPUS`` line per
-  host, every host reachable by passwordless ssh/pdsh, same paths and Python env, and
-  ``out_dir`` on a filesystem all hosts share). It runs::
+- one node (``train.nodes == 1``): ``python -m torch.distributed.run --standalone
+  --nproc_per_node=WORLD_SIZE -m peagle.train.launch ...`` (one process per GPU; on CPU,
+  gloo processes).
+- ``train.nodes = N`` with ``train.rdzv_endpoint = HOST:PORT``: every node runs the same
+  peagle command (``peagle train``, ``peagle run`` or a Prefect deployment, same config),
+  and each node's launcher runs ``torchrun --nnodes=N --nproc_per_node=WORLD_SIZE/N
+  --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT --rdzv_id=ID``; the launchers meet there
+  (waiting up to ``train.rdzv_timeout_s``) and torch numbers the ranks. ``ID`` is
+  ``train.rdzv_id`` or derived from the checkpoint directory, which must be the same path
+  on a filesystem every node shares (checkpoints, ``metrics.jsonl`` and
+  ``train_result.json`` are written there by global rank 0, wherever it runs, and every
+  node's launcher reads them from there).
+- ``train.hostfile`` (DeepSpeed format, one ``HOST slots=GPUS`` line per host, slots summing
+  to ``train.world_size``, every host reachable by passwordless ssh/pdsh, same paths and
+  Python env, a shared ``out_dir``): this host alone runs::
 
       deepspeed --hostfile HOSTFILE --master_addr FIRST_HOST --module peagle.train.launch \\
           --config-json OUT/launch_config.json --data-dir ... --target ... --out ...
 
-  with ``train.world_size`` = total slots. The launcher exports, per process, ``RANK``
-  (global: picks the data shard; rank 0 writes checkpoints and metrics), ``LOCAL_RANK``
-  (on its host: picks the GPU), ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``;
-  ``engine.init_process_group`` reads exactly those.
+Either launcher exports, per process, ``RANK`` (global: picks the data shard; rank 0 writes
+checkpoints, metrics and the result), ``LOCAL_RANK`` (on its host: picks the GPU),
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``engine.init_process_group`` reads
+exactly those.
 
 Every rank's output (DeepSpeed, torch, tracebacks) goes to ``OUT/train.log`` as it comes
 (and to the ``peagle.train.ranks`` logger at DEBUG); a non-zero exit raises
@@ -29,13 +38,15 @@ Every rank's output (DeepSpeed, torch, tracebacks) goes to ``OUT/train.log`` as 
 followed and each step's progress (step, loss, tokens/s, ETA) is logged at INFO on
 ``peagle.train.launch``, so whoever shows peagle's logs (the CLI, a Prefect run) shows
 training live; the same records go to ``on_metrics`` (the pipeline's MLflow stage run) as
-they come. Rank 0 writes ``train_result.json``, which becomes the returned ``TrainResult``.
+they come. Rank 0 writes ``train_result.json``, which becomes the returned ``TrainResult``
+(on every node: they all read the shared checkpoint directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import importlib
 import json
 import logging
@@ -49,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peagle.config import ConfigError, PipelineConfig, load_config, parse_config, parse_overrides
+from peagle.config import ConfigError, PipelineConfig, TrainConfig, load_config, parse_config, parse_overrides
 from peagle.fileio import write_text_atomic
 from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout
 from peagle.train.trainer import RESULT_FILE, TrainResult
@@ -72,24 +83,56 @@ class TrainingFailed(RuntimeError):
 
 
 def training_command(
-    cfg_json: Path, data_dir: Path, target_path: str, out_dir: Path, world_size: int,
-    hostfile: Path | None = None, eval_factory: str | None = None, progress: bool = True,
+    cfg_json: Path, data_dir: Path, target_path: str, out_dir: Path, train: TrainConfig,
+    eval_factory: str | None = None, progress: bool = True,
 ) -> list[str]:
-    """The launcher command line (see the module docstring for which launcher when)."""
+    """The launcher command line for ``train``'s launch settings (see the module docstring)."""
     args = ["--config-json", str(cfg_json), "--data-dir", str(data_dir), "--target", str(target_path), "--out", str(out_dir)]
     if eval_factory:
         args += ["--eval-factory", eval_factory]
     if not progress:
         args.append("--no-progress")
-    if hostfile is not None:
-        first_host = next(
-            line.split()[0] for line in Path(hostfile).read_text().splitlines() if line.strip() and not line.startswith("#")
+    if train.hostfile is not None:
+        hosts = hostfile_slots(Path(train.hostfile), train.world_size)
+        return ["deepspeed", "--hostfile", str(train.hostfile), "--master_addr", next(iter(hosts)),
+                "--module", "peagle.train.launch", *args]
+    if train.nodes == 1:
+        where = ["--standalone"]
+    else:
+        where = [
+            f"--nnodes={train.nodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={train.rdzv_endpoint}",
+            f"--rdzv_id={train.rdzv_id or rendezvous_id(out_dir)}", f"--rdzv_conf=join_timeout={train.rdzv_timeout_s}",
+        ]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={train.ranks_per_node}",
+            "-m", "peagle.train.launch", *args]
+
+
+def rendezvous_id(out_dir: Path) -> str:
+    """The default rendezvous id: the checkpoint directory's path, which every node shares."""
+    return "peagle-" + hashlib.sha256(str(Path(out_dir).absolute()).encode()).hexdigest()[:16]
+
+
+def hostfile_slots(path: Path, world_size: int) -> dict[str, int]:
+    """``HOST slots=N`` lines of a DeepSpeed hostfile, checked against ``train.world_size``."""
+    if not path.is_file():
+        raise ConfigError(f"train.hostfile {str(path)!r} does not exist; write one 'HOST slots=GPUS' line per host")
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        words = line.split("#")[0].split()
+        if not words:
+            continue
+        slots = [w.split("=", 1)[1] for w in words[1:] if w.startswith("slots=")]
+        if len(words) != 2 or len(slots) != 1 or not slots[0].isdigit() or int(slots[0]) < 1:
+            raise ConfigError(f"{path}:{number}: {line.strip()!r} is not 'HOST slots=GPUS'")
+        hosts[words[0]] = int(slots[0])
+    if not hosts:
+        raise ConfigError(f"train.hostfile {str(path)!r} names no host; write one 'HOST slots=GPUS' line per host")
+    if sum(hosts.values()) != world_size:
+        raise ConfigError(
+            f"train.hostfile {str(path)!r} has {sum(hosts.values())} slots but train.world_size is {world_size}; "
+            "set train.world_size to the slots' sum (it sets the global batch) or edit the hostfile"
         )
-        return ["deepspeed", "--hostfile", str(hostfile), "--master_addr", first_host, "--module", "peagle.train.launch", *args]
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-        "-m", "peagle.train.launch", *args,
-    ]
+    return hosts
 
 
 def launch_training(
@@ -98,13 +141,13 @@ def launch_training(
     target_path: str,
     out_dir: Path,
     *,
-    hostfile: Path | None = None,
     eval_factory: str | None = None,
     progress: bool = True,
     env: dict[str, str] | None = None,
     on_metrics: Callable[[list[dict]], None] | None = None,
 ) -> TrainResult:
-    """Train in ``train.world_size`` fresh processes and return rank 0's ``TrainResult``.
+    """Train in ``train.world_size`` fresh processes (this node's share of them when
+    ``train.nodes`` > 1) and return rank 0's ``TrainResult``.
 
     ``eval_factory`` ("module:function") names ``function(cfg, data_dir, target_path) ->
     eval_fn`` that every rank calls to build the offline-acceptance hook (the callable
@@ -117,17 +160,15 @@ def launch_training(
     cfg_json = out_dir / LAUNCH_CONFIG
     write_text_atomic(cfg_json, cfg.model_dump_json(by_alias=True, indent=1))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
-    cmd = training_command(
-        cfg_json, Path(data_dir), target_path, out_dir, cfg.train.world_size, hostfile, eval_factory, progress
-    )
+    cmd = training_command(cfg_json, Path(data_dir), target_path, out_dir, cfg.train, eval_factory, progress)
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     total = planned_steps(cfg, Path(data_dir))
     progress_log = TrainingProgress(out_dir / METRICS_FILE, total, f"train {cfg.train.method}",
                                     resumed_at=resume_step(out_dir), on_records=on_metrics)
-    log.info("training %s: %d rank(s), %s optimizer steps; rank output in %s", cfg.train.method,
-             cfg.train.world_size, total if total is not None else "?", out_dir / RANK_OUTPUT)
+    log.info("training %s: %d rank(s) on %d node(s), %s optimizer steps; rank output in %s", cfg.train.method,
+             cfg.train.world_size, cfg.train.nodes, total if total is not None else "?", out_dir / RANK_OUTPUT)
     run_streaming(cmd, child_env, output=out_dir / RANK_OUTPUT, on_poll=progress_log.poll)
     progress_log.poll(final=True)
     result_path = out_dir / RESULT_FILE

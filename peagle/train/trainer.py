@@ -12,7 +12,9 @@ Outputs under ``out_dir``: ``step-NNNNNN/`` checkpoints (``checkpoint``), ``late
 written by rank 0, each with its wall-clock ``time``) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
 from ``latest`` at the exact data position, optimizer, schedule and RNG state, if it trains
 the same head (``peagle.identity.head_identity``, kept in each checkpoint's
-``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change.
+``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change,
+and so may the world size when ``world_size x grad_accum`` stays (``checkpoint``).
+Each step's record lists the split's samples it trained on (``samples``, over all ranks).
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class StepStats:
         self.loss = 0.0  # sum over micro-batches of the optimized loss
         self.micro_batches = 0
         self.tokens = 0
+        self.samples: list[int] = []  # indices into the split this rank trained on in the step
 
     def add_segment(self, out) -> None:
         self.loss += float(out.loss.detach())
@@ -167,9 +170,19 @@ class StepStats:
         loss_sum, micro, tokens = flat[self.depth.numel() :].tolist()
         from peagle.train.loss import metrics_from_stats
 
-        record = {"loss": loss_sum / max(micro, 1), "tokens": int(tokens)}
+        record = {"loss": loss_sum / max(micro, 1), "tokens": int(tokens), "samples": self.all_samples()}
         record.update(metrics_from_stats({key: depth[i] for i, key in enumerate(STAT_KEYS)}))
         return record
+
+    def all_samples(self) -> list[int]:
+        """The split's samples every rank trained on in this step, sorted: the data order, auditable
+        (every rank consumes the same number per step, so a plain all-gather collects them)."""
+        mine = torch.tensor(self.samples, dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [torch.empty_like(mine, device=self.device) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine.to(self.device))
+            mine = torch.cat([t.cpu() for t in gathered])
+        return sorted(mine.tolist())
 
 
 # ----------------------------------------------------------------------------- one step
@@ -354,8 +367,9 @@ def train_drafter(
             start = time.perf_counter()
             stats = StepStats(objective.depths, engine.device)
             for _ in range(plan.grad_accum):
-                examples, tokens = next(batches)
+                examples, tokens, indices = next(batches)
                 stats.tokens += tokens
+                stats.samples += indices
                 run_micro_batch(engine, objective, examples, train.segments, train.grad_accum, stats)
             if engine.global_steps != step + 1 or engine.micro_steps % gas:
                 raise RuntimeError(f"DeepSpeed is at step {engine.global_steps}, expected {step + 1}: accumulation is off")
@@ -405,7 +419,9 @@ def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int
             ("head identity (dataset, weight-changing config, method)", state.config_hash, identity),
             ("steps per epoch", state.steps_per_epoch, plan.steps_per_epoch),
             ("micro batch size", state.micro_batch_size, plan.micro_batch_size),
-            ("grad accumulation", state.grad_accum, plan.grad_accum),
+            # world_size x grad_accum may split differently (peagle.train.checkpoint reshards)
+            ("micro-batches per step (world_size x grad_accum)", state.world_size * state.grad_accum,
+             plan.world_size * plan.grad_accum),
             ("total steps", state.total_steps, total_steps),
         ]
         if old != new

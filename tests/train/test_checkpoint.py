@@ -129,8 +129,8 @@ def state(step):
 ckpt.save_checkpoint(engine, tiny_spec(), state(1), root, keep_last=2)
 real_save = ckpt.save_file
 
-def save_then_stall(tensors, path):  # the write completes, then the process is killed mid-checkpoint
-    real_save(tensors, path)
+def save_then_stall(tensors, path, metadata=None):  # the write completes, then the process is killed mid-checkpoint
+    real_save(tensors, path, metadata)
     marker.touch()
     time.sleep(300)
 

@@ -217,9 +217,10 @@ def test_launcher_streams_output_and_reports_a_failing_child(caplog, tmp_path):
         run_streaming(failing)
     assert "rank 0: target not found" in str(err.value)  # the child's own error is in the message
 
-    cmd = training_command(Path("c.json"), Path("data"), "target", Path("out"), world_size=4)
+    cmd = training_command(Path("c.json"), Path("data"), "target", Path("out"), tiny_config(world_size=4).train)
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# two nodes\nnode-a slots=8\nnode-b slots=8\n")
-    cmd = training_command(Path("c.json"), Path("data"), "target", Path("out"), world_size=16, hostfile=hostfile)
+    cmd = training_command(Path("c.json"), Path("data"), "target", Path("out"),
+                           tiny_config(world_size=16, hostfile=str(hostfile)).train)
     assert cmd[:7] == ["deepspeed", "--hostfile", str(hostfile), "--master_addr", "node-a", "--module", "peagle.train.launch"]
