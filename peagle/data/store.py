@@ -33,13 +33,13 @@ from safetensors import safe_open
 
 from peagle.fileio import atomic_open, is_temp_name, sha256_file, write_json_atomic
 from peagle.layout import MANIFEST_FILE
+from peagle.paths import peagle_home
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = MANIFEST_FILE  # named in peagle.layout
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
-VERIFIED_FILE = ".verified.json"  # shard identities seen to match the manifest's sha256
 # A shard whose mtime/ctime is this close to the check is not recorded ("racy" in git's
 # sense): on a coarse-timestamp file system a same-tick rewrite would keep its identity.
 RACY_WINDOW_NS = 2_000_000_000
@@ -388,8 +388,15 @@ def file_identity(path: Path) -> dict[str, int]:
             "ino": st.st_ino, "dev": st.st_dev}
 
 
+def verified_record(split_dir: Path) -> Path:
+    """Where the identities of a split's verified shards are kept: peagle's cache, one file
+    per split directory (the dataset itself is never written by readers, and may be read-only)."""
+    key = hashlib.sha256(str(Path(split_dir).resolve()).encode()).hexdigest()[:24]
+    return peagle_home() / "cache" / "verified-shards" / f"{key}.json"
+
+
 class VerifiedShards:
-    """Verify a shard's sha256 once per file identity (``<split>/.verified.json``).
+    """Verify a shard's sha256 once per file identity (recorded in ``verified_record``).
 
     A full sha256 check that passes records the shard's identity (``file_identity``) with
     the sha256 it matched; later opens whose identity and manifest sha256 are unchanged
@@ -397,11 +404,11 @@ class VerifiedShards:
     changes the identity, so the next open hashes the file again. Not covered: bytes that
     change on the medium with no file-system write (silent bit rot); ``ShardReader(...,
     verify="full")`` re-hashes every shard. The record is a cache: when it cannot be
-    written (read-only split) or is lost, shards are simply hashed again.
+    written or is lost, shards are simply hashed again.
     """
 
     def __init__(self, split_dir: Path, full: bool = False):
-        self.path = Path(split_dir) / VERIFIED_FILE
+        self.path = verified_record(split_dir)
         self.full = full
 
     def check(self, shard: Path, entry: dict) -> None:
@@ -429,6 +436,7 @@ class VerifiedShards:
         records = self._records()
         records[name] = identity
         try:  # a lost record only costs a re-hash: no fsync
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.path, records, indent=1, durable=False)
         except OSError as err:
             log.debug("cannot record verified shard %s in %s: %s", name, self.path, err)

@@ -240,6 +240,7 @@ def test_kill_9_at_any_moment_then_resume(tmp_path):
 
 def _aged_split(tmp_path, monkeypatch):
     """A written split older than the racy window, and a counter of the sha256 calls the reader makes."""
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
     write(tmp_path, range(20))
     time.sleep(store.RACY_WINDOW_NS / 1e9 + 0.1)  # files changed within the window are never recorded
     hashed = []
@@ -257,9 +258,11 @@ def test_verified_shard_is_trusted_until_its_identity_changes(tmp_path, monkeypa
     hashed = _aged_split(tmp_path, monkeypatch)
     shards = sorted(p.name for p in tmp_path.glob("shard-*"))
     assert len(shards) > 1
+    dataset_files = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()}
     first = [s.id for s in ShardReader(tmp_path)]
     assert sorted(hashed) == shards
-    assert sorted(json.loads((tmp_path / store.VERIFIED_FILE).read_text())) == shards
+    assert sorted(json.loads(store.verified_record(tmp_path).read_text())) == shards
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()} == dataset_files  # not written
     assert [s.id for s in ShardReader(tmp_path)] == first and sorted(hashed) == shards  # no second hash
     list(ShardReader(tmp_path, verify="full"))
     assert len(hashed) == 2 * len(shards)
