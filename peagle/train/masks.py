@@ -167,20 +167,26 @@ def element_mask(
 
 
 def _context_columns(anchor, depth, doc, valid, out) -> None:
-    """Depth-0 keys: q may read k when k's anchor <= q's anchor, same document, both valid."""
+    """Depth-0 keys: q may read k when k's anchor <= q's anchor, same document, both valid.
+
+    ``out`` is all False; in the builder's layout (depth 0 one block of columns) the compare
+    writes straight into that block, with no [N, #depth-0] temporary.
+    """
     cols = torch.nonzero(valid & (depth == 0)).squeeze(1)
     if not cols.numel():
         return
-    allowed = anchor[cols][None, :] <= anchor[:, None]
+    first, last = int(cols[0]), int(cols[-1])
+    block = last - first + 1 == cols.numel()
+    target = out[:, first : last + 1] if block else torch.empty(out.shape[0], cols.numel(), dtype=torch.bool,
+                                                                 device=out.device)
+    torch.le(anchor[cols][None, :], anchor[:, None], out=target)
     doc_v = doc[valid]
     if doc_v.numel() and bool((doc_v != doc_v[0]).any()):
-        allowed &= doc[cols][None, :] == doc[:, None]
-    allowed &= valid[:, None]
-    first, last = int(cols[0]), int(cols[-1])
-    if last - first + 1 == cols.numel():  # the builder's layout: depth 0 is one block of columns
-        out[:, first : last + 1] = allowed
-    else:
-        out[:, cols] = allowed
+        target &= doc[cols][None, :] == doc[:, None]
+    if not bool(valid.all()):
+        target &= valid[:, None]
+    if not block:
+        out[:, cols] = target
 
 
 def _chain_pairs(anchor, depth, doc, valid, out) -> None:
