@@ -173,7 +173,17 @@ def _check_sample(sample: SampleLike, spec: HeadSpec) -> None:
         raise ValueError(f"sample.loss_mask has shape {tuple(sample.loss_mask.shape)}, expected {(n,)}")
 
 
-def _document_elements(
+@dataclass
+class _Document:
+    """One document, truncated to ``max_len`` tokens, and its COD anchor sets (one per depth)."""
+
+    tokens: torch.Tensor  # Long [n]
+    loss_mask: torch.Tensor  # Bool [n]
+    hidden: torch.Tensor  # Float [n, 4, Ht]
+    anchors: list[torch.Tensor]  # depth d -> sorted Long anchors (local to the document)
+
+
+def _document(
     sample: SampleLike,
     spec: HeadSpec,
     k_train: int,
@@ -181,31 +191,15 @@ def _document_elements(
     cod_floor: float,
     max_len: int,
     generator: torch.Generator | None,
-) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-    """Per-depth element index tensors of one document (truncated to ``max_len`` tokens), and its hidden states."""
+) -> _Document:
     _check_sample(sample, spec)
     tokens = sample.token_ids[:max_len].long()
     loss_mask = sample.loss_mask[:max_len].bool()
-    hidden = sample.hidden[:max_len].float()
-    n_tok = tokens.numel()
-    if n_tok < 2:
-        raise ValueError(f"a document needs at least 2 tokens to make one training element, got {n_tok}")
+    if tokens.numel() < 2:
+        raise ValueError(f"a document needs at least 2 tokens to make one training element, got {tokens.numel()}")
     valid = loss_mask[1:]  # anchor p is supervised at depth 0 iff position p+1 is
-    per_depth = []
-    for d, anchors in enumerate(sample_cod(valid, k_train, cod_ratio, cod_floor, generator)):
-        m = anchors.numel()
-        per_depth.append(
-            dict(
-                input_ids=tokens[anchors + 1] if d == 0 else torch.full((m,), spec.mask_token_id, dtype=torch.long),
-                is_mask=torch.full((m,), d > 0),
-                position_ids=anchors + d,
-                anchor=anchors,
-                depth=torch.full((m,), d, dtype=torch.long),
-                hidden_row=anchors,
-                supervised=loss_mask[anchors + 1 + d],
-            )
-        )
-    return per_depth, hidden
+    anchors = sample_cod(valid, k_train, cod_ratio, cod_floor, generator)
+    return _Document(tokens, loss_mask, sample.hidden[:max_len].float(), anchors)
 
 
 def build_peagle_example(
@@ -220,26 +214,37 @@ def build_peagle_example(
     """COD-sample the elements of one document (or several packed ones) into an Example.
 
     Packed documents get consecutive anchor ranges and their own doc id; positions restart
-    at 0 in each. Their total token count must fit ``max_len``.
+    at 0 in each. Their total token count must fit ``max_len``. After COD every field is
+    one vectorised expression over all elements (a fixed handful of tensor operations).
     """
     samples = sample if isinstance(sample, (list, tuple)) else [sample]
     if len(samples) > 1 and sum(s.token_ids.numel() for s in samples) > max_len:
         raise ValueError(f"packed documents hold more than max_len={max_len} tokens; pack fewer")
-    docs = [_document_elements(s, spec, k_train, cod_ratio, cod_floor, max_len, generator) for s in samples]
-    anchor_offset, token_offset, parts = 0, 0, []
-    for doc_id, (per_depth, hidden) in enumerate(docs):
-        for d, part in enumerate(per_depth):
-            parts.append((d, doc_id, part, {"anchor": anchor_offset, "hidden_row": token_offset}))
-        anchor_offset += hidden.shape[0] - 1
-        token_offset += hidden.shape[0]
-    parts.sort(key=lambda x: (x[0], x[1]))  # depth-major, then document: anchors stay sorted
-    columns = {
-        key: torch.cat([p[key] + offsets[key] if key in offsets else p[key] for _, _, p, offsets in parts])
-        for key in parts[0][2]
-    }
-    columns["doc"] = torch.cat([torch.full((len(p["anchor"]),), doc_id, dtype=torch.long) for _, doc_id, p, _ in parts])
-    hidden = docs[0][1] if len(docs) == 1 else torch.cat([h for _, h in docs])
-    return Example(**columns, hidden=hidden)
+    docs = [_document(s, spec, k_train, cod_ratio, cod_floor, max_len, generator) for s in samples]
+    lengths = torch.tensor([d.tokens.numel() for d in docs])
+    token_start = lengths.cumsum(0) - lengths  # first token row of each document
+    anchor_start = token_start - torch.arange(len(docs))  # a document of n tokens has n - 1 anchors
+    # depth-major, then document: anchors stay sorted
+    pieces = [(d, j, doc.anchors[d]) for d in range(k_train) for j, doc in enumerate(docs)]
+    counts = torch.tensor([a.numel() for _, _, a in pieces])
+    local = torch.cat([a for _, _, a in pieces])
+    depth = torch.tensor([d for d, _, _ in pieces]).repeat_interleave(counts)
+    doc = torch.tensor([j for _, j, _ in pieces]).repeat_interleave(counts)
+    hidden_row = local + token_start[doc]
+    tokens = docs[0].tokens if len(docs) == 1 else torch.cat([d.tokens for d in docs])
+    loss_mask = docs[0].loss_mask if len(docs) == 1 else torch.cat([d.loss_mask for d in docs])
+    is_mask = depth > 0
+    return Example(
+        input_ids=tokens[hidden_row + 1].masked_fill(is_mask, spec.mask_token_id),
+        is_mask=is_mask,
+        position_ids=local + depth,
+        anchor=local + anchor_start[doc],
+        depth=depth,
+        doc=doc,
+        hidden_row=hidden_row,
+        supervised=loss_mask[hidden_row + 1 + depth],
+        hidden=docs[0].hidden if len(docs) == 1 else torch.cat([d.hidden for d in docs]),
+    )
 
 
 def collate(examples: list[Example], mask: PrecomputedMask) -> Batch:
