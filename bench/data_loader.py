@@ -85,6 +85,17 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(jobs: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per job, the jobs taking turns in every repeat (shared cores: same load for all)."""
+    times = {name: [] for name in jobs}
+    for _ in range(repeats):
+        for name, job in jobs.items():
+            start = time.perf_counter()
+            job()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def split_bytes(split_dir: Path) -> int:
     return sum(p.stat().st_size for p in shard_files(split_dir))
 
@@ -97,11 +108,12 @@ def read_throughput(split_dir: Path, repeats: int) -> dict:
     num_samples, num_tokens, size = len(reader), reader.num_tokens, split_bytes(split_dir)
     raw_read(files)  # page cache warm for every variant
     reader_pass(split_dir, "full")  # records every shard's identity (the split is older than the racy window)
-    rows = {"raw file read": median_seconds(lambda: raw_read(files), repeats)}
+    jobs = {"raw file read": lambda: raw_read(files)}
     for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
         for verify, label in VERIFY_MODES.items():
             name = f"ShardReader, {label}, {threads} torch thread(s)"
-            rows[name] = median_seconds(lambda v=verify, t=threads: with_threads(t, reader_pass, split_dir, v), repeats)
+            jobs[name] = lambda v=verify, t=threads: with_threads(t, reader_pass, split_dir, v)
+    rows = interleaved_medians(jobs, repeats)
     raw_s = rows["raw file read"]
     return {
         "split_dir": str(split_dir),
@@ -174,7 +186,7 @@ def tables(result: dict) -> list:
                  for dtype, row in result["bytes_per_token"].items()]
     return [
         (f"Read throughput: {r['num_samples']} samples / {r['num_tokens']} tokens / {r['bytes'] / 2**20:.1f} MiB "
-         f"({r['storage_dtype']}), page cache warm, median of {result['repeats']}",
+         f"({r['storage_dtype']}), page cache warm, median of {result['repeats']} (paths interleaved)",
          ["path", "s", "samples/s", "tokens/s", "MiB/s", "x raw read"], read_rows),
         ("Bytes per token on disk: the same samples stored in each dtype",
          ["dtype", "on disk B/tok", "raw hidden B/tok", "disk / raw", "x bfloat16", "estimate B/tok", f"reader tok/s ({result['torch_threads']} thr)",
