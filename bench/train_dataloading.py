@@ -1,16 +1,24 @@
-"""Data-loading time per epoch: precomputed P-EAGLE masks vs per-pair masks vs EAGLE-3 batches.
+"""Data-loading time per epoch: P-EAGLE compact batches vs per-element batches vs EAGLE-3 batches.
 
 Every variant turns the same samples (length 2048, K = 8) into training batches of one
 example, the trainer's micro-batch, and is timed over the whole set (one epoch):
 
-- P-EAGLE, precomputed mask: ``build_peagle_example`` + ``collate`` with ``PrecomputedMask``
-  (what the trainer does);
-- P-EAGLE, per-pair mask: the same examples, the mask evaluated pair by pair per example
-  (``brute_force_mask``; PARD-style per-example construction);
+- P-EAGLE, compact batch (the trainer, after): ``build_peagle_example`` + ``collate``:
+  COD sampling, element indices and positions; token-level hidden states shared, the
+  per-element features and the attention mask left to the step (``Batch.aux_hidden``,
+  ``.target_hidden``, ``.attention_mask``, evaluated on the step's device);
+- P-EAGLE, per-element batch + PrecomputedMask (before): what the trainer built until
+  this change - per-element feature copies, padded, and a dense [N, N] mask per example
+  sliced from the precomputed tril (``PrecomputedMask.mask_for``);
+- P-EAGLE, per-pair mask: the compact batch plus a dense mask evaluated pair by pair
+  per example (``brute_force_mask``; PARD-style per-example construction);
 - EAGLE-3 (this repo): ``build_eagle3_example`` (all anchors x ttt steps, ground-truth
   tokens) + ``collate`` - what ``peagle.methods.eagle3``'s objective loads per example;
 - EAGLE-3 (classic loader): tokens, hidden states and one causal [L, L] mask, what an
   EAGLE-3 trainer that builds its TTT steps inside the model needs.
+
+A second table times what the step then evaluates from a compact batch (here on the CPU;
+on an accelerator it runs there), a third the attention mask alone.
 
 Paper anchor (per epoch, their data set and hardware): P-EAGLE 17.5 s, EAGLE-3 14.8 s,
 PARD 718.5 s.
@@ -31,32 +39,53 @@ import torch  # noqa: E402
 
 from peagle.train.batch import build_peagle_example, collate  # noqa: E402
 from peagle.methods.eagle3 import build_eagle3_example  # noqa: E402
-from peagle.train.masks import PrecomputedMask, brute_force_mask  # noqa: E402
+from peagle.train.masks import PrecomputedMask, brute_force_mask, element_mask  # noqa: E402
 from train_common import Run, bench_spec, synthetic_sample  # noqa: E402
 
 K, COD_RATIO, COD_FLOOR, TTT_STEPS = 8, 0.8, 0.2, 8
 
 
-class PerPairMask:
-    """``collate``'s mask source that evaluates the attention rule for every pair."""
-
-    def mask_for(self, anchor, depth, doc=None, out=None):
-        mask = brute_force_mask(anchor, depth, doc)
-        return mask if out is None else out.copy_(mask)
+def peagle_example(sample, spec, max_len, i):
+    return build_peagle_example(sample, spec, K, COD_RATIO, COD_FLOOR, max_len, torch.Generator().manual_seed(i))
 
 
-def peagle_precomputed(samples, spec, max_len):
+def peagle_compact(samples, spec, max_len):
     mask = PrecomputedMask(max_len, K)
     for i, s in enumerate(samples):
-        ex = build_peagle_example(s, spec, K, COD_RATIO, COD_FLOOR, max_len, torch.Generator().manual_seed(i))
-        yield collate([ex], mask)
+        yield collate([peagle_example(s, spec, max_len, i)], mask)
+
+
+def per_element_batch(examples, mask: PrecomputedMask, mask_for=None) -> dict:
+    """The per-element layout the trainer collated before: feature copies + a dense mask, padded."""
+    b, n = len(examples), max(len(e) for e in examples)
+    ht = examples[0].hidden.shape[-1]
+    aux = torch.zeros(b, n, 3 * ht)
+    target = torch.zeros(b, n, ht)
+    attention = torch.zeros(b, n, n, dtype=torch.bool)
+    for i, e in enumerate(examples):
+        aux[i, : len(e)] = e.aux_hidden
+        target[i, : len(e)] = e.target_hidden
+        (mask_for or mask.mask_for)(e.anchor, e.depth, e.doc, out=attention[i, : len(e), : len(e)])
+    fields = ("input_ids", "is_mask", "position_ids", "anchor", "depth", "doc", "supervised")
+    return {"aux_hidden": aux, "target_hidden": target, "attention_mask": attention,
+            **{f: torch.stack([getattr(e, f) for e in examples]) for f in fields}}
+
+
+def peagle_per_element(samples, spec, max_len):
+    mask = PrecomputedMask(max_len, K)
+    for i, s in enumerate(samples):
+        yield per_element_batch([peagle_example(s, spec, max_len, i)], mask)
+
+
+def per_pair_mask(anchor, depth, doc=None, out=None):
+    mask = brute_force_mask(anchor, depth, doc)
+    return mask if out is None else out.copy_(mask)
 
 
 def peagle_per_pair(samples, spec, max_len):
-    mask = PerPairMask()
     for i, s in enumerate(samples):
-        ex = build_peagle_example(s, spec, K, COD_RATIO, COD_FLOOR, max_len, torch.Generator().manual_seed(i))
-        yield collate([ex], mask)
+        batch = collate([peagle_example(s, spec, max_len, i)], PrecomputedMask(max_len, K))
+        yield batch, per_pair_mask(batch.anchor[0], batch.depth[0], batch.doc[0])
 
 
 def eagle3_repo(samples, spec, max_len):
@@ -72,12 +101,27 @@ def eagle3_classic(samples, spec, max_len):
         yield (s.token_ids[:n].long(), s.loss_mask[:n], s.hidden[:n].float(), causal)
 
 
+TRAINER, BEFORE, PER_PAIR, CLASSIC = (
+    "P-EAGLE, compact batch (trainer, after)",
+    "P-EAGLE, per-element batch + PrecomputedMask (before)",
+    "P-EAGLE, compact batch + per-pair mask (brute force)",
+    "EAGLE-3, classic loader (causal mask)",
+)
 VARIANTS = {
-    "P-EAGLE, precomputed mask (trainer)": peagle_precomputed,
-    "P-EAGLE, per-pair mask (brute force)": peagle_per_pair,
-    "EAGLE-3, this repo's objective": eagle3_repo,
-    "EAGLE-3, classic loader (causal mask)": eagle3_classic,
+    TRAINER: peagle_compact,
+    BEFORE: peagle_per_element,
+    PER_PAIR: peagle_per_pair,
+    "EAGLE-3, this repo's objective (compact batch)": eagle3_repo,
+    CLASSIC: eagle3_classic,
 }
+
+
+def num_elements(batch) -> int:
+    if isinstance(batch, dict):
+        return batch["input_ids"].numel()
+    if isinstance(batch, tuple):
+        return batch[0].input_ids.numel() if hasattr(batch[0], "input_ids") else batch[0].numel()
+    return batch.input_ids.numel()
 
 
 def time_epochs(samples, spec, max_len, repeats: int) -> dict[str, tuple[float, int]]:
@@ -95,26 +139,23 @@ def time_epochs(samples, spec, max_len, repeats: int) -> dict[str, tuple[float, 
                 start = time.perf_counter()
                 batch = next(variant([sample], spec, max_len))
                 seconds[name] += time.perf_counter() - start
-                elements[name] += batch[0].numel() if isinstance(batch, tuple) else batch.input_ids.numel()
+                elements[name] += num_elements(batch)
+                del batch
         best = {name: min(best.get(name, float("inf")), s) for name, s in seconds.items()}
     return {name: (best[name], elements[name]) for name in VARIANTS}
 
 
-def time_masks(samples, spec, max_len) -> dict[str, float]:
-    """Seconds over the epoch for the attention mask alone (examples built untimed beforehand)."""
-    pre, pre3 = PrecomputedMask(max_len, K), PrecomputedMask(max_len, TTT_STEPS)
-    seconds = dict.fromkeys(MASK_VARIANTS, 0.0)
+STEP_PARTS = ["aux_hidden (gather)", "target_hidden (gather)", "attention_mask (element_mask)"]
+
+
+def time_step_side(samples, spec, max_len) -> dict[str, float]:
+    """Seconds over the epoch for what the step evaluates from the compact batches (built untimed)."""
+    seconds = dict.fromkeys(STEP_PARTS, 0.0)
+    mask = PrecomputedMask(max_len, K)
     for i, sample in enumerate(samples):
-        ex = build_peagle_example(sample, spec, K, COD_RATIO, COD_FLOOR, max_len, torch.Generator().manual_seed(i))
-        ex3 = build_eagle3_example(sample, spec, TTT_STEPS, max_len)
-        n = min(sample.token_ids.numel(), max_len)
-        jobs = {
-            "P-EAGLE, PrecomputedMask.mask_for": lambda: pre.mask_for(ex.anchor, ex.depth, ex.doc),
-            "P-EAGLE, brute_force_mask (per pair)": lambda: brute_force_mask(ex.anchor, ex.depth, ex.doc),
-            "EAGLE-3 (this repo), PrecomputedMask.mask_for": lambda: pre3.mask_for(ex3.anchor, ex3.depth, ex3.doc),
-            "EAGLE-3 classic, causal tril": lambda: torch.ones(n, n, dtype=torch.bool).tril(),
-        }
-        for name, job in jobs.items():
+        batch = collate([peagle_example(sample, spec, max_len, i)], mask)
+        for name, job in zip(STEP_PARTS, (lambda: batch.aux_hidden, lambda: batch.target_hidden,
+                                          lambda: batch.attention_mask)):
             start = time.perf_counter()
             job()
             seconds[name] += time.perf_counter() - start
@@ -122,11 +163,34 @@ def time_masks(samples, spec, max_len) -> dict[str, float]:
 
 
 MASK_VARIANTS = [
-    "P-EAGLE, PrecomputedMask.mask_for",
+    "P-EAGLE, element_mask (evaluated at the step)",
+    "P-EAGLE, PrecomputedMask.mask_for (before: in the batch)",
     "P-EAGLE, brute_force_mask (per pair)",
-    "EAGLE-3 (this repo), PrecomputedMask.mask_for",
+    "EAGLE-3 (this repo), element_mask",
     "EAGLE-3 classic, causal tril",
 ]
+
+
+def time_masks(samples, spec, max_len) -> dict[str, float]:
+    """Seconds over the epoch for a dense attention mask alone (examples built untimed beforehand)."""
+    pre = PrecomputedMask(max_len, K)
+    seconds = dict.fromkeys(MASK_VARIANTS, 0.0)
+    for i, sample in enumerate(samples):
+        ex = peagle_example(sample, spec, max_len, i)
+        ex3 = build_eagle3_example(sample, spec, TTT_STEPS, max_len)
+        n = min(sample.token_ids.numel(), max_len)
+        jobs = [
+            lambda: element_mask(ex.anchor, ex.depth, ex.doc),
+            lambda: pre.mask_for(ex.anchor, ex.depth, ex.doc),
+            lambda: brute_force_mask(ex.anchor, ex.depth, ex.doc),
+            lambda: element_mask(ex3.anchor, ex3.depth, ex3.doc),
+            lambda: torch.ones(n, n, dtype=torch.bool).tril(),
+        ]
+        for name, job in zip(MASK_VARIANTS, jobs):
+            start = time.perf_counter()
+            job()
+            seconds[name] += time.perf_counter() - start
+    return seconds
 
 
 def main() -> None:
@@ -134,6 +198,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few short samples (smoke test)")
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--short-length", type=int, default=160, help="a second epoch at the demo data set's mean length")
     parser.add_argument("--repeats", type=int, default=1, help="epochs per variant; the fastest is kept")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: no OpenMP contention on shared cores)")
     args = parser.parse_args()
@@ -148,28 +213,53 @@ def main() -> None:
     measured = time_epochs(samples, spec, length, repeats)
     for name, (seconds, _) in measured.items():
         print(f"{name}: {seconds:.3f} s", flush=True)
-    ref = measured["P-EAGLE, precomputed mask (trainer)"][0]
-    eagle3 = measured["EAGLE-3, classic loader (causal mask)"][0]
+    ref = measured[TRAINER][0]
+    eagle3 = measured[CLASSIC][0]
     rows = [
-        [name, s, 1000 * s / n_samples, el // n_samples, s / ref, s / eagle3]
-        for name, (s, el) in measured.items()
+        [name, sec, 1000 * sec / n_samples, el // n_samples, sec / ref, sec / eagle3]
+        for name, (sec, el) in measured.items()
     ]
     run.add_table(
         f"Data loading per epoch: {n_samples} samples x {length} tokens, K={K}, batch 1",
-        ["variant", "epoch s", "ms / sample", "elements / sample", "x P-EAGLE precomputed", "x EAGLE-3 classic"],
+        ["variant", "epoch s", "ms / sample", "elements / sample", "x P-EAGLE compact", "x EAGLE-3 classic"],
         rows,
-        note="paper (their data, hardware): P-EAGLE 17.5 s, EAGLE-3 14.8 s (0.85x), PARD 718.5 s (41x) per epoch",
+        note=(f"targets: P-EAGLE trainer <= 1.2x EAGLE-3 classic (measured {ref / eagle3:.2f}x; before "
+              f"{measured[BEFORE][0] / eagle3:.2f}x), per-pair >= 20x the trainer (measured "
+              f"{measured[PER_PAIR][0] / ref:.1f}x); paper (their data, hardware): P-EAGLE 17.5 s, "
+              "EAGLE-3 14.8 s (0.85x), PARD 718.5 s (41x) per epoch"),
+    )
+    short_len = 64 if args.quick else args.short_length
+    short = time_epochs([synthetic_sample(short_len, spec, seed=i) for i in range(n_samples)], spec, short_len, repeats)
+    short_ref, short_eagle3 = short[TRAINER][0], short[CLASSIC][0]
+    run.add_table(
+        f"The same at {short_len} tokens per sample (the demo data set's mean length)",
+        ["variant", "epoch s", "ms / sample", "elements / sample", "x P-EAGLE compact", "x EAGLE-3 classic"],
+        [[name, sec, 1000 * sec / n_samples, el // n_samples, sec / short_ref, sec / short_eagle3]
+         for name, (sec, el) in short.items()],
+        note="short samples: a fixed ~2 ms of per-example tensor operations (COD's K draws, K-way concatenation, padding) "
+             "against a causal mask of a few KiB; the per-pair ratio shrinks with N^2",
+    )
+    step = time_step_side(samples, spec, length)
+    before = measured[BEFORE][0]
+    run.add_table(
+        "What the step evaluates from a compact batch, same epoch (CPU here; the accelerator in GPU training)",
+        ["part", "epoch s", "ms / sample", "x per-element batch (before)"],
+        [[name, sec, 1000 * sec / n_samples, sec / before] for name, sec in step.items()]
+        + [["compact batch + all of the above", ref + sum(step.values()), 1000 * (ref + sum(step.values())) / n_samples,
+            (ref + sum(step.values())) / before]],
     )
     masks = time_masks(samples, spec, length)
     mask_ref = masks[MASK_VARIANTS[0]]
     run.add_table(
-        "Attention mask construction alone, same epoch",
-        ["mask", "epoch s", "ms / sample", "x PrecomputedMask"],
+        "A dense attention mask alone, same epoch",
+        ["mask", "epoch s", "ms / sample", "x element_mask"],
         [[name, sec, 1000 * sec / n_samples, sec / mask_ref] for name, sec in masks.items()],
     )
     run.finish([
         "synthetic samples (10% prompt, 90% response), hidden [n, 4, 192] fp32; the demo data set (288 train samples, 45,990 tokens: 160 tokens on average) is far shorter than 2048",
         f"EAGLE-3 rows use ttt_steps={TTT_STEPS} (= K) so both objectives supervise the same depths",
+        "compact batches hold no dense mask and no per-element features: the step evaluates them where it runs "
+        "(second table); 'before' rebuilds the previous trainer's per-element batch in this run for the ratio",
         f"best of {repeats} epoch(s) per variant; variants interleaved sample by sample (same machine load); one process, no DataLoader workers",
     ])
 

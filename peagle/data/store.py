@@ -21,8 +21,10 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import shutil
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +33,16 @@ from safetensors import safe_open
 
 from peagle.fileio import atomic_open, is_temp_name, sha256_file, write_json_atomic
 from peagle.layout import MANIFEST_FILE
+from peagle.paths import peagle_home
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST = MANIFEST_FILE  # named in peagle.layout
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
+# A shard whose mtime/ctime is this close to the check is not recorded ("racy" in git's
+# sense): on a coarse-timestamp file system a same-tick rewrite would keep its identity.
+RACY_WINDOW_NS = 2_000_000_000
 
 STORAGE_DTYPES = {
     "float32": torch.float32,
@@ -371,14 +377,81 @@ class ShardWriter:
 # ----------------------------------------------------------------------------- reader
 
 
+def file_identity(path: Path) -> dict[str, int]:
+    """What changes whenever a file's bytes may have: size, mtime, ctime, inode, device.
+
+    ``ctime`` moves on every write and on every ``utime``, and cannot be set back by a
+    user; a replaced file (rename, copy) has another inode.
+    """
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "ino": st.st_ino, "dev": st.st_dev}
+
+
+def verified_record(split_dir: Path) -> Path:
+    """Where the identities of a split's verified shards are kept: peagle's cache, one file
+    per split directory (the dataset itself is never written by readers, and may be read-only)."""
+    key = hashlib.sha256(str(Path(split_dir).resolve()).encode()).hexdigest()[:24]
+    return peagle_home() / "cache" / "verified-shards" / f"{key}.json"
+
+
+class VerifiedShards:
+    """Verify a shard's sha256 once per file identity (recorded in ``verified_record``).
+
+    A full sha256 check that passes records the shard's identity (``file_identity``) with
+    the sha256 it matched; later opens whose identity and manifest sha256 are unchanged
+    trust the file without re-reading it. Any write, truncation, replacement or ``touch``
+    changes the identity, so the next open hashes the file again. Not covered: bytes that
+    change on the medium with no file-system write (silent bit rot); ``ShardReader(...,
+    verify="full")`` re-hashes every shard. The record is a cache: when it cannot be
+    written or is lost, shards are simply hashed again.
+    """
+
+    def __init__(self, split_dir: Path, full: bool = False):
+        self.path = verified_record(split_dir)
+        self.full = full
+
+    def check(self, shard: Path, entry: dict) -> None:
+        """Raise ``CorruptShardError`` unless ``shard`` is the file the manifest lists."""
+        before = file_identity(shard)
+        if not self.full and self._records().get(shard.name) == {**before, "sha256": entry["sha256"]}:
+            return
+        if before["size"] != entry["bytes"] or sha256_file(shard) != entry["sha256"]:
+            raise CorruptShardError(
+                f"{shard} is corrupt: its size/sha256 does not match {shard.parent / MANIFEST} "
+                f"({before['size']} bytes on disk, {entry['bytes']} expected); restore it or rebuild the "
+                "dataset (`peagle data --force`)"
+            )
+        changed_late = time.time_ns() - max(before["mtime_ns"], before["ctime_ns"]) < RACY_WINDOW_NS
+        if file_identity(shard) == before and not changed_late:
+            self._record(shard.name, {**before, "sha256": entry["sha256"]})
+
+    def _records(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _record(self, name: str, identity: dict) -> None:
+        records = self._records()
+        records[name] = identity
+        try:  # a lost record only costs a re-hash: no fsync
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, records, indent=1, durable=False)
+        except OSError as err:
+            log.debug("cannot record verified shard %s in %s: %s", name, self.path, err)
+
+
 class ShardReader:
     """Random access to the samples of one split, memory-mapped shard by shard.
 
-    A shard is verified against the manifest's sha256 the first time it is opened
-    (``verify=False`` skips that, e.g. in data-loader workers after a verified pass).
+    A shard is verified against the manifest's sha256 the first time it is opened, once
+    per file identity (``VerifiedShards``: a shard unchanged since a passing check is not
+    re-hashed); ``verify="full"`` re-hashes regardless, ``verify=False`` skips the check
+    (e.g. counting tokens for the vocabulary right after the writer produced the split).
     """
 
-    def __init__(self, split_dir: str | Path, verify: bool = True):
+    def __init__(self, split_dir: str | Path, verify: bool | str = True):
         self.split_dir = Path(split_dir)
         path = self.split_dir / MANIFEST
         if not path.exists():
@@ -389,6 +462,8 @@ class ShardReader:
                 f"{path}: shard format version {self.manifest.get('format_version')} is not "
                 f"{FORMAT_VERSION}; rebuild the dataset with this version of peagle"
             )
+        if verify not in (True, False, "full"):
+            raise ValueError(f"ShardReader verify must be True, False or 'full', got {verify!r}")
         self.verify = verify
         self.layer_ids = self.manifest["layer_ids"]
         self.storage_dtype = self.manifest["storage_dtype"]
@@ -396,6 +471,7 @@ class ShardReader:
         for s in self.manifest["shards"]:
             self._starts.append(self._starts[-1] + s["samples"])
         self._open: dict[int, tuple] = {}
+        self._verified = VerifiedShards(self.split_dir, full=verify == "full")
 
     def __getstate__(self):
         # Open shard handles cannot be pickled (DataLoader workers started by spawn); reopen lazily.
@@ -420,13 +496,7 @@ class ShardReader:
             if not path.exists():
                 raise CorruptShardError(f"{path} is listed in the manifest but missing; rebuild the dataset")
             if self.verify:
-                size = path.stat().st_size
-                if size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-                    raise CorruptShardError(
-                        f"{path} is corrupt: its size/sha256 does not match {self.split_dir / MANIFEST} "
-                        f"({size} bytes on disk, {entry['bytes']} expected); restore it or rebuild the "
-                        "dataset (`peagle data --force`)"
-                    )
+                self._verified.check(path, entry)
             try:
                 f = safe_open(str(path), framework="pt")
                 offsets = f.get_tensor("seq_offsets")

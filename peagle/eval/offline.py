@@ -40,7 +40,6 @@ from peagle.layout import DataLayout
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 from peagle.train.batch import NUM_AUX_LAYERS, Batch
 from peagle.train.loss import TargetHead
-from peagle.train.masks import brute_force_mask
 
 Reference = Literal["data", "target"]
 
@@ -108,7 +107,6 @@ def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, device) 
     ``supervised`` marks the elements whose drafts are read (all elements of ``anchors``).
     """
     last = int(anchors.max())
-    ht = spec.target_hidden_size
     context = torch.arange(last + 1)
     deep_anchor = anchors.repeat(k - 1)
     deep_depth = torch.arange(1, k).repeat_interleave(anchors.numel())
@@ -118,21 +116,18 @@ def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, device) 
     is_deep = depth > 0
     tokens = sample.token_ids.long()
     input_ids = torch.where(is_deep, spec.mask_token_id, tokens[(anchor + 1).clamp_max(tokens.numel() - 1)])
-    aux = torch.zeros(n, NUM_AUX_LAYERS * ht)
-    aux[:last + 1] = sample.hidden[: last + 1, :NUM_AUX_LAYERS].reshape(last + 1, NUM_AUX_LAYERS * ht).float()
     wanted = torch.isin(anchor, anchors)
     batch = Batch(
         input_ids=input_ids[None],
-        aux_hidden=aux[None],
         is_mask=is_deep[None],
         position_ids=(anchor + depth)[None],
         anchor=anchor[None],
         depth=depth[None],
         doc=torch.zeros(1, n, dtype=torch.long),
-        target_hidden=torch.zeros(1, n, 0),
+        hidden_row=anchor[None],  # depth 0 reads its anchor's aux states; deeper slots read none
         supervised=wanted[None],
         valid=torch.ones(1, n, dtype=torch.bool),
-        attention_mask=brute_force_mask(anchor, depth)[None],
+        hidden=sample.hidden[None].float(),
     )
     return batch.to(device)
 

@@ -1,9 +1,9 @@
-"""COD sampling, precomputed masks, training inputs and the loss (the trainer builds on these)."""
+"""COD sampling, attention masks, compact training inputs and the loss (the trainer builds on these)."""
 
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
 from peagle.train.cod import depth_budget, sample_cod
 from peagle.train.loss import LossOutput, TargetHead, forward_kl, kl_loss, peagle_loss
-from peagle.train.masks import PrecomputedMask, brute_force_mask
+from peagle.train.masks import PrecomputedMask, brute_force_mask, element_mask
 
 __all__ = [
     "Batch",
@@ -15,6 +15,7 @@ __all__ = [
     "build_peagle_example",
     "collate",
     "depth_budget",
+    "element_mask",
     "forward_kl",
     "kl_loss",
     "peagle_loss",

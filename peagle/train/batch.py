@@ -10,6 +10,13 @@ the final pre-norm layer), anchors are p = 0..n-2 and element (p, d) is:
 
 This is exactly the slot layout vLLM builds when drafting after anchor p: the accepted
 context, then (next token, g_p), then K-1 (mask, mask_hidden) slots at consecutive positions.
+
+Batches stay compact until the step runs: an example keeps the document's token-level
+hidden states once (``hidden`` [T, 4, Ht]) and each element's row in it (``hidden_row``);
+its per-element features (``aux_hidden``, ``target_hidden``) and the batch's attention
+mask are index arithmetic evaluated where they are read, on the batch's device. Building
+a batch therefore costs index vectors of N elements, like an EAGLE-3 batch of the same
+tokens, and moves ~4x fewer bytes to the accelerator than per-element copies would.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 
 from peagle.facts import HeadSpec
 from peagle.train.cod import sample_cod
-from peagle.train.masks import PrecomputedMask
+from peagle.train.masks import PrecomputedMask, element_mask
 
 NUM_AUX_LAYERS = 3
 
@@ -32,19 +39,55 @@ class SampleLike(Protocol):
     hidden: torch.Tensor  # Float [n, 4, Ht]: aux layers, then the final pre-norm layer
 
 
+ELEMENT_FIELDS = ("input_ids", "is_mask", "position_ids", "anchor", "depth", "doc", "hidden_row", "supervised")
+
+
+def aux_features(hidden: torch.Tensor, hidden_row: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Float [..., N, 3Ht]: the anchor's aux hidden states at depth 0, zeros deeper.
+
+    ``hidden`` [..., T, 4, Ht] (per row), ``hidden_row`` / ``depth`` [..., N].
+    """
+    return _rows_where(hidden[..., :NUM_AUX_LAYERS, :], hidden_row, depth == 0)
+
+
+def target_features(hidden: torch.Tensor, hidden_row: torch.Tensor, depth: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
+    """Float [..., N, Ht]: the final hidden state at position anchor + 1 + depth where supervised, else zeros."""
+    return _rows_where(hidden[..., NUM_AUX_LAYERS, :], hidden_row + 1 + depth, supervised)
+
+
+def _rows_where(values: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Float [..., N, prod(F)]: ``values`` [..., T, *F] at ``rows`` [..., N] where ``keep``, zeros elsewhere.
+
+    Only the kept rows are read (one row copy each), the rest is a zero fill.
+    """
+    lead = rows.dim() - 1
+    t = values.shape[lead]
+    width = values[(0,) * (lead + 1)].numel()
+    tokens = values.flatten(0, lead)  # (batch row, token) -> one index; a view for the trainer's tensors
+    base = torch.arange(rows[..., :1].numel(), device=rows.device).reshape(*rows.shape[:-1], 1) * t
+    picked = tokens.index_select(0, (rows + base)[keep])
+    out = values.new_zeros(*rows.shape, width)
+    out[keep] = picked.reshape(picked.shape[0], width)
+    return out
+
+
 @dataclass
 class Example:
-    """N elements of one training example (one document, or several packed)."""
+    """N elements of one training example (one document, or several packed).
+
+    ``hidden`` is the documents' token-level states, shared by all elements (not copied per
+    element); ``aux_hidden`` and ``target_hidden`` are gathered from it when read.
+    """
 
     input_ids: torch.Tensor  # Long [N]
-    aux_hidden: torch.Tensor  # Float [N, 3Ht], zeros where is_mask
     is_mask: torch.Tensor  # Bool [N]
     position_ids: torch.Tensor  # Long [N]
     anchor: torch.Tensor  # Long [N], index into the example's anchors (global across packed docs)
     depth: torch.Tensor  # Long [N]
     doc: torch.Tensor  # Long [N]
-    target_hidden: torch.Tensor  # Float [N, Ht], final hidden of the target position (zeros if unsupervised)
+    hidden_row: torch.Tensor  # Long [N]: the anchor's token row in ``hidden`` (the target is 1 + depth rows on)
     supervised: torch.Tensor  # Bool [N]
+    hidden: torch.Tensor  # Float [T, 4, Ht]: aux layers then the final layer, per token
 
     def __len__(self) -> int:
         return self.input_ids.numel()
@@ -53,30 +96,59 @@ class Example:
     def num_supervised(self) -> int:
         return int(self.supervised.sum())
 
+    @property
+    def aux_hidden(self) -> torch.Tensor:
+        """Float [N, 3Ht], zeros where depth > 0."""
+        return aux_features(self.hidden, self.hidden_row, self.depth)
+
+    @property
+    def target_hidden(self) -> torch.Tensor:
+        """Float [N, Ht]: final hidden of the target position (zeros if unsupervised)."""
+        return target_features(self.hidden, self.hidden_row, self.depth, self.supervised)
+
     def select(self, index: torch.Tensor) -> Example:
         """The sub-example of elements ``index`` (a Long or Bool index over N)."""
-        return Example(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        return Example(**{name: getattr(self, name)[index] for name in ELEMENT_FIELDS}, hidden=self.hidden)
 
 
 @dataclass
 class Batch:
-    """Padded examples plus their [B, N, N] attention mask (True = may attend)."""
+    """Padded examples: element fields [B, N], token-level ``hidden`` [B, T, 4, Ht].
+
+    ``aux_hidden``, ``target_hidden`` and ``attention_mask`` [B, N, N] (True = may attend;
+    the P-EAGLE rule of ``peagle.train.masks``, padding masked out) are evaluated when read,
+    on the batch's device: the loss reads each once per step.
+    """
 
     input_ids: torch.Tensor  # Long [B, N]
-    aux_hidden: torch.Tensor  # Float [B, N, 3Ht]
     is_mask: torch.Tensor  # Bool [B, N]
     position_ids: torch.Tensor  # Long [B, N]
     anchor: torch.Tensor  # Long [B, N]
     depth: torch.Tensor  # Long [B, N]
     doc: torch.Tensor  # Long [B, N], -1 on padding
-    target_hidden: torch.Tensor  # Float [B, N, Ht]
+    hidden_row: torch.Tensor  # Long [B, N], rows of this row's ``hidden``
     supervised: torch.Tensor  # Bool [B, N]
     valid: torch.Tensor  # Bool [B, N], False on padding
-    attention_mask: torch.Tensor  # Bool [B, N, N]
+    hidden: torch.Tensor  # Float [B, T, 4, Ht]
 
     @property
     def num_supervised(self) -> int:
         return int(self.supervised.sum())
+
+    @property
+    def aux_hidden(self) -> torch.Tensor:
+        """Float [B, N, 3Ht]: depth-0 elements' aux features, zeros deeper and on padding."""
+        return aux_features(self.hidden, self.hidden_row, torch.where(self.valid, self.depth, 1))
+
+    @property
+    def target_hidden(self) -> torch.Tensor:
+        """Float [B, N, Ht]: supervised elements' target states, zeros elsewhere."""
+        return target_features(self.hidden, self.hidden_row, self.depth, self.supervised)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """Bool [B, N, N]: the attention rule over the batch's elements (``element_mask``)."""
+        return element_mask(self.anchor, self.depth, self.doc, self.valid)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
         """Move to ``device``; ``dtype`` casts the float tensors (hidden states) only."""
@@ -101,7 +173,17 @@ def _check_sample(sample: SampleLike, spec: HeadSpec) -> None:
         raise ValueError(f"sample.loss_mask has shape {tuple(sample.loss_mask.shape)}, expected {(n,)}")
 
 
-def _document_elements(
+@dataclass
+class _Document:
+    """One document, truncated to ``max_len`` tokens, and its COD anchor sets (one per depth)."""
+
+    tokens: torch.Tensor  # Long [n]
+    loss_mask: torch.Tensor  # Bool [n]
+    hidden: torch.Tensor  # Float [n, 4, Ht]
+    anchors: list[torch.Tensor]  # depth d -> sorted Long anchors (local to the document)
+
+
+def _document(
     sample: SampleLike,
     spec: HeadSpec,
     k_train: int,
@@ -109,42 +191,15 @@ def _document_elements(
     cod_floor: float,
     max_len: int,
     generator: torch.Generator | None,
-) -> list[dict[str, torch.Tensor]]:
-    """Per-depth element tensors of one document (truncated to ``max_len`` tokens)."""
+) -> _Document:
     _check_sample(sample, spec)
     tokens = sample.token_ids[:max_len].long()
     loss_mask = sample.loss_mask[:max_len].bool()
-    hidden = sample.hidden[:max_len].float()
-    n_tok = tokens.numel()
-    if n_tok < 2:
-        raise ValueError(f"a document needs at least 2 tokens to make one training element, got {n_tok}")
-    ht = spec.target_hidden_size
+    if tokens.numel() < 2:
+        raise ValueError(f"a document needs at least 2 tokens to make one training element, got {tokens.numel()}")
     valid = loss_mask[1:]  # anchor p is supervised at depth 0 iff position p+1 is
-    per_depth = []
-    for d, anchors in enumerate(sample_cod(valid, k_train, cod_ratio, cod_floor, generator)):
-        target_pos = anchors + 1 + d
-        supervised = loss_mask[target_pos]
-        m = anchors.numel()
-        if d == 0:
-            input_ids = tokens[anchors + 1]
-            aux = hidden[anchors, :NUM_AUX_LAYERS].reshape(m, NUM_AUX_LAYERS * ht)
-        else:
-            input_ids = torch.full((m,), spec.mask_token_id, dtype=torch.long)
-            aux = hidden.new_zeros(m, NUM_AUX_LAYERS * ht)
-        target = hidden[target_pos, NUM_AUX_LAYERS] * supervised[:, None]
-        per_depth.append(
-            dict(
-                input_ids=input_ids,
-                aux_hidden=aux,
-                is_mask=torch.full((m,), d > 0),
-                position_ids=anchors + d,
-                anchor=anchors,
-                depth=torch.full((m,), d, dtype=torch.long),
-                target_hidden=target,
-                supervised=supervised,
-            )
-        )
-    return per_depth
+    anchors = sample_cod(valid, k_train, cod_ratio, cod_floor, generator)
+    return _Document(tokens, loss_mask, sample.hidden[:max_len].float(), anchors)
 
 
 def build_peagle_example(
@@ -159,54 +214,81 @@ def build_peagle_example(
     """COD-sample the elements of one document (or several packed ones) into an Example.
 
     Packed documents get consecutive anchor ranges and their own doc id; positions restart
-    at 0 in each. Their total token count must fit ``max_len``.
+    at 0 in each. Their total token count must fit ``max_len``. After COD every field is
+    one vectorised expression over all elements (a fixed handful of tensor operations).
     """
     samples = sample if isinstance(sample, (list, tuple)) else [sample]
     if len(samples) > 1 and sum(s.token_ids.numel() for s in samples) > max_len:
         raise ValueError(f"packed documents hold more than max_len={max_len} tokens; pack fewer")
-    docs = [_document_elements(s, spec, k_train, cod_ratio, cod_floor, max_len, generator) for s in samples]
-    offset, parts = 0, []
-    for doc_id, (s, per_depth) in enumerate(zip(samples, docs)):
-        for d, part in enumerate(per_depth):
-            parts.append((d, doc_id, part, offset))
-        offset += min(s.token_ids.numel(), max_len) - 1
-    parts.sort(key=lambda x: (x[0], x[1]))  # depth-major, then document: anchors stay sorted
-    columns = {}
-    for key in parts[0][2]:
-        columns[key] = torch.cat([p[key] + off if key == "anchor" else p[key] for _, _, p, off in parts])
-    columns["doc"] = torch.cat([torch.full((len(p["anchor"]),), doc_id, dtype=torch.long) for _, doc_id, p, _ in parts])
-    return Example(**columns)
+    docs = [_document(s, spec, k_train, cod_ratio, cod_floor, max_len, generator) for s in samples]
+    lengths = torch.tensor([d.tokens.numel() for d in docs])
+    token_start = lengths.cumsum(0) - lengths  # first token row of each document
+    anchor_start = token_start - torch.arange(len(docs))  # a document of n tokens has n - 1 anchors
+    # depth-major, then document: anchors stay sorted
+    pieces = [(d, j, doc.anchors[d]) for d in range(k_train) for j, doc in enumerate(docs)]
+    counts = torch.tensor([a.numel() for _, _, a in pieces])
+    local = torch.cat([a for _, _, a in pieces])
+    depth = torch.tensor([d for d, _, _ in pieces]).repeat_interleave(counts)
+    doc = torch.tensor([j for _, j, _ in pieces]).repeat_interleave(counts)
+    hidden_row = local + token_start[doc]
+    tokens = docs[0].tokens if len(docs) == 1 else torch.cat([d.tokens for d in docs])
+    loss_mask = docs[0].loss_mask if len(docs) == 1 else torch.cat([d.loss_mask for d in docs])
+    is_mask = depth > 0
+    return Example(
+        input_ids=tokens[hidden_row + 1].masked_fill(is_mask, spec.mask_token_id),
+        is_mask=is_mask,
+        position_ids=local + depth,
+        anchor=local + anchor_start[doc],
+        depth=depth,
+        doc=doc,
+        hidden_row=hidden_row,
+        supervised=loss_mask[hidden_row + 1 + depth],
+        hidden=docs[0].hidden if len(docs) == 1 else torch.cat([d.hidden for d in docs]),
+    )
 
 
 def collate(examples: list[Example], mask: PrecomputedMask) -> Batch:
-    """Pad examples to the longest and build each one's attention mask from ``mask``."""
+    """Pad examples to the longest (elements and tokens); no per-element copy of hidden states.
+
+    ``mask`` checks the examples fit the anchors and depths the objective was set up for
+    (before the step runs); the batch's ``attention_mask`` is evaluated when it is read.
+    """
     if not examples:
         raise ValueError("collate needs at least one example")
+    for e in examples:
+        mask.check(e.anchor, e.depth)
     b, n = len(examples), max(len(e) for e in examples)
-    first = examples[0]
 
     def pad(name: str, fill) -> torch.Tensor:
-        t = getattr(first, name)
-        out = torch.full((b, n, *t.shape[1:]), fill, dtype=t.dtype)
+        t = getattr(examples[0], name)
+        out = torch.full((b, n), fill, dtype=t.dtype)
         for i, e in enumerate(examples):
             out[i, : len(e)] = getattr(e, name)
         return out
 
-    attention = torch.zeros(b, n, n, dtype=torch.bool)
     valid = torch.zeros(b, n, dtype=torch.bool)
     for i, e in enumerate(examples):
-        mask.mask_for(e.anchor, e.depth, e.doc, out=attention[i, : len(e), : len(e)])
         valid[i, : len(e)] = True
     return Batch(
         input_ids=pad("input_ids", 0),
-        aux_hidden=pad("aux_hidden", 0.0),
         is_mask=pad("is_mask", False),
         position_ids=pad("position_ids", 0),
         anchor=pad("anchor", 0),
         depth=pad("depth", 0),
         doc=pad("doc", -1),
-        target_hidden=pad("target_hidden", 0.0),
+        hidden_row=pad("hidden_row", 0),
         supervised=pad("supervised", False),
         valid=valid,
-        attention_mask=attention,
+        hidden=_stack_tokens([e.hidden for e in examples]),
     )
+
+
+def _stack_tokens(hidden: list[torch.Tensor]) -> torch.Tensor:
+    """[B, T, 4, Ht] zero-padded to the longest; a view (no copy) for a single example."""
+    if len(hidden) == 1:
+        return hidden[0][None]
+    t = max(h.shape[0] for h in hidden)
+    out = hidden[0].new_zeros(len(hidden), t, *hidden[0].shape[1:])
+    for i, h in enumerate(hidden):
+        out[i, : h.shape[0]] = h
+    return out

@@ -11,6 +11,12 @@ the full [K*L, K*L] mask is made of only three L x L blocks: ``tril`` (key depth
 once; an example's mask is a slice of it to the example's length plus a gather of the
 COD-selected anchors (rows) for every key-depth-0 block, one True per row placed by a
 sorted search in each ``eye`` block, and False elsewhere: no per-pair rule evaluation.
+
+Training batches carry no mask at all: ``element_mask`` evaluates the rule from the
+elements' (anchor, depth, doc) on the batch's device when the step reads
+``Batch.attention_mask`` - a compare over the depth-0 columns (the only ones whose
+pattern is not a chain) plus at most K-1 vectorised chain steps, no [N, N] integer
+temporaries.
 """
 
 from __future__ import annotations
@@ -37,8 +43,16 @@ class PrecomputedMask:
         if max_len < 1 or k < 1:
             raise ValueError(f"PrecomputedMask needs max_len >= 1 and k >= 1, got {max_len}, {k}")
         self.max_len, self.k = max_len, k
-        self.tril = torch.ones(max_len, max_len, dtype=torch.bool, device=device).tril()
+        self.device = torch.device(device)
+        self._tril: torch.Tensor | None = None
         self.types = block_types(k)
+
+    @property
+    def tril(self) -> torch.Tensor:
+        """The [max_len, max_len] context table, built on first use (``check`` alone never needs it)."""
+        if self._tril is None:
+            self._tril = torch.ones(self.max_len, self.max_len, dtype=torch.bool, device=self.device).tril()
+        return self._tril
 
     def mask_for(
         self,
@@ -55,7 +69,7 @@ class PrecomputedMask:
         """
         device = self.tril.device
         anchor, depth = anchor.to(device), depth.to(device)
-        self._check(anchor, depth)
+        self.check(anchor, depth)
         n_el = anchor.numel()
         if out is None:
             out = torch.empty(n_el, n_el, dtype=torch.bool, device=device)
@@ -108,7 +122,8 @@ class PrecomputedMask:
             raise ValueError("an anchor appears in two documents: packed documents need disjoint anchor ranges")
         return context & (anchor_doc[:, None] == anchor_doc[None, :])
 
-    def _check(self, anchor: torch.Tensor, depth: torch.Tensor) -> None:
+    def check(self, anchor: torch.Tensor, depth: torch.Tensor) -> None:
+        """Refuse elements outside the anchors (``max_len``) and depths (``k``) this mask is for."""
         if anchor.shape != depth.shape or anchor.dim() != 1:
             raise ValueError(f"anchor and depth must be 1-D of one length, got {tuple(anchor.shape)}, {tuple(depth.shape)}")
         if anchor.numel() and (int(anchor.max()) >= self.max_len or int(anchor.min()) < 0):
@@ -125,6 +140,76 @@ def _take_columns(rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     if columns.numel() and int(columns[-1]) - int(columns[0]) + 1 == columns.numel():
         return rows[:, int(columns[0]) : int(columns[-1]) + 1]
     return rows[:, columns]
+
+
+def element_mask(
+    anchor: torch.Tensor,
+    depth: torch.Tensor,
+    doc: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool [..., N, N]: the attention rule for [N] or [B, N] elements, in any order, on their device.
+
+    Equal to ``brute_force_mask`` (with ``valid`` masking padding both ways). Work is one
+    [N, #depth-0] compare (two with several documents) and at most K-1 gathers of N.
+    """
+    if anchor.dim() == 1:
+        return element_mask(anchor[None], depth[None], None if doc is None else doc[None],
+                            None if valid is None else valid[None])[0]
+    b, n = anchor.shape
+    doc = torch.zeros_like(anchor) if doc is None else doc
+    valid = torch.ones_like(anchor, dtype=torch.bool) if valid is None else valid
+    out = torch.zeros(b, n, n, dtype=torch.bool, device=anchor.device)
+    for row in range(b):
+        _context_columns(anchor[row], depth[row], doc[row], valid[row], out[row])
+        _chain_pairs(anchor[row], depth[row], doc[row], valid[row], out[row])
+    return out
+
+
+def _context_columns(anchor, depth, doc, valid, out) -> None:
+    """Depth-0 keys: q may read k when k's anchor <= q's anchor, same document, both valid.
+
+    ``out`` is all False; in the builder's layout (depth 0 one block of columns) the compare
+    writes straight into that block, with no [N, #depth-0] temporary.
+    """
+    cols = torch.nonzero(valid & (depth == 0)).squeeze(1)
+    if not cols.numel():
+        return
+    first, last = int(cols[0]), int(cols[-1])
+    block = last - first + 1 == cols.numel()
+    target = out[:, first : last + 1] if block else torch.empty(out.shape[0], cols.numel(), dtype=torch.bool,
+                                                                 device=out.device)
+    torch.le(anchor[cols][None, :], anchor[:, None], out=target)
+    doc_v = doc[valid]
+    if doc_v.numel() and bool((doc_v != doc_v[0]).any()):
+        target &= doc[cols][None, :] == doc[:, None]
+    if not bool(valid.all()):
+        target &= valid[:, None]
+    if not block:
+        out[:, cols] = target
+
+
+def _chain_pairs(anchor, depth, doc, valid, out) -> None:
+    """Deeper keys: q may read k of its own anchor and document with 0 < k.depth <= q.depth.
+
+    Sorted by (doc, anchor, depth), a chain is a run of consecutive elements: step j pairs
+    each element with the one j places before it, until no run is longer than j.
+    """
+    idx = torch.nonzero(valid).squeeze(1)
+    for key in (depth, anchor, doc):  # stable sorts, least significant key first
+        idx = idx[torch.sort(key[idx], stable=True).indices]
+    deep = idx[depth[idx] > 0]
+    out[deep, deep] = True  # a deeper element reads itself
+    a, d, g = anchor[idx], depth[idx], doc[idx]
+    for j in range(1, idx.numel()):
+        same = (a[j:] == a[:-j]) & (g[j:] == g[:-j])
+        if not bool(same.any()):
+            break
+        key_deep = same & (d[:-j] > 0)
+        q, k = idx[j:][key_deep], idx[:-j][key_deep]
+        out[q, k] = True
+        tie = d[j:][key_deep] == d[:-j][key_deep]  # the same (anchor, depth) twice: both ways
+        out[k[tie], q[tie]] = True
 
 
 def brute_force_mask(

@@ -20,13 +20,13 @@ to (L + deeper elements of one segment)^2.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 from torch import nn
 
-from peagle.train.batch import Batch, Example, collate
+from peagle.train.batch import ELEMENT_FIELDS, Batch, Example, collate
 from peagle.train.loss import LossOutput, TargetHead, Weighting, metrics_from_stats, peagle_loss
 from peagle.train.masks import PrecomputedMask
 
@@ -107,31 +107,26 @@ def _check_depth_zero_complete(anchor: torch.Tensor, depth: torch.Tensor) -> Non
 def select_elements(batch: Batch, index: list[torch.Tensor], keep_supervised: list[torch.Tensor] | None = None) -> Batch:
     """A batch of row-wise element subsets: row b keeps elements ``index[b]`` (in that order).
 
-    The attention mask is gathered from ``batch.attention_mask``, so it stays exactly the
-    whole batch's rule restricted to the kept elements. ``keep_supervised[b]`` (Bool, one
-    per kept element) further restricts which kept elements are supervised.
+    The subset's attention mask is the rule evaluated on the kept elements, so it stays
+    exactly the whole batch's mask restricted to them; the token-level hidden states are
+    shared, not copied. ``keep_supervised[b]`` (Bool, one per kept element) further
+    restricts which kept elements are supervised.
     """
     b = len(index)
     n = max((int(i.numel()) for i in index), default=0)
     device = batch.input_ids.device
     out = {}
-    for f in fields(batch):
-        t = getattr(batch, f.name)
-        if f.name == "attention_mask":
-            continue
-        fill = -1 if f.name == "doc" else 0
+    for name in (*ELEMENT_FIELDS, "valid"):
+        t = getattr(batch, name)
+        fill = -1 if name == "doc" else 0
         padded = torch.full((b, n, *t.shape[2:]), fill, dtype=t.dtype, device=device)
         for row, idx in enumerate(index):
             padded[row, : idx.numel()] = t[row, idx]
-        out[f.name] = padded
-    attention = torch.zeros(b, n, n, dtype=torch.bool, device=device)
-    for row, idx in enumerate(index):
-        attention[row, : idx.numel(), : idx.numel()] = batch.attention_mask[row][idx][:, idx]
-    out["attention_mask"] = attention
+        out[name] = padded
     if keep_supervised is not None:
         for row, keep in enumerate(keep_supervised):
             out["supervised"][row, : keep.numel()] &= keep
-    return Batch(**out)
+    return Batch(**out, hidden=batch.hidden)
 
 
 class SegmentBatches(Sequence[Batch]):

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from peagle import fileio
+from peagle.data import store
 from peagle.data.store import (
     CorruptShardError,
     DiskSpaceError,
@@ -234,3 +236,70 @@ def test_kill_9_at_any_moment_then_resume(tmp_path):
     reader = ShardReader(split_dir)
     assert reader.sample_ids() == [make_sample(i)[0] for i in range(n)]  # none missing, none twice
     assert reader.manifest["complete"] and seen == sorted(seen) and seen[-1] == n
+
+
+def _aged_split(tmp_path, monkeypatch):
+    """A written split older than the racy window, and a counter of the sha256 calls the reader makes."""
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
+    write(tmp_path, range(20))
+    time.sleep(store.RACY_WINDOW_NS / 1e9 + 0.1)  # files changed within the window are never recorded
+    hashed = []
+
+    def counting_sha256(path, *args, **kwargs):
+        hashed.append(path.name)
+        return fileio.sha256_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "sha256_file", counting_sha256)
+    return hashed
+
+
+def test_verified_shard_is_trusted_until_its_identity_changes(tmp_path, monkeypatch):
+    """Each shard is hashed once; a later reader trusts it; a touched file is hashed again."""
+    hashed = _aged_split(tmp_path, monkeypatch)
+    shards = sorted(p.name for p in tmp_path.glob("shard-*"))
+    assert len(shards) > 1
+    dataset_files = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()}
+    first = [s.id for s in ShardReader(tmp_path)]
+    assert sorted(hashed) == shards
+    assert sorted(json.loads(store.verified_record(tmp_path).read_text())) == shards
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_file()} == dataset_files  # not written
+    assert [s.id for s in ShardReader(tmp_path)] == first and sorted(hashed) == shards  # no second hash
+    list(ShardReader(tmp_path, verify="full"))
+    assert len(hashed) == 2 * len(shards)
+    os.utime(tmp_path / shards[0])  # same bytes, new identity: checked again (and passes)
+    list(ShardReader(tmp_path))
+    assert hashed[2 * len(shards):] == [shards[0]]
+
+
+def test_shard_changed_after_verification_is_refused(tmp_path, monkeypatch):
+    """A byte flipped in place after a passing check, with size and mtime put back, is still refused."""
+    _aged_split(tmp_path, monkeypatch)
+    list(ShardReader(tmp_path))
+    shard = tmp_path / "shard-00001.safetensors"
+    st = shard.stat()
+    with open(shard, "r+b") as fh:
+        fh.seek(st.st_size // 2)
+        byte = fh.read(1)
+        fh.seek(st.st_size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_size == st.st_size and shard.stat().st_mtime_ns == st.st_mtime_ns
+    first_of_shard_1 = json.loads((tmp_path / "manifest.json").read_text())["shards"][0]["samples"]
+    with pytest.raises(CorruptShardError, match="shard-00001.safetensors is corrupt"):
+        ShardReader(tmp_path)[first_of_shard_1]
+
+
+def test_replaced_shard_is_checked_again(tmp_path, monkeypatch):
+    """Another file under the verified name (a copy with the same size and mtime) is hashed and refused."""
+    _aged_split(tmp_path, monkeypatch)
+    list(ShardReader(tmp_path))
+    shard = tmp_path / "shard-00000.safetensors"
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    other = tmp_path / "other.bin"
+    other.write_bytes(bytes(data))
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, shard)
+    with pytest.raises(CorruptShardError, match="shard-00000.safetensors is corrupt"):
+        ShardReader(tmp_path)[0]

@@ -1,4 +1,4 @@
-"""Precomputed P-EAGLE masks equal the attention rule evaluated pair by pair."""
+"""P-EAGLE masks (precomputed, and evaluated from a batch's elements) equal the attention rule pair by pair."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from peagle.facts import HeadSpec
 from peagle.train.batch import build_peagle_example, collate
 
 from peagle.train.cod import sample_cod
-from peagle.train.masks import PrecomputedMask, block_types, brute_force_mask
+from peagle.train.masks import PrecomputedMask, block_types, brute_force_mask, element_mask
 
 
 def cod_elements(n: int, k: int, seed: int, valid_from: int = 0):
@@ -124,3 +124,24 @@ def test_out_buffer_is_fully_overwritten_and_duplicates_rejected():
     assert torch.equal(buffer, brute_force_mask(anchor, depth))
     with pytest.raises(ValueError, match="twice"):
         mask.mask_for(torch.tensor([3, 1, 3]), torch.tensor([1, 0, 1]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_element_mask_equals_brute_force_in_any_order_with_documents_padding_and_duplicates(seed):
+    """The batch's evaluated mask is the rule: shuffled elements, several docs, padding, repeats."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        n = int(torch.randint(1, 70, (1,), generator=g))
+        anchor = torch.randint(0, 15, (n,), generator=g)
+        depth = torch.randint(0, 5, (n,), generator=g)
+        doc = torch.randint(0, 3, (n,), generator=g)
+        valid = torch.rand(n, generator=g) > 0.2
+        for d, v in ((None, None), (doc, None), (None, valid), (doc, valid)):
+            assert torch.equal(element_mask(anchor, depth, d, v), brute_force_mask(anchor, depth, d, v))
+    anchor, depth = cod_elements(90, 6, seed=seed)
+    perm = torch.randperm(len(anchor), generator=g)
+    doc = (anchor >= 40).long()
+    stacked = element_mask(torch.stack([anchor, anchor[perm]]), torch.stack([depth, depth[perm]]),
+                           torch.stack([doc, doc[perm]]))
+    assert torch.equal(stacked[0], pair_by_pair(anchor, depth, doc))
+    assert torch.equal(stacked[1], brute_force_mask(anchor[perm], depth[perm], doc[perm]))
