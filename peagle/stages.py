@@ -163,11 +163,12 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
 def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,
                      method: Method | None = None):
-    """Simulated acceptance per K of a checkpoint on the held-out hidden states, at the K its
+    """Simulated acceptance per K of a checkpoint (``peagle.eval.offline``: on the served split, as
+    vLLM decodes the eval prompts, else the held-out split), at the K its
     method can be evaluated at. The drafter's shape, method and k_train are the checkpoint's."""
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
-    from peagle.eval.offline import evaluable_ks
+    from peagle.eval.offline import evaluable_ks, offline_split
     from peagle.eval.offline import evaluate_offline as run_offline
     from peagle.model import PEagleDrafter
 
@@ -179,8 +180,9 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
     vocab = DraftVocab.load(data.vocab)
     k_train = spec.k_train or cfg.train.k_train  # a checkpoint of an older peagle does not record it
     ks, limit = evaluable_ks(with_train(cfg, k_train=k_train), method)
-    reader = ShardReader(data.eval)
-    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method, max_k=limit)
+    split, max_tokens = offline_split(data.root)
+    return run_offline(drafter, None, ShardReader(split), spec, vocab, ks, cfg.eval.offline_max_samples, method,
+                       max_k=limit, max_tokens=max_tokens, split=split.name)
 
 
 def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
@@ -233,12 +235,9 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
-    from peagle.config import resolve_repo_path
-    from peagle.eval.online import load_prompt_set
+    from peagle.eval.online import load_eval_prompts as load
 
-    prompts = cfg.eval.prompts
-    path = resolve_repo_path(prompts)
-    return load_prompt_set(str(path) if path.exists() else prompts, cfg.eval.num_prompts)
+    return load(cfg)
 
 
 def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path]):

@@ -116,6 +116,13 @@ def load_prompt_set(name_or_path: str, limit: int | None = None) -> list[list[di
     return load_jsonl_prompts(path, limit)
 
 
+def load_eval_prompts(cfg) -> list[list[dict]]:
+    """The run's evaluation prompts (``eval.prompts``, the first ``eval.num_prompts``): a file
+    relative to the repository, or a benchmark name."""
+    path = resolve_repo_path(cfg.eval.prompts)
+    return load_prompt_set(str(path) if path.exists() else cfg.eval.prompts, cfg.eval.num_prompts)
+
+
 def load_prompt_sets(names: Sequence[str], limit: int | None = None) -> dict[str, list[list[dict]]]:
     """Every set that loads; unreachable benchmarks are skipped with a logged reason."""
     loaded = {}
@@ -250,7 +257,7 @@ def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, v
         raise ValueError("max_tokens must be >= 1")
 
 
-def _fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, max_k: int) -> list[list[int]]:
+def fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, max_k: int) -> list[list[int]]:
     """Drop prompts too long to generate ``max_tokens`` (+ K slots) in the engine's context."""
     room = max_model_len - max_tokens - max_k - 1
     kept = [p for p in prompts if 0 < len(p) <= room]
@@ -347,7 +354,7 @@ def evaluate_online(
         tokenizer = AutoTokenizer.from_pretrained(
             str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
         )
-    token_prompts = _fit_prompts(tokenize_prompts(prompts, tokenizer), vllm_cfg.max_model_len, max_tokens, max(ks))
+    token_prompts = fit_prompts(tokenize_prompts(prompts, tokenizer), vllm_cfg.max_model_len, max_tokens, max(ks))
     result = OnlineResult(target=str(target_path), max_tokens=max_tokens, prompt_set=prompt_set)
 
     runs: list[tuple[str, int, dict | None, bool | None]] = []
