@@ -238,6 +238,9 @@ class EvalConfig(Strict):
     ks: list[int] = Field(default_factory=lambda: [1, 3, 5])
     concurrency: list[int] = Field(default_factory=lambda: [1])
     prompts: str = "data/prompts/code_eval.jsonl"
+    # Completion traffic (raw documents, no chat template; ``{"text": ...}`` lines) measured on the
+    # same engines and reported beside the chat prompts; None: chat prompts only.
+    completion_prompts: str | None = None
     num_prompts: int = Field(16, ge=1)
     max_tokens: int = Field(128, ge=1)
     offline_max_samples: int = Field(64, ge=1)

@@ -244,6 +244,7 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
     """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
     method's label, drafting as the method does), against the no-speculation baseline."""
     from peagle.eval.online import evaluate_online as run_online
+    from peagle.eval.online import load_completion_prompts
 
     methods = {get_method(m).label: get_method(m) for m in heads}
     return run_online(
@@ -259,9 +260,7 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
         target_revision=cfg.target.revision,
         trust_remote_code=cfg.target.trust_remote_code,
         dtype=cfg.target.dtype,
+        completion_prompts=load_completion_prompts(cfg),
+        completion_prompt_set=Path(cfg.eval.completion_prompts).stem if cfg.eval.completion_prompts else "",
     )
 
-
-def summary_json(obj) -> str:
-    """A stage result as the CLI prints it."""
-    return json.dumps(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, indent=2, default=str)

@@ -93,6 +93,9 @@ def build_dataset(
     """Build (or finish building) the dataset of ``cfg`` for the target at ``target_path``."""
     from transformers import AutoTokenizer
 
+    from peagle.eval.online import check_eval_prompts
+
+    check_eval_prompts(cfg)  # the served split and the evaluate stage read them
     layout = RunLayout(cfg.run_dir).data
     data_dir = layout.root
     config_hash = cfg.section_hash("target", "data")
