@@ -4,9 +4,9 @@
 HELD-OUT files (never seen by the target). Each line is
 ``{"id", "messages": [user: signature + docstring, assistant: the original function]}``;
 the assistant turn is a reference that regeneration replaces with the target's answer.
-``code_completion_eval.jsonl`` is completion traffic on the same held-out functions:
+``code_completion_{train,eval}.jsonl`` are completion traffic on the same functions:
 ``{"id", "text": signature + docstring}``, raw code the target continues with no chat
-template. Regenerate with ``python -m peagle.target.prompts``.
+template (``schema: text`` sources, ``eval.completion_prompts``). Regenerate with ``python -m peagle.target.prompts``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from peagle.target.corpus import _hash_unit, chat_examples, load_corpus
 PROMPTS_DIR = REPO_ROOT / "data" / "prompts"
 DEFAULT_COUNTS = {"train": 400, "eval": 64}
 FILE_NAMES = {"train": "code_train.jsonl", "eval": "code_eval.jsonl"}
-COMPLETION_FILE_NAME = "code_completion_eval.jsonl"  # the eval split's functions as raw code
+COMPLETION_FILE_NAMES = {"train": "code_completion_train.jsonl", "eval": "code_completion_eval.jsonl"}
 GENERATED_WITH_PYTHON = "3.11.7"  # the stdlib the committed files were made from
 
 
@@ -51,7 +51,7 @@ def _examples(split: Literal["train", "eval"], count: int, recipe: EmbeddedTarge
 
 
 def write_prompt_files(out_dir: Path = PROMPTS_DIR, counts: dict[str, int] | None = None) -> dict[str, Path]:
-    """Write the prompt files atomically (the eval split's functions also as completion traffic);
+    """Write the prompt files atomically (each split's functions also as completion traffic);
     returns their paths."""
     counts = {**DEFAULT_COUNTS, **(counts or {})}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -59,8 +59,7 @@ def write_prompt_files(out_dir: Path = PROMPTS_DIR, counts: dict[str, int] | Non
     for split, name in FILE_NAMES.items():
         examples = _examples(split, counts[split])
         written[split] = _write_jsonl(out_dir / name, [{"id": ex.id, "messages": ex.messages()} for ex in examples])
-        if split == "eval":
-            written["completion_eval"] = _write_jsonl(out_dir / COMPLETION_FILE_NAME,
+        written[f"completion_{split}"] = _write_jsonl(out_dir / COMPLETION_FILE_NAMES[split],
                                                       [completion_record(ex) for ex in examples])
     return written
 
