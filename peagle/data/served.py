@@ -70,17 +70,18 @@ def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, la
     """Write ``<data>/splits/served`` with ``llm`` (a data engine).
 
     Returns False (with a warning) when the prompt set cannot be loaded here (an
-    unreachable hub benchmark): offline acceptance then falls back to the held-out split.
+    unreachable hub benchmark) or no prompt fits the engine: offline acceptance then falls
+    back to the held-out split (the online evaluation will say the same about its prompts).
     """
     from peagle.data.extract import extract_with_engine
     from peagle.data.store import ShardWriter
-    from peagle.eval.online import PromptSetUnavailable
+    from peagle.eval.online import NoPromptFits, PromptSetUnavailable
     from peagle.serving.generation import generate_from_token_ids
 
     key = served_key(cfg)
     try:
         prompts = eval_token_prompts(cfg, tokenizer)
-    except PromptSetUnavailable as err:
+    except (PromptSetUnavailable, NoPromptFits) as err:
         log.warning("data: no served split (offline acceptance uses the held-out split): %s", err)
         return False
     shutil.rmtree(data.split(SERVED_SPLIT), ignore_errors=True)

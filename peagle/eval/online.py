@@ -49,6 +49,10 @@ class PromptSetUnavailable(RuntimeError):
     """A benchmark that cannot be loaded here (offline, gated, renamed); callers skip it."""
 
 
+class NoPromptFits(ValueError):
+    """Every prompt is too long for the engine's context with the generation budget."""
+
+
 def _user_turns(messages: list[dict]) -> list[dict]:
     """The conversation up to its first assistant turn: what the model is asked."""
     out = []
@@ -304,7 +308,7 @@ def fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, m
         dropped = len(prompts) - len(kept)
         log.warning("dropped %d prompt(s) longer than %d tokens (max_model_len - max_tokens - K)", dropped, room)
     if not kept:
-        raise ValueError(
+        raise NoPromptFits(
             f"no prompt fits: every prompt exceeds {room} tokens; raise vllm.max_model_len or lower max_tokens"
         )
     return kept
