@@ -140,7 +140,8 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
                mlflow_run_id: str | None = None):
     """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
-    Checkpoints are chosen by offline acceptance on the held-out split, not by loss. With
+    Checkpoints are chosen by offline acceptance (``peagle.eval.offline``: the served split, decoded
+    as vLLM does), not by loss. With
     ``mlflow_run_id`` (the stage's MLflow run) rank 0's step metrics reach it while the ranks run.
     """
     from peagle.train.launch import launch_training

@@ -181,3 +181,18 @@ def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
     assert result.acceptance_by_k("p-eagle") == {2: pytest.approx(3.0)}
     png = plot_online(result, tmp_path / "online.png")
     assert png.stat().st_size > 20_000
+
+
+def test_eval_prompt_files_are_checked_before_the_data_stage(tmp_path):
+    from peagle.config import load_config
+    from peagle.eval.online import check_eval_prompts, load_completion_prompts
+
+    cfg = load_config("configs/demo.yaml")
+    check_eval_prompts(cfg)
+    assert len(load_completion_prompts(cfg)) == cfg.eval.num_prompts
+    chat_as_completion = load_config("configs/demo.yaml", {"eval.completion_prompts": str(CODE_EVAL)})
+    with pytest.raises(ValueError, match=r"eval.completion_prompts=.*holds chat prompts.*\{\"text\": \.\.\.\} lines"):
+        check_eval_prompts(chat_as_completion)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        check_eval_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": str(tmp_path / "none.jsonl")}))
+    assert load_completion_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": None})) == []
