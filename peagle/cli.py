@@ -132,6 +132,8 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
         raise typer.Exit(2)
     online = stages.evaluate_online(cfg, target, heads)
     console.print(online.to_table())
+    if online.completion:
+        console.print(online.completion.to_table(title=f"On completion traffic ({online.completion.prompt_set})"))
     from peagle.eval.plots import plot_online
 
     run.eval.mkdir(parents=True, exist_ok=True)
@@ -252,8 +254,12 @@ def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
 
 def print_summary(result) -> None:
     console.print(result.online.to_table(title="Acceptance length and output tokens/s in vLLM"))
+    if result.online.completion:
+        console.print(result.online.completion.to_table(
+            title=f"... on completion traffic ({result.online.completion.prompt_set}, no chat template)"))
     offline = result.offline.acceptance_length
-    console.print("offline acceptance (held-out): " + ", ".join(f"K={k}: {v:.2f}" for k, v in offline.items()))
+    where = "eval prompts, decoded as vLLM does" if getattr(result.offline, "split", "") == "served" else "held-out"
+    console.print(f"offline acceptance ({where}): " + ", ".join(f"K={k}: {v:.2f}" for k, v in offline.items()))
     table = Table(title="Stage timings (s)")
     for name in result.stage_seconds:
         table.add_column(name, justify="right")

@@ -95,19 +95,42 @@ class VllmConfig(Strict):
     seed: int = 0
 
 
+# Each prompt schema's field names (``data.sources[].fields`` maps them to a source's columns).
+# ``text`` is completion traffic: a plain document (code file, text) the target continues with
+# no chat template; ``completion`` is an optional reference continuation regeneration replaces.
+SCHEMA_FIELDS = {
+    "messages": ("messages", "role", "content"),
+    "sharegpt": ("conversations", "from", "value"),
+    "instruction": ("instruction", "input", "response", "system"),
+    "text": ("text", "completion"),
+}
+
+
 class PromptSource(Strict):
-    """One prompt source. ``kind`` picks the loader; ``fields`` maps its schema."""
+    """One prompt source. ``kind`` picks the loader; ``fields`` maps its schema; ``weight`` is
+    its share of ``data.max_samples`` when sources are mixed (chat and text alike)."""
 
     kind: Literal["jsonl", "parquet", "hf"]
     path: str  # file path (jsonl/parquet) or dataset name (hf)
     split: str = "train"
     subset: str | None = None
-    schema_: Literal["messages", "sharegpt", "instruction"] = Field("messages", alias="schema")
+    schema_: Literal["messages", "sharegpt", "instruction", "text"] = Field("messages", alias="schema")
     fields: dict[str, str] = Field(default_factory=dict)
     weight: float = Field(1.0, gt=0)
     max_samples: int | None = Field(None, ge=1)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _known_fields(self):
+        unknown = sorted(set(self.fields) - set(SCHEMA_FIELDS[self.schema_]))
+        if unknown:
+            raise ValueError(f"fields {unknown} are not fields of schema {self.schema_!r} "
+                             f"(valid: {sorted(SCHEMA_FIELDS[self.schema_])})")
+        empty = sorted(k for k, v in self.fields.items() if not v.strip())
+        if empty:
+            raise ValueError(f"fields {empty} map to an empty column name")
+        return self
 
 
 class RegenerateConfig(Strict):
@@ -258,6 +281,9 @@ class EvalConfig(Strict):
     ks: list[int] = Field(default_factory=lambda: [1, 3, 5])
     concurrency: list[int] = Field(default_factory=lambda: [1])
     prompts: str = "data/prompts/code_eval.jsonl"
+    # Completion traffic (raw documents, no chat template; ``{"text": ...}`` lines) measured on the
+    # same engines and reported beside the chat prompts; None: chat prompts only.
+    completion_prompts: str | None = None
     num_prompts: int = Field(16, ge=1)
     max_tokens: int = Field(128, ge=1)
     offline_max_samples: int = Field(64, ge=1)

@@ -97,11 +97,13 @@ def _digest_parts(*parts) -> str:
 
 def dataset_key(cfg, target) -> str:
     """The dataset: target+data config, prompt-file contents, target revision (``target``: a
-    ``peagle.stages.TargetInfo``)."""
+    ``peagle.stages.TargetInfo``), and what its served split is made of (``peagle.data.served``)."""
+    from peagle.data.served import served_key
     from peagle.lineage import dataset_inputs
 
     values = dataset_inputs(cfg, target)
-    return "data-" + _digest_parts(values["data_config_hash"], values["prompt_files"], values["target_revision"])
+    return "data-" + _digest_parts(values["data_config_hash"], values["prompt_files"], values["target_revision"],
+                                   served_key(cfg))
 
 
 def training_key(cfg, data_dir, method: str | DraftingMethod) -> str:

@@ -150,7 +150,8 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
                mlflow_run_id: str | None = None):
     """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
-    Checkpoints are chosen by offline acceptance on the held-out split, not by loss. With
+    Checkpoints are chosen by offline acceptance (``peagle.eval.offline``: the served split, decoded
+    as vLLM does), not by loss. With
     ``mlflow_run_id`` (the stage's MLflow run) rank 0's step metrics reach it while the ranks run.
     """
     from peagle.train.launch import launch_training
@@ -173,11 +174,12 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
 def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,
                      method: Method | None = None):
-    """Simulated acceptance per K of a checkpoint on the held-out hidden states, at the K its
+    """Simulated acceptance per K of a checkpoint (``peagle.eval.offline``: on the served split, as
+    vLLM decodes the eval prompts, else the held-out split), at the K its
     method can be evaluated at. The drafter's shape, method and k_train are the checkpoint's."""
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
-    from peagle.eval.offline import evaluable_ks
+    from peagle.eval.offline import evaluable_ks, offline_split
     from peagle.eval.offline import evaluate_offline as run_offline
     from peagle.model import PEagleDrafter
 
@@ -189,8 +191,9 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
     vocab = DraftVocab.load(data.vocab)
     k_train = spec.k_train or cfg.train.k_train  # a checkpoint of an older peagle does not record it
     ks, limit = evaluable_ks(with_train(cfg, k_train=k_train), method)
-    reader = ShardReader(data.eval)
-    return run_offline(drafter, None, reader, spec, vocab, ks, cfg.eval.offline_max_samples, method, max_k=limit)
+    split, max_tokens = offline_split(data.root)
+    return run_offline(drafter, None, ShardReader(split), spec, vocab, ks, cfg.eval.offline_max_samples, method,
+                       max_k=limit, max_tokens=max_tokens, split=split.name)
 
 
 def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
@@ -246,12 +249,9 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
-    from peagle.config import resolve_repo_path
-    from peagle.eval.online import load_prompt_set
+    from peagle.eval.online import load_eval_prompts as load
 
-    prompts = cfg.eval.prompts
-    path = resolve_repo_path(prompts)
-    return load_prompt_set(str(path) if path.exists() else prompts, cfg.eval.num_prompts)
+    return load(cfg)
 
 
 def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path], champion=None):
@@ -260,6 +260,7 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
     registry's champion (a ``peagle.tracking.gate.ChampionHead``) in the same run when given,
     its rows labelled ``champion-v<N>``, so the gate compares like with like."""
     from peagle.eval.online import evaluate_online as run_online
+    from peagle.eval.online import load_completion_prompts
 
     methods = {get_method(m).label: get_method(m) for m in heads}
     paths = {get_method(m).label: Path(d) for m, d in heads.items()}
@@ -278,9 +279,7 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
         target_revision=cfg.target.revision,
         trust_remote_code=cfg.target.trust_remote_code,
         dtype=cfg.target.dtype,
+        completion_prompts=load_completion_prompts(cfg),
+        completion_prompt_set=Path(cfg.eval.completion_prompts).stem if cfg.eval.completion_prompts else "",
     )
 
-
-def summary_json(obj) -> str:
-    """A stage result as the CLI prints it."""
-    return json.dumps(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, indent=2, default=str)

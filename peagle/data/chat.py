@@ -1,4 +1,9 @@
-"""Conversations -> token ids + loss mask, with the target tokenizer's own chat template.
+"""Conversations -> token ids + loss mask, with the target tokenizer's own chat template;
+completion samples (``text`` schema) without one.
+
+A completion sample is the document's tokens as a completion request sends them (the
+tokenizer's own special tokens, e.g. BOS, included) followed by its continuation's
+tokens; the loss mask is True on every continuation token, False on the document.
 
 The drafter is trained only where the target speaks: the loss mask is True on the
 tokens of every assistant message (its content and the end-of-turn token that closes
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import re
 
+from peagle.data.prompts import is_completion
+
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 _SENTINEL = re.compile(r"PEAGLESENTINEL(\d+)X")
 
@@ -29,7 +36,10 @@ def has_generation_markers(tokenizer) -> bool:
 
 
 def render_with_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
-    """Token ids of the whole conversation and a mask that is True on assistant tokens."""
+    """Token ids of the whole conversation and a mask that is True on assistant tokens (on
+    the continuation of a completion sample)."""
+    if is_completion(messages):
+        return render_completion(tokenizer, messages)
     if not tokenizer.chat_template:
         raise ValueError(
             f"tokenizer {tokenizer.name_or_path!r} has no chat template; the target must be a chat "
@@ -41,6 +51,14 @@ def render_with_loss_mask(tokenizer, messages: list[dict]) -> tuple[list[int], l
         )
         return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
     return _render_with_sentinels(tokenizer, messages)
+
+
+def render_completion(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """A document + its continuation, no chat template: loss on every continuation token."""
+    prompt = [int(i) for i in tokenizer(messages[0]["content"])["input_ids"]]
+    text = messages[1]["content"] if len(messages) > 1 else ""
+    completion = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]] if text else []
+    return prompt + completion, [False] * len(prompt) + [True] * len(completion)
 
 
 def _render_with_sentinels(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:

@@ -10,7 +10,9 @@
    ``data.max_seq_len`` (recorded per sample as ``truncated_from``);
 4. print the disk the hidden states will take and refuse when it is not free;
 5. extract the hidden states of ``facts.stored_layer_ids`` (same vLLM engine) into
-   train/eval shards; samples already in a shard are skipped on a rerun;
+   train/eval shards; samples already in a shard are skipped on a rerun; then the
+   served split (``peagle.data.served``: the eval prompts as vLLM decodes them, what
+   offline acceptance is simulated on);
 6. build the draft vocabulary from the TRAIN split's supervised tokens and save
    ``vocab.safetensors``, ``target_facts.json`` and the final ``samples.jsonl``.
 
@@ -39,6 +41,7 @@ from tqdm.auto import tqdm
 from peagle.config import ConfigError, PipelineConfig
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.prompts import Conversation, load_prompts, split_heldout
+from peagle.data.served import build_served_split, served_is_current
 from peagle.data.store import ShardReader, ShardWriter, check_free_space, estimate_bytes, format_bytes
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
@@ -90,6 +93,9 @@ def build_dataset(
     """Build (or finish building) the dataset of ``cfg`` for the target at ``target_path``."""
     from transformers import AutoTokenizer
 
+    from peagle.eval.online import check_eval_prompts
+
+    check_eval_prompts(cfg)  # the served split and the evaluate stage read them
     layout = RunLayout(cfg.run_dir).data
     data_dir = layout.root
     config_hash = cfg.section_hash("target", "data")
@@ -122,6 +128,9 @@ def build_dataset(
         check_disk(todo, facts, cfg, data_dir, force)
         if todo:
             extract_into(engine.get(), todo, writers, cfg, progress)
+        if not served_is_current(cfg, layout):
+            build_served_split(engine.get(), tokenizer, cfg, layout, facts.stored_layer_ids,
+                               facts.target_hidden_size, meta)
     write_samples(layout.samples, records)
 
     vocab = build_draft_vocab(count_tokens(ShardReader(layout.train, verify=False), facts.vocab_size),

@@ -1,12 +1,17 @@
-"""Prompt sources -> a deterministic, deduplicated mix of chat conversations.
+"""Prompt sources -> a deterministic, deduplicated mix of chat conversations and documents.
 
 Each ``data.sources`` entry is a local JSON-lines / Parquet file or a Hugging Face
-dataset in one of three schemas, normalised to OpenAI-style messages:
+dataset in one of four schemas, normalised to messages:
 
 - ``messages``:    a column of ``[{role, content}, ...]`` (OpenAI, UltraChat);
 - ``sharegpt``:    a column of ``[{from, value}, ...]`` with ``human`` / ``gpt`` roles;
 - ``instruction``: ``instruction`` (+ optional ``input``) and optional ``response`` /
-  ``output`` (GSM-8K, OpenCodeInstruct, Alpaca).
+  ``output`` (GSM-8K, OpenCodeInstruct, Alpaca);
+- ``text``:        completion traffic: a ``text`` column (a code file, a document) the
+  target continues without a chat template, and an optional ``completion`` (a
+  reference continuation). Normalised to ``[{role: "prompt"}, {role: "completion"}]``
+  (``COMPLETION_ROLES``): the chat template never renders these, and the loss is on
+  every completion token (``peagle.data.chat``).
 
 ``fields`` maps the schema's names to the source's column (and key) names, e.g.
 ``{instruction: question, response: answer}``. Sources are mixed by ``weight`` under
@@ -26,16 +31,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from peagle.config import ConfigError, DataConfig, PromptSource, resolve_repo_path
+from peagle.config import SCHEMA_FIELDS, ConfigError, DataConfig, PromptSource, resolve_repo_path
 
 log = logging.getLogger(__name__)
 
-SCHEMA_FIELDS = {
-    "messages": {"messages": "messages", "role": "role", "content": "content"},
-    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value"},
-    "instruction": {"instruction": "instruction", "input": "input", "response": "response", "system": "system"},
-}
-REQUIRED_COLUMN = {"messages": "messages", "sharegpt": "conversations", "instruction": "instruction"}
+REQUIRED_COLUMN = {"messages": "messages", "sharegpt": "conversations", "instruction": "instruction", "text": "text"}
+COMPLETION_ROLES = ("prompt", "completion")  # a ``text`` sample: the document, then what follows it
 ROLES = {
     "system": "system",
     "user": "user",
@@ -110,7 +111,7 @@ def _first_line(err: Exception) -> str:
 
 def resolve_fields(src: PromptSource, columns: list[str], index: int = 0) -> dict[str, str]:
     """The schema's field names mapped to this source's columns; errors name the fix."""
-    defaults = SCHEMA_FIELDS[src.schema_]
+    defaults = {name: name for name in SCHEMA_FIELDS[src.schema_]}
     unknown = set(src.fields) - defaults.keys()
     if unknown:
         raise ConfigError(
@@ -147,8 +148,26 @@ def _clean(messages: list[dict]) -> list[dict] | None:
     return out
 
 
+def is_completion(messages: list[dict]) -> bool:
+    """A ``text`` sample (completion traffic), not a chat conversation."""
+    return bool(messages) and messages[0].get("role") == COMPLETION_ROLES[0]
+
+
+def completion_messages(text: str, completion: str | None = None) -> list[dict]:
+    """A document (and optionally its continuation) as a completion sample's messages."""
+    messages = [{"role": COMPLETION_ROLES[0], "content": text}]
+    if completion:
+        messages.append({"role": COMPLETION_ROLES[1], "content": completion})
+    return messages
+
+
 def row_to_messages(row: dict, schema: str, fields: dict[str, str]) -> list[dict] | None:
-    """One source row as chat messages, or None when the row is unusable."""
+    """One source row as messages, or None when the row is unusable."""
+    if schema == "text":
+        text, completion = row.get(fields["text"]), row.get(fields["completion"])
+        if not isinstance(text, str) or not text.strip():
+            return None
+        return completion_messages(text, completion if isinstance(completion, str) and completion.strip() else None)
     if schema == "messages":
         turns = row.get(fields["messages"]) or []
         return _clean([{"role": t.get(fields["role"]), "content": t.get(fields["content"])} for t in turns])

@@ -9,7 +9,9 @@ turn gets one new assistant turn. Turns are processed in rounds (turn 1 of every
 conversation, then turn 2, ...), each round batched through vLLM.
 
 Everything the target emits is kept, reasoning/thinking text and special tokens
-included (minus the stop token). A conversation that cannot be regenerated (a prompt
+included (minus the stop token). A completion sample (``text`` schema: a document, then
+its continuation) is continued from the document's own tokens, with no chat template, as
+a completion request would be. A conversation that cannot be regenerated (a prompt
 that does not fit ``max_model_len``, a malformed conversation) keeps its original
 messages and records why in ``error``; it is never silently dropped.
 """
@@ -20,6 +22,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from peagle.config import RegenerateConfig
+from peagle.data.prompts import COMPLETION_ROLES, is_completion
 
 
 @dataclass
@@ -55,7 +58,10 @@ class _Work:
 
 
 def assistant_slots(messages: list[dict]) -> list[int]:
-    """Where assistant turns go: each existing one, plus one after a final user turn."""
+    """Where assistant turns go: each existing one, plus one after a final user turn (for a
+    completion sample: the continuation after the document)."""
+    if is_completion(messages):
+        return [1]
     slots = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     if messages and messages[-1].get("role") == "user":
         slots.append(len(messages))
@@ -69,6 +75,8 @@ def conversation_problem(messages) -> str | None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return f"message {i} is not a {{'role': str, 'content': str}} mapping"
+    if is_completion(messages):
+        return None if messages[0]["content"].strip() else "the document to continue is empty"
     slots = assistant_slots(messages)
     if not slots:
         return "no assistant turn to regenerate and the conversation does not end with a user turn"
@@ -97,7 +105,7 @@ def regenerate_responses(
 
     from peagle.serving.generation import check_sampling_supported, engine_max_model_len
 
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and not all(is_completion(c) for c in conversations):
         raise ValueError(
             f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'the target')} has no chat template: "
             "regeneration renders conversations with it (set tokenizer.chat_template or use an instruct model)"
@@ -164,7 +172,8 @@ def _run_round(llm, tokenizer, chunk: list[_Work], cfg: RegenerateConfig, max_mo
 def _append_turn(w: _Work, text: str, finish_reason: str, token_ids: list[int]) -> None:
     """Put the target's turn in place, then the original messages up to the next turn."""
     slot = w.pending.pop(0)
-    w.history.append({"role": "assistant", "content": text})  # fresh: stale reasoning fields dropped
+    role = COMPLETION_ROLES[1] if is_completion(w.original) else "assistant"
+    w.history.append({"role": role, "content": text})  # fresh: stale reasoning fields dropped
     w.finish_reasons.append(finish_reason)
     w.token_ids.append(list(token_ids))
     following = w.pending[0] if w.pending else len(w.original)
@@ -174,6 +183,8 @@ def _append_turn(w: _Work, text: str, finish_reason: str, token_ids: list[int]) 
 
 
 def _render_prompt(tokenizer, history: list[dict]) -> list[int]:
+    if is_completion(history):  # the document's tokens as a completion request sends them
+        return [int(i) for i in tokenizer(history[0]["content"])["input_ids"]]
     ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding from older templates
         ids = ids["input_ids"]

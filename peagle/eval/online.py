@@ -1,5 +1,9 @@
 """Online evaluation: acceptance length and output tokens/s of heads served in vLLM.
 
+Two kinds of traffic: chat prompts (through the target's chat template) and, when given,
+completion prompts (raw documents, e.g. code to continue, no template); both are measured
+on the same engines, the second into ``OnlineResult.completion``.
+
 For every (head, K) one engine is started and reused across concurrency levels; the
 target alone (no speculation) is the baseline. Concurrency c means the prompts are
 submitted in waves of c requests, each wave finishing before the next starts. Sampling
@@ -45,6 +49,10 @@ class PromptSetUnavailable(RuntimeError):
     """A benchmark that cannot be loaded here (offline, gated, renamed); callers skip it."""
 
 
+class NoPromptFits(ValueError):
+    """Every prompt is too long for the engine's context with the generation budget."""
+
+
 def _user_turns(messages: list[dict]) -> list[dict]:
     """The conversation up to its first assistant turn: what the model is asked."""
     out = []
@@ -55,8 +63,9 @@ def _user_turns(messages: list[dict]) -> list[dict]:
     return out
 
 
-def load_jsonl_prompts(path: Path, limit: int | None = None) -> list[list[dict]]:
-    """A ``{"id", "messages": [...]}`` (or ``{"prompt": str}``) JSON-lines file -> user turns."""
+def load_jsonl_prompts(path: Path, limit: int | None = None) -> list[list[dict] | str]:
+    """A ``{"id", "messages": [...]}`` (or ``{"prompt": str}``) JSON-lines file -> user turns;
+    ``{"text": str}`` lines (completion traffic) -> the raw text."""
     prompts = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -69,8 +78,11 @@ def load_jsonl_prompts(path: Path, limit: int | None = None) -> list[list[dict]]
             messages = _user_turns(row["messages"])
         elif "prompt" in row:
             messages = [{"role": "user", "content": row["prompt"]}]
+        elif isinstance(row.get("text"), str) and row["text"]:
+            messages = row["text"]
         else:
-            raise ValueError(f"{path}:{n}: needs a 'messages' list or a 'prompt' string")
+            raise ValueError(f"{path}:{n}: needs a 'messages' list, a 'prompt' string (chat) or a 'text' "
+                             "string (completion)")
         if not messages:
             raise ValueError(f"{path}:{n}: no user turn before the first assistant turn")
         prompts.append(messages)
@@ -116,6 +128,36 @@ def load_prompt_set(name_or_path: str, limit: int | None = None) -> list[list[di
     return load_jsonl_prompts(path, limit)
 
 
+def load_eval_prompts(cfg, completion: bool = False) -> list:
+    """The run's evaluation prompts (``eval.prompts``, or ``eval.completion_prompts`` with
+    ``completion``; the first ``eval.num_prompts``): a file relative to the repository, or a
+    benchmark name."""
+    name = cfg.eval.completion_prompts if completion else cfg.eval.prompts
+    path = resolve_repo_path(name)
+    return load_prompt_set(str(path) if path.exists() else name, cfg.eval.num_prompts)
+
+
+def load_completion_prompts(cfg) -> list[str]:
+    """``eval.completion_prompts`` as raw texts (none when unset); a chat set there is refused."""
+    if not cfg.eval.completion_prompts:
+        return []
+    prompts = load_eval_prompts(cfg, completion=True)
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"eval.completion_prompts={cfg.eval.completion_prompts!r} holds chat prompts; it needs "
+                         '{"text": ...} lines (completion traffic), e.g. data/prompts/code_completion_eval.jsonl')
+    return prompts
+
+
+def check_eval_prompts(cfg) -> None:
+    """Load both evaluation prompt sets once, so a missing or malformed file fails before the
+    data stage's work, not hours later in the evaluate stage (an unreachable benchmark only warns)."""
+    for load in (load_eval_prompts, load_completion_prompts):
+        try:
+            load(cfg)
+        except PromptSetUnavailable as err:
+            log.warning("%s", err)
+
+
 def load_prompt_sets(names: Sequence[str], limit: int | None = None) -> dict[str, list[list[dict]]]:
     """Every set that loads; unreachable benchmarks are skipped with a logged reason."""
     loaded = {}
@@ -128,11 +170,13 @@ def load_prompt_sets(names: Sequence[str], limit: int | None = None) -> dict[str
 
 
 def tokenize_prompts(prompts: Sequence, tokenizer) -> list[list[int]]:
-    """Token ids as the target sees them: chat messages go through its chat template."""
+    """Token ids as the target sees them: chat messages go through its chat template, a raw
+    text (completion traffic) is tokenised as a completion request does, token ids stay."""
     out = []
     for p in prompts:
         if isinstance(p, str):
-            p = [{"role": "user", "content": p}]
+            out.append([int(t) for t in tokenizer(p)["input_ids"]])
+            continue
         if p and isinstance(p[0], int):
             out.append(list(p))
             continue
@@ -169,6 +213,7 @@ class OnlineResult:
     max_tokens: int
     prompt_set: str = ""
     rows: list[OnlineRow] = field(default_factory=list)
+    completion: OnlineResult | None = None  # the same engines on completion traffic, when measured
 
     def baseline(self, concurrency: int) -> OnlineRow | None:
         return next((r for r in self.rows if r.method == BASELINE and r.concurrency == concurrency), None)
@@ -219,12 +264,17 @@ class OnlineResult:
         return table
 
     def save(self, path: str | Path) -> Path:
-        return write_json_atomic(path, {**asdict(self), "rows": [asdict(r) for r in self.rows]}, indent=2)
+        return write_json_atomic(path, asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> OnlineResult:
+        completion = data.get("completion")
+        return cls(**{**data, "rows": [OnlineRow(**r) for r in data["rows"]],
+                      "completion": cls.from_dict(completion) if completion else None})
 
     @classmethod
     def load(cls, path: str | Path) -> OnlineResult:
-        data = json.loads(Path(path).read_text())
-        return cls(**{**data, "rows": [OnlineRow(**r) for r in data["rows"]]})
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 # ---------------------------------------------------------------- measuring
@@ -250,7 +300,7 @@ def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, v
         raise ValueError("max_tokens must be >= 1")
 
 
-def _fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, max_k: int) -> list[list[int]]:
+def fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, max_k: int) -> list[list[int]]:
     """Drop prompts too long to generate ``max_tokens`` (+ K slots) in the engine's context."""
     room = max_model_len - max_tokens - max_k - 1
     kept = [p for p in prompts if 0 < len(p) <= room]
@@ -258,7 +308,7 @@ def _fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, 
         dropped = len(prompts) - len(kept)
         log.warning("dropped %d prompt(s) longer than %d tokens (max_model_len - max_tokens - K)", dropped, room)
     if not kept:
-        raise ValueError(
+        raise NoPromptFits(
             f"no prompt fits: every prompt exceeds {room} tokens; raise vllm.max_model_len or lower max_tokens"
         )
     return kept
@@ -323,6 +373,8 @@ def evaluate_online(
     trust_remote_code: bool = False,
     dtype: str = "auto",
     on_row: Callable[[OnlineRow], None] | None = None,
+    completion_prompts: Sequence[str] = (),
+    completion_prompt_set: str = "",
 ) -> OnlineResult:
     """Serve each head at each K (plus the target alone) and measure every concurrency level.
 
@@ -330,7 +382,8 @@ def evaluate_online(
     ``prompts`` are token-id lists or chat messages (tokenised with ``tokenizer``, by
     default the target's). ``methods`` gives each label's drafting method (default
     P-EAGLE): it decides whether vLLM drafts in parallel. ``on_row`` sees each row as soon
-    as it is measured.
+    as it is measured. ``completion_prompts`` (raw texts) are measured on the same engines
+    after the chat prompts, into ``result.completion``.
     """
     from peagle.serving import open_llm
 
@@ -347,8 +400,20 @@ def evaluate_online(
         tokenizer = AutoTokenizer.from_pretrained(
             str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
         )
-    token_prompts = _fit_prompts(tokenize_prompts(prompts, tokenizer), vllm_cfg.max_model_len, max_tokens, max(ks))
+    token_prompts = fit_prompts(tokenize_prompts(prompts, tokenizer), vllm_cfg.max_model_len, max_tokens, max(ks))
     result = OnlineResult(target=str(target_path), max_tokens=max_tokens, prompt_set=prompt_set)
+    traffic = [(result, token_prompts)]
+    if completion_prompts:
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
+            )
+        result.completion = OnlineResult(target=str(target_path), max_tokens=max_tokens,
+                                         prompt_set=completion_prompt_set)
+        traffic.append((result.completion, fit_prompts(tokenize_prompts(list(completion_prompts), tokenizer),
+                                                       vllm_cfg.max_model_len, max_tokens, max(ks))))
 
     runs: list[tuple[str, int, dict | None, bool | None]] = []
     if include_baseline:
@@ -368,12 +433,14 @@ def evaluate_online(
             speculative_config=spec_cfg,
         ) as llm:
             _warm_up(llm, token_prompts[0])
-            for c in concurrency:
-                outputs, wall, stats = measure(llm, token_prompts, concurrency=c, max_tokens=max_tokens)
-                row = _row(method, k, c, outputs, wall, stats, par, llm.peagle_startup_s)
-                if k and row.num_drafts == 0:
-                    log.warning("%s K=%d proposed no drafts: is the head loaded with speculative decoding?", method, k)
-                result.rows.append(row)
-                if on_row:
-                    on_row(row)
+            for into, texts in traffic:
+                for c in concurrency:
+                    outputs, wall, stats = measure(llm, texts, concurrency=c, max_tokens=max_tokens)
+                    row = _row(method, k, c, outputs, wall, stats, par, llm.peagle_startup_s)
+                    if k and row.num_drafts == 0:
+                        log.warning("%s K=%d proposed no drafts: is the head loaded with speculative decoding?",
+                                    method, k)
+                    into.rows.append(row)
+                    if on_row:
+                        on_row(row)
     return result

@@ -48,6 +48,10 @@ class ModelCardInfo:
     baseline_label: str = ""  # the comparison head's method, as people read it
     baseline_acceptance: dict[int, float] = field(default_factory=dict)
     acceptance_source: str = ""
+    # The same heads on completion traffic (raw documents, no chat template), when measured.
+    completion_acceptance: dict[int, float] = field(default_factory=dict)
+    baseline_completion_acceptance: dict[int, float] = field(default_factory=dict)
+    completion_source: str = ""
     recommended_k: int | None = None
     license: str = "apache-2.0"
     notes: str = ""
@@ -164,16 +168,24 @@ def _acceptance_table(info: ModelCardInfo) -> list[str]:
     lines = ["## Acceptance length", ""]
     if not info.acceptance:
         return [*lines, "Not measured yet (`peagle evaluate CONFIG` measures it in vLLM).", ""]
-    ks = sorted(set(info.acceptance) | set(info.baseline_acceptance))
-    with_base = bool(info.baseline_acceptance)
+    lines += _k_table(info, info.acceptance, info.baseline_acceptance, info.acceptance_source)
+    if info.completion_acceptance:
+        lines += ["### On completion traffic (raw documents, no chat template)", "",
+                  *_k_table(info, info.completion_acceptance, info.baseline_completion_acceptance,
+                            info.completion_source)]
+    return lines
+
+
+def _k_table(info: ModelCardInfo, acceptance: dict[int, float], baseline: dict[int, float], source: str) -> list[str]:
+    ks = sorted(set(acceptance) | set(baseline))
+    with_base = bool(baseline)
     header = f"| K | {info.drafting.display_name} |" + (f" {info.baseline_label or 'baseline'} |" if with_base else "")
-    rule = "|---|---|" + ("---|" if with_base else "")
-    lines += [header, rule]
+    lines = [header, "|---|---|" + ("---|" if with_base else "")]
     for k in ks:
-        row = f"| {k} | {_fmt(info.acceptance.get(k))} |"
-        lines.append(row + (f" {_fmt(info.baseline_acceptance.get(k))} |" if with_base else ""))
-    if info.acceptance_source:
-        lines += ["", info.acceptance_source]
+        row = f"| {k} | {_fmt(acceptance.get(k))} |"
+        lines.append(row + (f" {_fmt(baseline.get(k))} |" if with_base else ""))
+    if source:
+        lines += ["", source]
     return [*lines, ""]
 
 
@@ -230,6 +242,7 @@ def run_card(cfg: PipelineConfig, data, online, offline, *, method: str | Drafti
     method = get_method(method or cfg.train.method)
     primary = method is get_method(cfg.train.method)
     other = next((m for m in trained_methods(cfg.train) if m is not method and m.label in online.methods()), None)
+    completion = online.completion
     return ModelCardInfo(
         name=f"peagle-{cfg.name}" + ("" if primary else f"-{method.name}"),
         data_lineage={
@@ -242,14 +255,28 @@ def run_card(cfg: PipelineConfig, data, online, offline, *, method: str | Drafti
         training={
             **method.card_training(cfg.train),
             "epochs": str(cfg.train.epochs),
-            "offline acceptance (simulated on held-out states; vLLM's is below)": json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
+            f"offline acceptance (simulated on {_offline_states(offline)}; vLLM's is below)":
+                json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },
         acceptance=online.acceptance_by_k(method.label),
         baseline_label=other.display_name if other else "",
         baseline_acceptance=online.acceptance_by_k(other.label) if other else {},
-        acceptance_source=f"vLLM, prompt set {online.prompt_set}, max_tokens {online.max_tokens}, greedy",
+        acceptance_source=_source(online),
+        completion_acceptance=completion.acceptance_by_k(method.label) if completion else {},
+        baseline_completion_acceptance=completion.acceptance_by_k(other.label) if completion and other else {},
+        completion_source=_source(completion) if completion else "",
         method=method.name,
     )
+
+
+def _source(online) -> str:
+    return f"vLLM, prompt set {online.prompt_set}, max_tokens {online.max_tokens}, greedy"
+
+
+def _offline_states(offline) -> str:
+    if getattr(offline, "split", "") == "served":
+        return "the eval prompts' states, decoded as vLLM does"
+    return "held-out states"
 
 
 def write_card(head_dir: Path, card: ModelCardInfo, checkpoint: Path) -> Path:

@@ -46,6 +46,8 @@ def record_online(run, online, out_dir: Path) -> Path:
 
     for label in online.methods():
         run.log_metrics_per_k(online.acceptance_by_k(label), f"{label}_acceptance_length")
+    for label in online.completion.methods() if online.completion else []:
+        run.log_metrics_per_k(online.completion.acceptance_by_k(label), f"{label}_completion_acceptance_length")
     for r in online.rows:
         tag = "baseline" if r.k == 0 else f"{r.method}_k{r.k}"
         run.log_metrics({f"{tag}_c{r.concurrency}_output_tok_s": r.output_tokens_per_s})

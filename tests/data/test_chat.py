@@ -76,3 +76,23 @@ def test_no_assistant_turn_means_no_supervision(make_tokenizer, templates):
 def test_tokenizer_without_template_is_a_clear_error(make_tokenizer):
     with pytest.raises(ValueError, match="no chat template"):
         render_with_loss_mask(make_tokenizer(None), CONVERSATION)
+
+
+DOCUMENT = "def add(a, b):\n    \"\"\"Sum.\"\"\"\n"
+CONTINUATION = "    return a + b  # réversé ✓\n\n\ndef sub(a, b):\n    return a - b\n"
+
+
+@pytest.mark.parametrize("template", ["plain", None])
+def test_completion_sample_has_no_chat_template_and_loss_on_every_continuation_token(make_tokenizer, templates,
+                                                                                       template):
+    tok = make_tokenizer(templates[template] if template else None)  # a base model without a template works too
+    messages = [{"role": "prompt", "content": DOCUMENT}, {"role": "completion", "content": CONTINUATION}]
+    ids, mask = render_with_loss_mask(tok, messages)
+    prompt = tok(DOCUMENT)["input_ids"]
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])  # exactly what a completion request sends
+    assert all(mask[len(prompt):]) and tok.decode(ids[len(prompt):]) == CONTINUATION
+    role_tokens = {tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|assistant|>", "<|end|>")} - {tok.unk_token_id}
+    assert not role_tokens & set(ids)  # no chat markup anywhere
+    assert masked_runs(ids, mask) == [ids[len(prompt):]]
+    ids, mask = render_with_loss_mask(tok, messages[:1])  # a document not continued yet: nothing to learn
+    assert ids == prompt and not any(mask)

@@ -218,6 +218,23 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
     assert not DataLayout(info.data_dir).legacy_head_spec.exists()  # no drafter shape in the dataset
     assert json.loads((info.train_dir / "manifest.json").read_text())["config_hash"] == info.config_hash
 
+    # The served split: the eval prompts as the online evaluation sends them, then the target's
+    # greedy tokens (max_tokens + max K of them), supervised; what offline acceptance simulates on.
+    from transformers import LlamaForCausalLM
+
+    from peagle.data.served import SERVED_SPLIT, eval_token_prompts
+
+    served = ShardReader(DataLayout(info.data_dir).split(SERVED_SPLIT))
+    prompts = eval_token_prompts(cfg, tok)
+    assert len(served) == len(prompts) > 0 and served.manifest["max_tokens"] == 16
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for i in (0, len(served) - 1):
+        s, n = served[i], len(prompts[i])
+        assert s.token_ids[:n].tolist() == prompts[i] and not s.loss_mask[:n].any() and s.loss_mask[n:].all()
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([prompts[i]]), max_new_tokens=16 + 5, do_sample=False)[0, n:]
+        assert s.token_ids[n:].tolist() == greedy.tolist()
+
     # Rerun with nothing to do: no engine, same dataset.
     caplog.set_level("INFO", logger="peagle.data")
     caplog.clear()

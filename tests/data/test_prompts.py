@@ -134,10 +134,46 @@ def test_wrong_columns_and_fields_name_the_fix(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "a"}])
     with pytest.raises(ConfigError, match=r"needs a column 'instruction'.*fields\.instruction"):
         load_prompts(data_cfg({"kind": "jsonl", "path": path, "schema": "instruction"}))
-    with pytest.raises(ConfigError, match="not fields of schema"):
-        load_prompts(
-            data_cfg({"kind": "jsonl", "path": path, "schema": "instruction", "fields": {"prompt": "question"}})
-        )
+    with pytest.raises(ConfigError, match=r"needs a column 'text'.*fields\.text"):
+        load_prompts(data_cfg({"kind": "jsonl", "path": path, "schema": "text"}))
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"schema": "instruction", "fields": {"prompt": "question"}}, "not fields of schema 'instruction'"),
+    ({"schema": "text", "fields": {"content": "code"}}, r"\['content'\] are not fields of schema 'text'.*'completion', 'text'"),
+    ({"schema": "text", "fields": {"text": " "}}, "map to an empty column name"),
+    ({"schema": "plain"}, "schema"),
+    ({"schema": "text", "weight": 0}, "weight"),
+    ({"schema": "text", "ratio": 2}, "unknown key"),
+])
+def test_invalid_source_fields_fail_at_load_time_naming_the_key(tmp_path, source, message):
+    from peagle.config import parse_config
+
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config({"name": "x", "data": {"sources": [{"kind": "jsonl", "path": "d.jsonl", **source}]}}, "c.yaml")
+    assert "data.sources.0" in str(err.value)
+
+
+def test_text_schema_is_completion_traffic(tmp_path):
+    path = write_jsonl(tmp_path / "code.jsonl", [
+        {"code": "def f():\n", "ref": "    return 1\n"}, {"code": "import os\n"}, {"code": "  "}, {"code": 3},
+    ])
+    convs = load_prompts(data_cfg({"kind": "jsonl", "path": path, "schema": "text",
+                                   "fields": {"text": "code", "completion": "ref"}}))
+    assert sorted((c.messages for c in convs), key=len) == [
+        [{"role": "prompt", "content": "import os\n"}],
+        [{"role": "prompt", "content": "def f():\n"}, {"role": "completion", "content": "    return 1\n"}],
+    ]  # empty and non-text documents are skipped
+
+
+def test_chat_and_text_sources_mix_by_weight(tmp_path):
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": f"c{i}"}]} for i in range(50)])
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"doc {i}\n"} for i in range(50)])
+    mixed = load_prompts(data_cfg({"kind": "jsonl", "path": chat, "weight": 1},
+                                  {"kind": "jsonl", "path": docs, "schema": "text", "weight": 4}, max_samples=20))
+    kinds = [c.messages[0]["role"] for c in mixed]
+    assert (kinds.count("user"), kinds.count("prompt")) == (4, 16)
+    assert kinds != sorted(kinds)  # shuffled together, not one block after the other
 
 
 def test_malformed_rows_are_skipped(tmp_path):

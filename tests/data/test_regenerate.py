@@ -25,12 +25,14 @@ SECOND_TURN_TOO_LONG = [
     {"role": "user", "content": "y " * 60},
 ]
 NO_USER = [{"role": "assistant", "content": "hi"}]
+DOCUMENT = [{"role": "prompt", "content": "def add(a, b):\n"}, {"role": "completion", "content": "OLD CONTINUATION"}]
 
 
 def test_assistant_slots():
     assert assistant_slots(TWO_TURNS) == [1, 3]
     assert assistant_slots(NEW_TURN) == [2]
     assert assistant_slots(SECOND_TURN_TOO_LONG) == [1, 3]
+    assert assistant_slots(DOCUMENT) == assistant_slots(DOCUMENT[:1]) == [1]  # the continuation
 
 
 def test_conversation_problems_are_named():
@@ -39,6 +41,8 @@ def test_conversation_problems_are_named():
     assert "empty" in conversation_problem([])
     assert "mapping" in conversation_problem([{"role": "user"}])
     assert "does not end with a user turn" in conversation_problem([{"role": "system", "content": "s"}])
+    assert conversation_problem(DOCUMENT) is None
+    assert "document to continue is empty" in conversation_problem([{"role": "prompt", "content": " "}])
 
 
 def test_template_errors_are_recorded_per_conversation(tokenizer_without_engine):
@@ -109,10 +113,10 @@ def hf_greedy(model, tokenizer, messages, max_tokens):
 def test_regenerates_every_turn_like_transformers_and_records_failures(data_engine, tokenizer, tiny_model, work_dir):
     from transformers import LlamaForCausalLM
 
-    conversations = [TWO_TURNS, NEW_TURN, TOO_LONG, SECOND_TURN_TOO_LONG, NO_USER]
+    conversations = [TWO_TURNS, NEW_TURN, TOO_LONG, SECOND_TURN_TOO_LONG, NO_USER, DOCUMENT]
     results = regenerate_responses(data_engine, tokenizer, conversations, REGEN, progress=False)
     assert len(results) == len(conversations)
-    two, new, too_long, second_too_long, no_user = results
+    two, new, too_long, second_too_long, no_user, document = results
 
     # Failures keep the original conversation and say why; nothing is dropped.
     assert "turn 1" in too_long.error and "max_model_len=128" in too_long.error
@@ -135,6 +139,14 @@ def test_regenerates_every_turn_like_transformers_and_records_failures(data_engi
         slots = [i for i, m in enumerate(result.messages) if m["role"] == "assistant"]
         for t, slot in enumerate(slots):
             assert result.token_ids[t] == hf_greedy(hf, tokenizer, result.messages[:slot], REGEN.max_tokens)
+
+    # A document is continued from its own tokens, no chat template: a completion request's greedy tokens.
+    assert document.ok and [m["role"] for m in document.messages] == ["prompt", "completion"]
+    assert document.messages[0] == DOCUMENT[0] and "OLD" not in document.messages[1]["content"]
+    prompt = tokenizer(DOCUMENT[0]["content"])["input_ids"]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=REGEN.max_tokens, do_sample=False)[0, len(prompt):]
+    assert document.token_ids[0] == want.tolist()
 
     # Special tokens the target emits stay in the text (the tiny model emits <|pad|> here).
     pads = new.token_ids[0].count(tokenizer.pad_token_id)

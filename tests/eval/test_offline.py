@@ -1,4 +1,5 @@
-"""Offline acceptance equals a brute-force, per-anchor simulation of greedy speculative decoding."""
+"""Offline acceptance equals a brute-force simulation of greedy speculative decoding as vLLM runs it:
+drafts per anchor as vLLM's proposer makes them, counted per draft along the decoding walk."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from peagle.eval.offline import (  # noqa: E402
     drafting_anchors,
     evaluate_offline,
     reference_tokens,
+    walk_drafts,
 )
 from peagle.train import PrecomputedMask, collate  # noqa: E402
 from peagle.methods.eagle3 import build_eagle3_example, ttt_passes  # noqa: E402
@@ -196,6 +198,39 @@ def test_eagle3_drafts_equal_the_training_time_test_wherever_the_earlier_drafts_
     assert right[0] == compared[0]  # the sample was built from the first drafts
 
 
+def brute_walk(drafter, spec, vocab, sample, k, max_tokens=None):
+    """Decode each generated span as vLLM does: draft after the last token, accept, jump."""
+    mask, out, q = sample.loss_mask.tolist(), [], 0
+    while q < len(mask):
+        if not mask[q]:
+            q += 1
+            continue
+        last = q
+        while last + 1 < len(mask) and mask[last + 1]:
+            last += 1
+        p, produced = q - 1, 1  # x_q came from prefill; the first draft follows it
+        while p + 2 <= last and (max_tokens is None or produced < max_tokens):
+            drafts = brute_peagle(drafter, spec, vocab, sample, p)[:k]
+            a = brute_accepted(drafts, p, sample.token_ids, sample.loss_mask)
+            out.append(a)
+            p, produced = p + a + 1, produced + a + 1
+        q = last + 1
+    return out
+
+
+def test_walk_counts_each_draft_once_and_stops_at_the_budget():
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    accepted_at = torch.tensor([0, 3, 0, 0, 0, 2, 1, 0, 0, 0, 1, 0, 0, 0])
+    # span 2..8: drafts after anchors 1 (3 accepted) and 5 (2), none after 8 (the span's last token);
+    # span 11..13: a draft after anchor 10 (1), none after 12 (13 is the last token)
+    assert walk_drafts(accepted_at, mask, k=4) == [3, 2, 1]
+    assert walk_drafts(accepted_at, mask, k=1) == [1, 0, 0, 1, 1]  # K caps the runs, so the walk visits other anchors
+    # a budget of 4 tokens: after anchor 1 the request has x_2..x_5 = 4 tokens and stops drafting;
+    # the accepted drafts may run past the budget (vLLM verifies them before truncating)
+    assert walk_drafts(accepted_at, mask, k=4, max_tokens=4) == [3, 1]
+    assert walk_drafts(accepted_at, mask, k=4, max_tokens=1) == []
+
+
 def test_evaluate_offline_from_a_shard_store(tmp_path):
     spec, drafter, head, vocab = setup(seed=2)
     samples = [self_consistent_sample(spec, drafter, vocab, n, seed) for n, seed in ((40, 0), (31, 1), (3, 2))]
@@ -203,20 +238,19 @@ def test_evaluate_offline_from_a_shard_store(tmp_path):
         for i, s in enumerate(samples):
             writer.add(f"s{i}", s.token_ids, s.loss_mask, s.hidden)
     reader = ShardReader(tmp_path / "eval")
-    result = evaluate_offline(drafter, head, reader, spec, vocab, [1, 2, 4], max_samples=3, method="peagle", max_k=4)
-
-    accepted = []
-    for i in range(len(reader)):
-        s = reader[i]
-        for anchor in drafting_anchors(s.loss_mask).tolist():
-            drafts = brute_peagle(drafter, spec, vocab, s, anchor)
-            accepted.append(brute_accepted(drafts, anchor, s.token_ids, s.loss_mask))
-    accepted = torch.tensor(accepted)
-    assert result.num_anchors == accepted.numel() and result.num_samples == 3
-    for k in (1, 2, 4):
-        assert result.acceptance_length[k] == pytest.approx(1 + accepted.clamp_max(k).float().mean().item(), abs=1e-12)
-    assert result.per_position == pytest.approx([(accepted >= j).float().mean().item() for j in range(1, 5)], abs=1e-12)
-    assert result.acceptance_length[1] > 1.8
+    for max_tokens in (None, 9):
+        result = evaluate_offline(drafter, head, reader, spec, vocab, [1, 2, 4], max_samples=3, method="peagle",
+                                  max_k=4, max_tokens=max_tokens)
+        assert result.num_samples == 3
+        for k in (1, 2, 4):
+            walk = [a for i in range(len(reader)) for a in brute_walk(drafter, spec, vocab, reader[i], k, max_tokens)]
+            assert result.num_drafts[k] == len(walk)
+            assert result.acceptance_length[k] == pytest.approx(1 + sum(walk) / len(walk), abs=1e-12)
+        walk = torch.tensor(walk)
+        assert result.per_position == pytest.approx([(walk >= j).float().mean().item() for j in range(1, 5)],
+                                                    abs=1e-12)
+        assert result.acceptance_length[1] > 1.8
+        assert result.num_drafts[4] < result.num_drafts[1]  # deeper accepted runs skip anchors
 
     with pytest.raises(ValueError, match="largest K this head can be evaluated at"):
         evaluate_offline(drafter, head, reader, spec, vocab, [5], 3, max_k=4)

@@ -18,8 +18,10 @@ from peagle.eval.online import (
 )
 from peagle.eval.plots import plot_online
 from peagle.paths import REPO_ROOT
+from tests.train.test_partition import tiny_spec
 
 CODE_EVAL = REPO_ROOT / "data" / "prompts" / "code_eval.jsonl"
+CODE_COMPLETION_EVAL = REPO_ROOT / "data" / "prompts" / "code_completion_eval.jsonl"
 
 
 def test_shipped_code_eval_set_keeps_only_the_user_turns():
@@ -57,6 +59,44 @@ def test_chat_prompts_go_through_the_chat_template(tmp_path):
     assert ids[0][0] == tok.bos_token_id
     assert ids[0][-1] == tok.convert_tokens_to_ids("<|assistant|>")
 
+
+def test_completion_prompts_are_raw_text_without_a_chat_template(tmp_path):
+    from peagle.serving.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(tmp_path)
+    prompts = load_prompt_set(str(CODE_COMPLETION_EVAL), limit=3)
+    assert all(isinstance(p, str) and p.startswith("def ") for p in prompts)
+    ids = tokenize_prompts(prompts, tok)
+    assert ids == [tok(p)["input_ids"] for p in prompts]  # what a completion request sends
+    markup = {tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|assistant|>")}
+    assert not markup & {i for p in ids for i in p}
+
+
+def test_completion_results_travel_with_the_chat_results_into_the_card(tmp_path):
+    from types import SimpleNamespace
+
+    from peagle.config import load_config
+    from peagle.export.card import ModelCardInfo, render_model_card, run_card
+
+    result = sample_result()
+    result.completion = OnlineResult(target="/models/tiny", max_tokens=100, prompt_set="code_completion_eval", rows=[
+        OnlineRow("p-eagle", 3, 1, 4, 400, 2.0, 200.0, 3.1, [0.9] * 3, 10, 30, 21, True),
+        OnlineRow("eagle-3", 3, 1, 4, 400, 2.0, 180.0, 3.4, [0.9] * 3, 10, 30, 24, False),
+    ])
+    loaded = OnlineResult.load(result.save(tmp_path / "online.json"))
+    assert loaded == result and loaded.completion.acceptance_by_k("p-eagle") == {3: 3.1}
+    cfg = load_config("configs/demo.yaml")
+    data = SimpleNamespace(num_train=1, num_eval=1, num_tokens=10, config_hash="h")
+    offline = SimpleNamespace(acceptance_length={3: 2.55}, split="served")
+    card = run_card(cfg, data, loaded, offline)
+    assert card.completion_acceptance == {3: 3.1} and card.baseline_completion_acceptance == {3: 3.4}
+    assert card.acceptance == {1: 1.8, 3: 2.6}
+    assert "the eval prompts' states, decoded as vLLM does" in next(iter(k for k in card.training if "offline" in k))
+    text = render_model_card(card, tiny_spec())
+    chat, completion = text.split("### On completion traffic (raw documents, no chat template)")
+    assert "| 3 | 2.60 | 2.40 |" in chat and "prompt set code_eval," in chat
+    assert "| 3 | 3.10 | 3.40 |" in completion and "prompt set code_completion_eval," in completion
+    assert "completion traffic" not in render_model_card(ModelCardInfo(acceptance={3: 2.0}), tiny_spec())
 
 def sample_result() -> OnlineResult:
     rows = [
@@ -112,14 +152,22 @@ def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
     cfg = VllmConfig(max_model_len=512, max_num_seqs=4, cpu_kvcache_space_gib=1)
     prompts = load_prompt_set(str(CODE_EVAL), limit=4)
     seen = []
+    documents = load_prompt_set(str(CODE_COMPLETION_EVAL), limit=2)
     result = evaluate_online(
         target, {"p-eagle": head}, cfg, prompts, ks=[2], concurrency=[1, 2], max_tokens=16,
-        prompt_set="code_eval", on_row=seen.append,
+        prompt_set="code_eval", on_row=seen.append, completion_prompts=documents,
+        completion_prompt_set="code_completion_eval",
     )  # fmt: skip
     assert [(r.method, r.k, r.concurrency) for r in result.rows] == [
         (BASELINE, 0, 1), (BASELINE, 0, 2), ("p-eagle", 2, 1), ("p-eagle", 2, 2),
     ]  # fmt: skip
-    assert seen == result.rows
+    completion = result.completion.rows  # the same engines on raw documents, measured on their own
+    assert [(r.method, r.k, r.concurrency, r.requests) for r in completion] == [
+        (BASELINE, 0, 1, 2), (BASELINE, 0, 2, 2), ("p-eagle", 2, 1, 2), ("p-eagle", 2, 2, 2),
+    ]  # fmt: skip
+    assert all(r.acceptance_length == pytest.approx(3.0) for r in completion[2:])
+    assert result.completion.prompt_set == "code_completion_eval"
+    assert seen == result.rows[:2] + completion[:2] + result.rows[2:] + completion[2:]
     for row in result.rows:
         assert row.requests == 4 and row.output_tokens == 4 * 16  # the marker target never stops early
         assert row.output_tokens_per_s > 0 and math.isfinite(row.output_tokens_per_s)
@@ -133,3 +181,18 @@ def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
     assert result.acceptance_by_k("p-eagle") == {2: pytest.approx(3.0)}
     png = plot_online(result, tmp_path / "online.png")
     assert png.stat().st_size > 20_000
+
+
+def test_eval_prompt_files_are_checked_before_the_data_stage(tmp_path):
+    from peagle.config import load_config
+    from peagle.eval.online import check_eval_prompts, load_completion_prompts
+
+    cfg = load_config("configs/demo.yaml")
+    check_eval_prompts(cfg)
+    assert len(load_completion_prompts(cfg)) == cfg.eval.num_prompts
+    chat_as_completion = load_config("configs/demo.yaml", {"eval.completion_prompts": str(CODE_EVAL)})
+    with pytest.raises(ValueError, match=r"eval.completion_prompts=.*holds chat prompts.*\{\"text\": \.\.\.\} lines"):
+        check_eval_prompts(chat_as_completion)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        check_eval_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": str(tmp_path / "none.jsonl")}))
+    assert load_completion_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": None})) == []

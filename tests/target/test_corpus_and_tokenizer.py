@@ -145,3 +145,12 @@ def test_committed_prompt_files_are_reproducible_and_split_correctly():
     if platform.python_version() != GENERATED_WITH_PYTHON:
         pytest.skip(f"prompt files were made from Python {GENERATED_WITH_PYTHON}'s stdlib")
     assert embedded_prompt_messages("eval", 64, recipe) == held
+
+
+def test_completion_prompts_are_the_held_out_functions_as_raw_code():
+    held, completion = _read_jsonl("code_eval.jsonl"), _read_jsonl("code_completion_eval.jsonl")
+    assert [r["id"] for r in completion] == [r["id"] for r in held]
+    for chat, doc in zip(held, completion):
+        assert set(doc) == {"id", "text"} and doc["text"].startswith(("def ", "async def ", "@"))
+        assert doc["text"].rstrip("\n") in chat["messages"][0]["content"]  # the head the chat prompt asks about
+        assert "```" not in doc["text"] and "Complete" not in doc["text"]
