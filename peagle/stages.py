@@ -283,3 +283,8 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
         completion_prompt_set=Path(cfg.eval.completion_prompts).stem if cfg.eval.completion_prompts else "",
     )
 
+
+
+def summary_json(obj) -> str:
+    """A stage result as the CLI prints it."""
+    return json.dumps(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, indent=2, default=str)
