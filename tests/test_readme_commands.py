@@ -140,7 +140,7 @@ def run(argv: list[str], env: dict, cwd: Path = REPO, timeout: int = 1200) -> tu
     done = subprocess.run(argv, cwd=cwd, env={**env, "COLUMNS": "200"}, capture_output=True, text=True,
                           timeout=timeout)
     seconds = time.perf_counter() - start
-    print(f"{shlex.join(argv[:3])} ...: {seconds:.1f} s")
+    print(f"{shlex.join(a for a in argv if not a.startswith('--set='))}: {seconds:.1f} s")
     assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done.stdout, seconds
 
@@ -289,7 +289,7 @@ def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, 
     assert "pulled peagle-embedded version" in out and f"peagle serve {head}" in " ".join(out.split())
     assert (head / "model.safetensors").exists()
     line = read_serve_line((head / "README.md").read_text())
-    assert (line.target_ref, line.head_ref) == (str(embedded_target), str(head))
+    assert (Path(line.target_ref).resolve(), line.head_ref) == (Path(embedded_target).resolve(), str(head))
 
     port = free_port()
     argv = readme_argv(".venv/bin/peagle serve heads/champion --port 8000", **{"8000": str(port)})
