@@ -195,7 +195,6 @@ def serve_cmd(
     except ValueError as err:
         console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
-    keep_cpu_kv_cache_small()
     server = VllmServer(api_server_argv(serving, host=host, port=port, extra_args=ctx.args), host=host, port=port)
     mode = "in parallel (P-EAGLE)" if serving.parallel_drafting else "one token per pass (EAGLE-3)"
     console.print(f"vllm serve {serving.target}: {serving.head_dir} drafts K={serving.k} {mode}", soft_wrap=True)
@@ -206,19 +205,6 @@ def serve_cmd(
         console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
     raise typer.Exit(status)
-
-
-def keep_cpu_kv_cache_small() -> None:
-    """On a CPU host, give vLLM the KV-cache size peagle's own engines use (``vllm.cpu_kvcache_space_gib``)
-    unless the user set ``VLLM_CPU_KVCACHE_SPACE``: without one, vLLM-CPU reserves
-    ``--gpu-memory-utilization`` (0.92) of the host's RAM and refuses to start when less is free."""
-    import os
-
-    from peagle.config import VllmConfig
-    from peagle.serving.engine import is_cpu_platform
-
-    if is_cpu_platform():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VllmConfig().cpu_kvcache_space_gib))
 
 
 @app.command("deploy")

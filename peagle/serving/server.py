@@ -88,6 +88,17 @@ def api_server_argv(serving: HeadServing, *, host: str = "127.0.0.1", port: int 
     ]
 
 
+def keep_cpu_kv_cache_small() -> None:
+    """On a CPU host, give vLLM the KV-cache size peagle's own engines use (``vllm.cpu_kvcache_space_gib``)
+    unless the user set ``VLLM_CPU_KVCACHE_SPACE``: without one, vLLM-CPU reserves
+    ``--gpu-memory-utilization`` (0.92) of the host's RAM and refuses to start when less is free."""
+    from peagle.config import VllmConfig
+    from peagle.serving.engine import is_cpu_platform
+
+    if is_cpu_platform():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VllmConfig().cpu_kvcache_space_gib))
+
+
 class VllmServer:
     """One ``vllm serve`` process: start it, wait until it answers, stop it and its children."""
 
@@ -97,7 +108,8 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> VllmServer:
-        configure_environment()  # cache roots and the CPU KV-cache size, unless the user set them
+        configure_environment()  # peagle's quiet defaults, unless the user set them
+        keep_cpu_kv_cache_small()
         log = open(self.log_path, "ab") if self.log_path else None
         try:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT if log else None,
