@@ -172,6 +172,12 @@ class TrainConfig(Strict):
     cod_ratio: float = Field(0.8, gt=0, le=1)
     cod_floor: float = Field(0.2, ge=0, le=1)
     loss_depth_weighting: Literal["uniform", "per_depth_mean"] = "uniform"
+    # P-EAGLE's recipe (peagle.methods.peagle owns these; bench/results/quality.md measured them):
+    # keep the target's lm_head (the far depths' gradients otherwise dominate it), train only
+    # the mask token's embedding row, and the scale mask_hidden (h_shared) starts at.
+    freeze_lm_head: bool = False
+    train_embeddings: Literal["all", "mask_row"] = "all"
+    mask_hidden_init_std: float = Field(0.02, gt=0, le=10)
     max_len: int = Field(768, ge=16)
     segments: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)

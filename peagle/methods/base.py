@@ -69,6 +69,10 @@ class DraftingMethod:
         """How ``train`` trains a drafter for ``spec`` against the frozen ``target_head``."""
         raise NotImplementedError(f"{self.name}: no training objective")
 
+    def prepare_drafter(self, drafter, train) -> None:
+        """Set up a freshly built drafter for training with ``train``: which of its parameters
+        train and how the method's own ones start (before any warm start loads over them)."""
+
     def draft(
         self, drafter, batch: Batch, k: int, to_target_ids: Callable[[torch.Tensor], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

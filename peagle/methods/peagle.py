@@ -19,7 +19,9 @@ class PEagle(DraftingMethod):
     label = "p-eagle"
     display_name = "P-EAGLE"
     parallel_drafting = True
-    own_train_fields = frozenset({"k_train", "cod_ratio", "cod_floor"})
+    own_train_fields = frozenset(
+        {"k_train", "cod_ratio", "cod_floor", "freeze_lm_head", "train_embeddings", "mask_hidden_init_std"}
+    )
     card_summary = ("A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
                     "tokens in one forward pass. Trained with peagle.")
     card_serve_note = "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially)."
@@ -47,6 +49,27 @@ class PEagle(DraftingMethod):
             weighting=train.loss_depth_weighting,
         )
 
+    def prepare_drafter(self, drafter, train) -> None:
+        """The recipe's trainable set and ``mask_hidden``'s scale (``bench/results/quality.md``).
+
+        Freezing lm_head / the embeddings keeps the target's own rows, so it needs a drafter
+        that starts from them: as wide as the target, or warm started from a head.
+        """
+        spec = drafter.spec
+        frozen = [name for name, on in (("train.freeze_lm_head: true", train.freeze_lm_head),
+                                         ("train.train_embeddings: mask_row", train.train_embeddings == "mask_row")) if on]
+        if frozen and spec.hidden_size != spec.target_hidden_size and not train.init_from:
+            raise ValueError(
+                f"{' and '.join(frozen)} keep the target's weights, but this drafter is {spec.hidden_size} wide "
+                f"and the target {spec.target_hidden_size}, so they start random: set train.freeze_lm_head: false "
+                "and train.train_embeddings: all, or drafter.hidden_size to the target's"
+            )
+        drafter.init_mask_hidden(train.mask_hidden_init_std)
+        if train.freeze_lm_head:
+            drafter.lm_head.requires_grad_(False)
+        if train.train_embeddings == "mask_row":
+            drafter.freeze_embeddings_except_mask()
+
     def draft(self, drafter, batch, k, to_target_ids):
         out = drafter(
             input_ids=batch.input_ids,
@@ -68,7 +91,11 @@ class PEagle(DraftingMethod):
         return {"mask_hidden": TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")}
 
     def card_training(self, train) -> dict[str, str]:
-        return {"method": self.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio)}
+        trained = "all but lm_head" if train.freeze_lm_head else "all"
+        if train.train_embeddings == "mask_row":
+            trained += " (embeddings: the mask row only)"
+        return {"method": self.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio),
+                "trained parameters": trained}
 
 
 METHOD = PEagle()
