@@ -41,7 +41,8 @@ from train_common import (  # noqa: E402
 
 NAME = "quality"
 # The P-EAGLE recipe fields (peagle.methods.peagle's own train fields) of the old default.
-OLD_RECIPE = {"train.freeze_lm_head": False, "train.train_embeddings": "all", "train.mask_hidden_init_std": 0.02}
+OLD_RECIPE = {"train.freeze_lm_head": False, "train.train_embeddings": "all", "train.mask_hidden_init_std": 0.02,
+              "train.k_train": 6, "train.depth0_loss_share": None}
 # Each ablation row adds one choice to the row before it.
 ABLATION = [
     ("old default (all trainable, mask_hidden std 0.02)", {}),
@@ -49,6 +50,7 @@ ABLATION = [
     ("+ embeddings: mask row only", {"train.train_embeddings": "mask_row"}),
     ("+ mask_hidden std 1", {"train.mask_hidden_init_std": 1.0}),
     ("+ k_train 8", {"train.k_train": 8}),
+    ("+ depth 0 half the loss", {"train.depth0_loss_share": 0.5}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 6
@@ -217,6 +219,9 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[45, 90, 180], help="training seconds per run")
     parser.add_argument("--ablation-budget", type=float, default=90)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--ablation-rows", type=int, nargs="+", default=None,
+                        help="run only these ablation rows (0-based; each still adds the rows above it) and "
+                             "skip the EAGLE-3 row; earlier rows' results are kept")
     parser.add_argument("--quick", action="store_true", help="a tiny random target and dataset, tiny budgets")
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
     args = parser.parse_args()
@@ -250,10 +255,12 @@ def main() -> None:
         for seed in seeds:
             if args.part in ("ablation", "all"):
                 recipe = dict(OLD_RECIPE)
-                for label, change in ABLATION:
+                for i, (label, change) in enumerate(ABLATION):
                     recipe.update(change)
-                    runs.append(bench.run("ablation", label, "peagle", dict(recipe), ablation_budget, seed))
-                runs.append(bench.run("ablation", "EAGLE-3 (config)", "eagle3", {}, ablation_budget, seed))
+                    if args.ablation_rows is None or i in args.ablation_rows:
+                        runs.append(bench.run("ablation", label, "peagle", dict(recipe), ablation_budget, seed))
+                if args.ablation_rows is None:
+                    runs.append(bench.run("ablation", "EAGLE-3 (config)", "eagle3", {}, ablation_budget, seed))
             if args.part in ("budgets", "all"):
                 for budget in budgets:  # the pair back to back: both see about the same machine load
                     for method in ("peagle", "eagle3"):

@@ -178,6 +178,8 @@ class TrainConfig(Strict):
     freeze_lm_head: bool = False
     train_embeddings: Literal["all", "mask_row"] = "all"
     mask_hidden_init_std: float = Field(0.02, gt=0, le=10)
+    # The next-token depth's share of the loss (None: loss_depth_weighting decides).
+    depth0_loss_share: float | None = Field(None, gt=0, lt=1)
     max_len: int = Field(768, ge=16)
     segments: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)
@@ -214,6 +216,15 @@ class TrainConfig(Strict):
     def _segments_fit(self):
         if self.segments > self.max_len:
             raise ValueError("train.segments cannot exceed train.max_len")
+        return self
+
+    @model_validator(mode="after")
+    def _one_weighting(self):
+        if self.depth0_loss_share is not None and self.loss_depth_weighting != "uniform":
+            raise ValueError(
+                "train.depth0_loss_share sets the per-depth weighting itself: leave train.loss_depth_weighting "
+                "'uniform' or unset depth0_loss_share"
+            )
         return self
 
 

@@ -35,7 +35,7 @@ class Objective:
     collate: Callable[[list], Any]  # examples -> Batch (padded, with its attention mask)
     loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
     depths: int  # K the loss and the per-depth metrics run over
-    weighting: str  # train.loss_depth_weighting: how the micro-batch's normaliser is counted
+    weighting: Any  # a peagle.train.loss.Weighting: how the micro-batch's normaliser is counted
 
     def denominator(self, examples: list) -> Any:
         """The whole micro-batch's normaliser: every segment's loss is divided by it."""

@@ -20,7 +20,8 @@ class PEagle(DraftingMethod):
     display_name = "P-EAGLE"
     parallel_drafting = True
     own_train_fields = frozenset(
-        {"k_train", "cod_ratio", "cod_floor", "freeze_lm_head", "train_embeddings", "mask_hidden_init_std"}
+        {"k_train", "cod_ratio", "cod_floor", "freeze_lm_head", "train_embeddings", "mask_hidden_init_std",
+         "depth0_loss_share"}
     )
     card_summary = ("A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
                     "tokens in one forward pass. Trained with peagle.")
@@ -29,8 +30,11 @@ class PEagle(DraftingMethod):
 
     def objective(self, train, spec, target_head) -> Objective:
         from peagle.train.batch import build_peagle_example, collate
-        from peagle.train.loss import peagle_loss
+        from peagle.train.loss import Depth0Share, peagle_loss
         from peagle.train.masks import PrecomputedMask
+
+        share = train.depth0_loss_share
+        weighting = Depth0Share(share) if share is not None else train.loss_depth_weighting
 
         def make_example(sample, generator):
             return build_peagle_example(
@@ -38,7 +42,7 @@ class PEagle(DraftingMethod):
             )
 
         def loss(model, batch, denominator):
-            return peagle_loss(model, target_head, batch, train.loss_depth_weighting, denominator, k=train.k_train)
+            return peagle_loss(model, target_head, batch, weighting, denominator, k=train.k_train)
 
         return Objective(
             name=self.name,
@@ -46,7 +50,7 @@ class PEagle(DraftingMethod):
             collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
             loss=loss,
             depths=train.k_train,
-            weighting=train.loss_depth_weighting,
+            weighting=weighting,
         )
 
     def prepare_drafter(self, drafter, train) -> None:
