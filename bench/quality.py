@@ -42,7 +42,7 @@ from train_common import (  # noqa: E402
 NAME = "quality"
 # The P-EAGLE recipe fields (peagle.methods.peagle's own train fields) of the old default.
 OLD_RECIPE = {"train.freeze_lm_head": False, "train.train_embeddings": "all", "train.mask_hidden_init_std": 0.02,
-              "train.k_train": 6, "train.depth0_loss_share": None}
+              "train.k_train": 6, "train.depth0_loss_share": None, "train.grad_accum": 4, "train.learning_rate": 1e-3}
 # Each ablation row adds one choice to the row before it.
 ABLATION = [
     ("old default (all trainable, mask_hidden std 0.02)", {}),
@@ -51,6 +51,8 @@ ABLATION = [
     ("+ mask_hidden std 1", {"train.mask_hidden_init_std": 1.0}),
     ("+ k_train 8", {"train.k_train": 8}),
     ("+ depth 0 half the loss", {"train.depth0_loss_share": 0.5}),
+    ("+ grad_accum 1 (4x the optimizer steps)", {"train.grad_accum": 1}),
+    ("+ lr 3e-3", {"train.learning_rate": 3e-3}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 6
@@ -241,6 +243,7 @@ def main() -> None:
             data_dir, target_dir = tiny_head_dataset(Path(tmp))
             base, work = {**QUICK_OVERRIDES, **base}, Path(tmp) / "runs"
             budgets, ablation_budget, seeds = [3.0], 3.0, args.seeds[:1]
+            rows = [0, len(ABLATION) - 1]  # the old default and the whole recipe
         else:
             from peagle.target import resolve_target
 
@@ -248,6 +251,7 @@ def main() -> None:
             data_dir = Path(args.data_dir) if args.data_dir else RunLayout(cfg0.run_dir).data.root
             target_dir, work = resolve_target(cfg0.target), peagle_home() / "bench" / NAME
             budgets, ablation_budget, seeds = args.budgets, args.ablation_budget, args.seeds
+            rows = args.ablation_rows
         train = load_config(args.config, base).train
         ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
         bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks)
@@ -257,7 +261,7 @@ def main() -> None:
                 recipe = dict(OLD_RECIPE)
                 for i, (label, change) in enumerate(ABLATION):
                     recipe.update(change)
-                    if args.ablation_rows is None or i in args.ablation_rows:
+                    if rows is None or i in rows:
                         runs.append(bench.run("ablation", label, "peagle", dict(recipe), ablation_budget, seed))
                 if args.ablation_rows is None:
                     runs.append(bench.run("ablation", "EAGLE-3 (config)", "eagle3", {}, ablation_budget, seed))

@@ -33,7 +33,7 @@ class PEagle(DraftingMethod):
         from peagle.train.loss import Depth0Share, peagle_loss
         from peagle.train.masks import PrecomputedMask
 
-        share = train.depth0_loss_share
+        share = train.depth0_loss_share if train.loss_depth_weighting == "uniform" else None
         weighting = Depth0Share(share) if share is not None else train.loss_depth_weighting
 
         def make_example(sample, generator):
@@ -60,8 +60,10 @@ class PEagle(DraftingMethod):
         that starts from them: as wide as the target, or warm started from a head.
         """
         spec = drafter.spec
-        frozen = [name for name, on in (("train.freeze_lm_head: true", train.freeze_lm_head),
-                                         ("train.train_embeddings: mask_row", train.train_embeddings == "mask_row")) if on]
+        frozen = [name for name, on in (
+            ("train.freeze_lm_head: true", train.freeze_lm_head),
+            ("train.train_embeddings: mask_row", train.train_embeddings == "mask_row"),
+        ) if on]
         if frozen and spec.hidden_size != spec.target_hidden_size and not train.init_from:
             raise ValueError(
                 f"{' and '.join(frozen)} keep the target's weights, but this drafter is {spec.hidden_size} wide "

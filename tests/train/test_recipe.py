@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
 from test_deepspeed import MASK_ID, one_thread, tiny_config, tiny_run, tiny_spec  # noqa: F401 (fixtures)
 
+from peagle.config import ConfigError
 from peagle.data.vocab import DraftVocab
 from peagle.layout import DataLayout
 from peagle.model import PEagleDrafter
@@ -64,8 +65,6 @@ def test_frozen_embedding_rows_are_kept_from_weight_decay():
 
 
 def test_recipe_fields_are_validated():
-    from peagle.config import ConfigError
-
     with pytest.raises(ConfigError, match="train.train_embeddings"):
         tiny_config(train_embeddings="none")
     with pytest.raises(ConfigError, match="train.mask_hidden_init_std"):
@@ -81,7 +80,8 @@ def test_freezing_a_drafter_narrower_than_its_target_names_the_fix():
     narrow = replace(tiny_spec(), hidden_size=32, head_dim=8)  # random lm_head / embeddings: nothing to keep
     with pytest.raises(ValueError, match="train.freeze_lm_head: false"):
         get_method("peagle").prepare_drafter(PEagleDrafter(narrow), cfg.train)
-    get_method("peagle").prepare_drafter(PEagleDrafter(narrow), tiny_config(freeze_lm_head=False).train)
+    trains_all = tiny_config(freeze_lm_head=False, train_embeddings="all").train
+    get_method("peagle").prepare_drafter(PEagleDrafter(narrow), trains_all)
 
 
 def test_the_recipe_is_p_eagles_own():
@@ -91,3 +91,16 @@ def test_the_recipe_is_p_eagles_own():
     a, b = tiny_config(freeze_lm_head=False), tiny_config(freeze_lm_head=True)
     assert training_hash(a, "eagle3") == training_hash(b, "eagle3")
     assert training_hash(a, "peagle") != training_hash(b, "peagle")
+
+
+def test_depth0_share_is_the_default_weighting_and_yields_to_an_explicit_one():
+    from peagle.methods import get_method
+    from peagle.train.loss import Depth0Share
+
+    peagle = get_method("peagle")
+    assert peagle.objective(tiny_config().train, tiny_spec(), None).weighting == Depth0Share(0.5)
+    assert peagle.objective(tiny_config(depth0_loss_share=None).train, tiny_spec(), None).weighting == "uniform"
+    chosen = tiny_config(loss_depth_weighting="per_depth_mean").train
+    assert peagle.objective(chosen, tiny_spec(), None).weighting == "per_depth_mean"
+    with pytest.raises(ConfigError, match="train.depth0_loss_share"):
+        tiny_config(depth0_loss_share=1.0)
