@@ -79,7 +79,10 @@ def measure(cfg, target, data_dir: Path) -> dict:
     trained, wall = train_fresh(cfg, target, data_dir)
     seconds = step_seconds(trained.metrics_history)
     last = [r for r in trained.metrics_history if "loss" in r][-1]
+    t = cfg.train
     return {"steps": len(seconds), "train_seconds": sum(seconds), "wall_seconds": wall, "final_loss": last["loss"],
+            "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
+                      "eagle3_ttt_steps": t.eagle3_ttt_steps},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
 
