@@ -181,10 +181,13 @@ def plot(meta: dict, out: Path) -> None:
     runs = [r for r in meta["runs"] if r["part"] == "budgets"]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for method, style in (("peagle", "o-"), ("eagle3", "s--")):
-        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["train_seconds"])
+        # joined in budget order (the machine's load can make a longer run's seconds shorter)
+        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: (r["budget_s"], r["steps"]))
         if mine:
-            ax.plot([r["train_seconds"] for r in mine], [r["acceptance_length"][k] for r in mine], style,
-                    label=f"{'P-EAGLE' if method == 'peagle' else 'EAGLE-3'} (each point one run)")
+            xs, ys = [r["train_seconds"] for r in mine], [r["acceptance_length"][k] for r in mine]
+            ax.plot(xs, ys, style, label=f"{'P-EAGLE' if method == 'peagle' else 'EAGLE-3'} (one run per point)")
+            for x, y, r in zip(xs, ys, mine):
+                ax.annotate(f"{r['steps']} steps", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=8)
     ax.set_xlabel("training seconds (summed step times)")
     ax.set_ylabel(f"offline acceptance length, K={k}")
     ax.set_title(f"Acceptance vs training time, {meta['data_name']}")
