@@ -158,6 +158,7 @@ def main() -> None:
             for weighting in WEIGHTINGS:
                 cfg = load_config(args.config, {**overrides, "eval.ks": ks, "train.seed": seed,
                                                 "train.loss_depth_weighting": weighting,
+                                                "train.depth0_loss_share": None,  # plain "uniform", not the recipe's share
                                                 "workdir": str(work / f"{weighting}-seed{seed}")})
                 runs.append(measure(cfg, target, data_dir))
     run.meta.update({"data_dir": str(data_dir), "ks": ks, "runs": runs, "summary": summarize(runs, ks),

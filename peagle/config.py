@@ -195,6 +195,15 @@ class TrainConfig(Strict):
     cod_ratio: float = Field(0.8, gt=0, le=1)
     cod_floor: float = Field(0.2, ge=0, le=1)
     loss_depth_weighting: Literal["uniform", "per_depth_mean"] = "uniform"
+    # P-EAGLE's recipe (peagle.methods.peagle owns these; bench/results/quality.md measured them):
+    # keep the target's lm_head (the far depths' gradients otherwise dominate it), train only
+    # the mask token's embedding row, and the scale mask_hidden (h_shared) starts at.
+    freeze_lm_head: bool = True
+    train_embeddings: Literal["all", "mask_row"] = "mask_row"
+    mask_hidden_init_std: float = Field(1.0, gt=0, le=10)
+    # With loss_depth_weighting "uniform": the next-token depth's share of the loss, the parallel
+    # depths' mean the rest (None: plain uniform, where depth 0 is only ~27% at K_train 6, COD 0.8).
+    depth0_loss_share: float | None = Field(0.5, gt=0, lt=1)
     max_len: int = Field(768, ge=16)
     segments: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)
@@ -275,6 +284,7 @@ class TrainConfig(Strict):
         """Micro-batches in one optimizer step over all ranks: with micro_batch_size, the
         global batch; the same whichever way it splits into world_size x grad_accum."""
         return self.world_size * self.grad_accum
+
 
 
 class EvalConfig(Strict):

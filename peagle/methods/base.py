@@ -35,7 +35,7 @@ class Objective:
     collate: Callable[[list], Any]  # examples -> Batch (padded, with its attention mask)
     loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
     depths: int  # K the loss and the per-depth metrics run over
-    weighting: str  # train.loss_depth_weighting: how the micro-batch's normaliser is counted
+    weighting: Any  # a peagle.train.loss.Weighting: how the micro-batch's normaliser is counted
 
     def denominator(self, examples: list) -> Any:
         """The whole micro-batch's normaliser: every segment's loss is divided by it."""
@@ -68,6 +68,10 @@ class DraftingMethod:
     def objective(self, train, spec: HeadSpec, target_head) -> Objective:
         """How ``train`` trains a drafter for ``spec`` against the frozen ``target_head``."""
         raise NotImplementedError(f"{self.name}: no training objective")
+
+    def prepare_drafter(self, drafter, train) -> None:
+        """Set up a freshly built drafter for training with ``train``: which of its parameters
+        train and how the method's own ones start (before any warm start loads over them)."""
 
     def draft(
         self, drafter, batch: Batch, k: int, to_target_ids: Callable[[torch.Tensor], torch.Tensor]

@@ -19,7 +19,10 @@ class PEagle(DraftingMethod):
     label = "p-eagle"
     display_name = "P-EAGLE"
     parallel_drafting = True
-    own_train_fields = frozenset({"k_train", "cod_ratio", "cod_floor"})
+    own_train_fields = frozenset(
+        {"k_train", "cod_ratio", "cod_floor", "freeze_lm_head", "train_embeddings", "mask_hidden_init_std",
+         "depth0_loss_share"}
+    )
     card_summary = ("A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
                     "tokens in one forward pass. Trained with peagle.")
     card_serve_note = "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially)."
@@ -27,8 +30,11 @@ class PEagle(DraftingMethod):
 
     def objective(self, train, spec, target_head) -> Objective:
         from peagle.train.batch import build_peagle_example, collate
-        from peagle.train.loss import peagle_loss
+        from peagle.train.loss import Depth0Share, peagle_loss
         from peagle.train.masks import PrecomputedMask
+
+        share = train.depth0_loss_share if train.loss_depth_weighting == "uniform" else None
+        weighting = Depth0Share(share) if share is not None else train.loss_depth_weighting
 
         def make_example(sample, generator):
             return build_peagle_example(
@@ -36,7 +42,7 @@ class PEagle(DraftingMethod):
             )
 
         def loss(model, batch, denominator):
-            return peagle_loss(model, target_head, batch, train.loss_depth_weighting, denominator, k=train.k_train)
+            return peagle_loss(model, target_head, batch, weighting, denominator, k=train.k_train)
 
         return Objective(
             name=self.name,
@@ -44,8 +50,31 @@ class PEagle(DraftingMethod):
             collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
             loss=loss,
             depths=train.k_train,
-            weighting=train.loss_depth_weighting,
+            weighting=weighting,
         )
+
+    def prepare_drafter(self, drafter, train) -> None:
+        """The recipe's trainable set and ``mask_hidden``'s scale (``bench/results/quality.md``).
+
+        Freezing lm_head / the embeddings keeps the target's own rows, so it needs a drafter
+        that starts from them: as wide as the target, or warm started from a head.
+        """
+        spec = drafter.spec
+        frozen = [name for name, on in (
+            ("train.freeze_lm_head: true", train.freeze_lm_head),
+            ("train.train_embeddings: mask_row", train.train_embeddings == "mask_row"),
+        ) if on]
+        if frozen and spec.hidden_size != spec.target_hidden_size and not train.init_from:
+            raise ValueError(
+                f"{' and '.join(frozen)} keep the target's weights, but this drafter is {spec.hidden_size} wide "
+                f"and the target {spec.target_hidden_size}, so they start random: set train.freeze_lm_head: false "
+                "and train.train_embeddings: all, or drafter.hidden_size to the target's"
+            )
+        drafter.init_mask_hidden(train.mask_hidden_init_std)
+        if train.freeze_lm_head:
+            drafter.lm_head.requires_grad_(False)
+        if train.train_embeddings == "mask_row":
+            drafter.freeze_embeddings_except_mask()
 
     def draft(self, drafter, batch, k, to_target_ids):
         out = drafter(
@@ -68,7 +97,11 @@ class PEagle(DraftingMethod):
         return {"mask_hidden": TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")}
 
     def card_training(self, train) -> dict[str, str]:
-        return {"method": self.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio)}
+        trained = "all but lm_head" if train.freeze_lm_head else "all"
+        if train.train_embeddings == "mask_row":
+            trained += " (embeddings: the mask row only)"
+        return {"method": self.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio),
+                "trained parameters": trained}
 
 
 METHOD = PEagle()

@@ -274,8 +274,17 @@ class PEagleDrafter(nn.Module):
             drafter.lm_head.weight.copy_(head)
         return drafter
 
+    def init_mask_hidden(self, std: float) -> None:
+        """Re-draw ``mask_hidden`` at ``std``: it enters ``fc`` beside real hidden states, so
+        a scale near theirs (not a weight-init 0.02) lets the mask slots be told apart."""
+        with torch.no_grad():
+            self.mask_hidden.normal_(0.0, std)
+
     def freeze_embeddings_except_mask(self) -> None:
-        """Train only the mask token's embedding row (gradients of other rows are zeroed)."""
+        """Train only the mask token's embedding row (gradients of other rows are zeroed).
+
+        The table is marked ``no_weight_decay`` so weight decay cannot move the frozen rows.
+        """
         keep = torch.zeros(self.spec.vocab_size, 1, dtype=torch.bool)
         keep[self.spec.mask_token_id] = True
 
@@ -283,6 +292,7 @@ class PEagleDrafter(nn.Module):
             return grad * keep.to(grad.device)
 
         self.embed_tokens.weight.register_hook(hook)
+        self.embed_tokens.weight.no_weight_decay = True
 
     def save(self, path: str | Path) -> None:
         """Write the state dict (head names) atomically as safetensors."""

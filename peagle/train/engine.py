@@ -121,12 +121,14 @@ def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms' gains and the mask_hidden vector are not shrunk."""
+    """Decay matrices only: norms' gains, the mask_hidden vector and tensors marked
+    ``no_weight_decay`` (an embedding table of which only the mask row trains) are not shrunk."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.dim() < 2 or name in NO_DECAY_PARAMS else decay).append(p)
+        keep = p.dim() < 2 or name in NO_DECAY_PARAMS or getattr(p, "no_weight_decay", False)
+        (no_decay if keep else decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

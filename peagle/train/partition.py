@@ -164,7 +164,7 @@ def partition_batch(batch: Batch, segments: int) -> SegmentBatches:
 
 
 def loss_denominator(supervised: torch.Tensor, depth: torch.Tensor, weighting: Weighting, k: int):
-    """The whole batch's normaliser: supervised count ("uniform") or per-depth counts [K]."""
+    """The whole batch's normaliser: supervised count ("uniform") or per-depth counts [K] (the others)."""
     if weighting == "uniform":
         return int(supervised.sum())
     return torch.bincount(depth[supervised], minlength=k).float()

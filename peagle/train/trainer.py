@@ -297,6 +297,7 @@ def train_drafter(
 
     torch.manual_seed(train.seed)
     drafter = PEagleDrafter.from_target(spec, target_path, inputs.draft_ids)
+    get_method(train.method).prepare_drafter(drafter, train)  # what trains: before DeepSpeed sees it
     warm = None
     if train.init_from:  # a resumed run then loads its checkpoint over these weights
         from peagle.train.warm_start import warm_start

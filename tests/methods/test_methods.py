@@ -40,7 +40,8 @@ def test_each_method_answers_for_itself():
     spec = tiny_spec()
     assert set(peagle.head_tensors(spec)) == {"mask_hidden"} and eagle3.head_tensors(spec) == {}
     assert eagle3.omitted_tensors == {"mask_hidden"} and not peagle.omitted_tensors
-    assert peagle.card_training(train) == {"method": "P-EAGLE", "K_train": "4", "COD ratio": "0.8"}
+    assert peagle.card_training(train) == {"method": "P-EAGLE", "K_train": "4", "COD ratio": "0.8",
+                                           "trained parameters": "all but lm_head (embeddings: the mask row only)"}
     assert eagle3.card_training(train)["TTT steps"] == "2"
     # the EAGLE-3 baseline trains beside a P-EAGLE head, never beside an EAGLE-3 one
     assert trained_methods(tiny_config(eagle3_baseline=True).train) == [peagle, eagle3]
@@ -104,7 +105,7 @@ def test_a_registered_method_trains_evaluates_and_exports(decayed, tiny_run, tmp
     assert decayed.name in available_methods()
     runs = {}
     for method in ("peagle", decayed.name):
-        cfg = tiny_config(method=method, max_steps=3)
+        cfg = tiny_config(method=method, max_steps=3, depth0_loss_share=None)  # "uniform": its loss divides by the count
         runs[method] = train_drafter(cfg, data_dir, str(target), tmp_path / method, progress=False)
     plain, toy = runs["peagle"].metrics_history[0], runs[decayed.name].metrics_history[0]
     # the same examples and initial weights (same seed), scored by its own weighting:

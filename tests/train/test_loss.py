@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from peagle.facts import HeadSpec
 from peagle.model import PEagleDrafter
 from peagle.train import PrecomputedMask, TargetHead, build_peagle_example, collate, forward_kl, kl_loss, peagle_loss
+from peagle.train.loss import Depth0Share
 
 HT = 16
 SPEC = HeadSpec(
@@ -86,11 +87,13 @@ def test_uniform_and_per_depth_mean_weightings():
     per_depth = kl_loss(draft, target, depth, 3, "per_depth_mean")
     torch.testing.assert_close(uniform.loss, kl.mean())
     torch.testing.assert_close(per_depth.loss, (kl[:8].mean() + kl[8:11].mean() + kl[11]) / 3)
+    share = kl_loss(draft, target, depth, 3, Depth0Share(0.6))  # depth 0 vs all parallel depths together
+    torch.testing.assert_close(share.loss, 0.6 * kl[:8].mean() + 0.4 * kl[8:].mean())
     with pytest.raises(ValueError, match="weighting"):
         kl_loss(draft, target, depth, 3, "decay")
 
 
-@pytest.mark.parametrize("weighting", ["uniform", "per_depth_mean"])
+@pytest.mark.parametrize("weighting", ["uniform", "per_depth_mean", Depth0Share(0.5)])
 def test_external_denominator_makes_partial_sums_add_up(weighting):
     g = torch.Generator().manual_seed(3)
     draft = torch.randn(20, 9, generator=g, requires_grad=True)

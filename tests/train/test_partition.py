@@ -15,6 +15,7 @@ import torch
 from peagle.facts import HeadSpec
 from peagle.model import PEagleDrafter
 from peagle.train import PrecomputedMask, TargetHead, build_peagle_example, collate, peagle_loss
+from peagle.train.loss import Depth0Share
 from peagle.train.masks import brute_force_mask
 from peagle.train.partition import (
     owner_segment,
@@ -137,7 +138,7 @@ def reference_grads(drafter, head, batch, weighting, k):
 
 
 @pytest.mark.parametrize("segments", [2, 3, 4])
-@pytest.mark.parametrize("weighting", ["uniform", "per_depth_mean"])
+@pytest.mark.parametrize("weighting", ["uniform", "per_depth_mean", Depth0Share(0.5)])
 def test_partitioned_gradients_equal_single_pass(segments, weighting):
     spec, k = tiny_spec(), 5
     drafter, head = make_models(spec, seed=segments)

@@ -96,12 +96,14 @@ def test_training_starts_where_the_head_left_off(tiny_run, tmp_path):
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run
-    cold = train_drafter(tiny_config(max_steps=16), data_dir, str(target), tmp_path / "cold", progress=False)
+    # Every weight trains: on this random target 16 steps of the frozen-lm_head recipe move the loss too little.
+    recipe = {"freeze_lm_head": False, "train_embeddings": "all"}
+    cold = train_drafter(tiny_config(max_steps=16, **recipe), data_dir, str(target), tmp_path / "cold", progress=False)
     trained = PEagleDrafter.from_checkpoint(cold.last_checkpoint)
     head = export_tensors(trained, tmp_path / "head", DraftVocab.load(data_dir / VOCAB_FILE).draft_ids)
 
-    warm = train_drafter(tiny_config(max_steps=1, init_from=str(head)), data_dir, str(target), tmp_path / "warm",
-                         progress=False)
+    warm = train_drafter(tiny_config(max_steps=1, init_from=str(head), **recipe), data_dir, str(target),
+                         tmp_path / "warm", progress=False)
     assert warm.warm_start == {"head_dir": str(head), "lm_head_rows_copied": DRAFT_VOCAB, "lm_head_rows_new": 0}
     first_cold, last_cold = cold.metrics_history[0]["loss"], cold.metrics_history[-1]["loss"]
     assert last_cold < 0.8 * first_cold  # the cold run learned something to carry over
