@@ -332,17 +332,12 @@ def test_retrain_with_nothing_new(prefect_server, user_env, embedded_target, tmp
     from mlflow import MlflowClient
 
     from peagle.config import load_config
-    from peagle.lineage import LINEAGE_PREFIX, lineage
-    from peagle.stages import prepare_target
+    from tests.champions import register_champion_trained_on
 
     overrides = {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    cfg = load_config(REPO / "configs" / "demo.yaml", overrides)
+    register_champion_trained_on(load_config(REPO / "configs" / "demo.yaml", overrides),
+                                 overrides["tracking.tracking_uri"], tmp_path)
     client = MlflowClient(tracking_uri=overrides["tracking.tracking_uri"])
-    client.create_registered_model("peagle-embedded")
-    version = client.create_model_version("peagle-embedded", source=str(tmp_path))
-    for key, value in lineage(cfg, prepare_target(cfg)).items():
-        client.set_model_version_tag("peagle-embedded", version.version, LINEAGE_PREFIX + key, value)
-    client.set_registered_model_alias("peagle-embedded", "champion", version.version)
 
     for command in (".venv/bin/peagle retrain configs/demo.yaml",
                     ".venv/bin/peagle retrain configs/demo.yaml --warm-start"):

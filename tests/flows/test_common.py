@@ -93,22 +93,13 @@ def test_artifact_keys_are_always_valid(bad):
 
 def test_a_bookkeeping_change_does_not_make_retraining_retrain(prefect_server, embedded_target, tmp_path):
     """The champion's lineage was recorded under keep_last=2; keep_last=9 is the same head."""
-    from mlflow import MlflowClient
-
     from flows.retrain import retrain_flow
     from peagle.config import load_config
-    from peagle.lineage import LINEAGE_PREFIX, lineage
-    from peagle.stages import prepare_target
+    from tests.champions import register_champion_trained_on
 
     config = "configs/demo.yaml"
     overrides = {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    cfg = load_config(config, overrides)
-    client = MlflowClient(tracking_uri=overrides["tracking.tracking_uri"])
-    client.create_registered_model("peagle-embedded")
-    version = client.create_model_version("peagle-embedded", source=str(tmp_path))
-    for key, value in lineage(cfg, prepare_target(cfg)).items():
-        client.set_model_version_tag("peagle-embedded", version.version, LINEAGE_PREFIX + key, value)
-    client.set_registered_model_alias("peagle-embedded", "champion", version.version)
+    register_champion_trained_on(load_config(config, overrides), overrides["tracking.tracking_uri"], tmp_path)
 
     result = retrain_flow(config, {**overrides, "train.keep_last": 9, "train.eval_every": 50})
     assert not result.retrained and result.pipeline is None and "nothing new" in result.message
