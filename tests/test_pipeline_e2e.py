@@ -56,10 +56,13 @@ def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_run
 def test_flow_tracks_and_registers_in_mlflow(pipeline_run):
     from mlflow import MlflowClient
 
+    from peagle.config import load_config
+
     result = pipeline_run.result
     client = MlflowClient(tracking_uri=pipeline_run.overrides["tracking.tracking_uri"])
     run = client.get_run(result.mlflow_run_id)
-    assert run.data.params["train.k_train"] == "6"
+    cfg = load_config(pipeline_run.config, pipeline_run.overrides)
+    assert run.data.params["train.k_train"] == str(cfg.train.k_train)
     assert "seconds_train" in run.data.metrics
     children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     assert {c.info.run_name for c in children} >= {"target", "data", "train", "train-eagle3", "export", "evaluate",
