@@ -279,11 +279,16 @@ def main() -> None:
     from peagle.logs import show_on_console
 
     show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
+    from peagle.serving.engine import EngineStartError
+
     try:
         app()
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         sys.exit(2)
+    except EngineStartError as err:  # a device, memory or replica problem: the message says what to do
+        console.print(f"[red]{err}[/red]")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,8 @@ class VllmConfig(Strict):
     """Engine settings shared by every stage that starts vLLM (same code on CPU and GPU)."""
 
     tensor_parallel_size: int = Field(1, ge=1)
+    # Engine replicas for the data stage (regeneration and extraction split over them, one
+    # process and tensor_parallel_size devices each); evaluation and serving use one engine.
     data_parallel_size: int = Field(1, ge=1)
     max_model_len: int = Field(1024, ge=64)
     max_num_seqs: int = Field(32, ge=1)

@@ -64,24 +64,26 @@ def open_data_engine(
 ):
     """One vLLM engine for the whole data stage: regeneration and extraction.
 
-    Use it with ``peagle.data.regenerate.regenerate_responses`` and ``extract_with_engine``.
+    With ``vllm.data_parallel_size`` = N > 1 it is an ``EnginePool`` of N replicas, each
+    writing its hidden-state files into a directory of its own. Use it with
+    ``peagle.data.regenerate.regenerate_responses`` and ``extract_with_engine``.
     Hidden-state files are written under ``work_dir/hidden_states`` and deleted once read.
     """
-    from peagle.serving import open_llm
     from peagle.serving.extraction import extraction_engine_kwargs
+    from peagle.serving.pool import open_engines
 
     layer_ids = check_layer_ids(
         layer_ids, target_num_layers(model, revision=revision, trust_remote_code=trust_remote_code)
     )
     files_dir = _fresh_dir(Path(work_dir) / "hidden_states")
     try:
-        with open_llm(
+        with open_engines(
             model,
             vllm_cfg,
             revision=revision,
             trust_remote_code=trust_remote_code,
             dtype=dtype,
-            **extraction_engine_kwargs(layer_ids, files_dir),
+            replica_options=lambda rank: extraction_engine_kwargs(layer_ids, files_dir / f"replica-{rank}"),
         ) as llm:
             llm.peagle_layer_ids = layer_ids
             yield llm
@@ -138,115 +140,13 @@ def extract_hidden_states(
     """Start an extraction engine, yield ``(sample_id, hidden [T, len(layer_ids), Ht])``.
 
     With ``vllm_cfg.data_parallel_size`` = N > 1, N engine replicas run in their own
-    processes (each on ``tensor_parallel_size`` devices) and results come back in order
-    of completion. Engines stop when the iterator is exhausted or closed.
+    processes (``peagle.serving.pool``), each batch split over them. Engines stop when the
+    iterator is exhausted or closed.
     """
-    if vllm_cfg.data_parallel_size > 1:
-        yield from _extract_with_replicas(
-            model, vllm_cfg, sequences, layer_ids, Path(work_dir),
-            revision=revision, trust_remote_code=trust_remote_code, dtype=dtype,
-            batch_size=batch_size, progress=progress,
-        )
-        return
     with open_data_engine(
         model, vllm_cfg, layer_ids, work_dir, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype
     ) as llm:
         yield from extract_with_engine(llm, sequences, batch_size=batch_size, progress=progress)
-
-
-def _extract_with_replicas(model, vllm_cfg, sequences, layer_ids, work_dir: Path, *, revision, trust_remote_code,
-                           dtype, batch_size, progress):
-    """Data parallelism: one engine per replica process, two batches in flight per replica."""
-    import multiprocessing as mp
-    import queue
-
-    from tqdm.auto import tqdm
-    from transformers import AutoConfig
-
-    from peagle.serving.engine import EngineStartError, replica_environments
-
-    config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
-    text = config.get_text_config()
-    layer_ids = check_layer_ids(layer_ids, int(text.num_hidden_layers))
-    max_len, vocab = vllm_cfg.max_model_len, int(text.vocab_size)
-    envs = replica_environments(vllm_cfg)
-    replica_cfg = vllm_cfg.model_copy(update={"data_parallel_size": 1})
-    ctx = mp.get_context("spawn")
-    results, inboxes = ctx.Queue(), [ctx.Queue() for _ in envs]
-    procs = [
-        ctx.Process(
-            target=_replica_main,
-            args=(rank, env, model, replica_cfg, layer_ids, str(work_dir / f"replica-{rank}"),
-                  revision, trust_remote_code, dtype, inboxes[rank], results),
-            name=f"peagle-extract-replica-{rank}",
-        )
-        for rank, env in enumerate(envs)
-    ]
-    for p in procs:
-        p.start()
-    iterator, batches, next_batch_no = iter(sequences), {}, 0
-    bad: str | None = None
-    bar = tqdm(total=len(sequences) if hasattr(sequences, "__len__") else None,
-               desc="extract hidden states", unit="seq", disable=not progress)
-
-    def dispatch(rank: int) -> None:
-        nonlocal next_batch_no, bad
-        if bad is not None:
-            return
-        batch, bad = _split_at_first_problem(list(islice(iterator, batch_size)), max_len, vocab)
-        if batch:
-            batches[next_batch_no] = batch
-            inboxes[rank].put((next_batch_no, [list(ids) for _, ids in batch]))
-            next_batch_no += 1
-
-    try:
-        for rank in list(range(len(procs))) * 2:
-            dispatch(rank)
-        while batches:
-            try:
-                kind, rank, payload = results.get(timeout=5.0)
-            except queue.Empty:
-                dead = [p.name for p in procs if not p.is_alive()]
-                if dead:
-                    raise EngineStartError(f"extraction replica(s) {dead} exited without reporting") from None
-                continue
-            if kind == "error":
-                raise EngineStartError(f"extraction replica {rank} failed: {payload}")
-            batch_no, paths = payload
-            dispatch(rank)  # keep the replica busy while its results are read
-            for (sample_id, ids), path in zip(batches.pop(batch_no), paths, strict=True):
-                bar.update(1)
-                yield sample_id, _read_checked(sample_id, ids, path)
-        if bad is not None:
-            raise ValueError(bad)
-    finally:
-        bar.close()
-        for inbox in inboxes:
-            inbox.put(None)
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-        for rank in range(len(procs)):
-            shutil.rmtree(work_dir / f"replica-{rank}", ignore_errors=True)
-
-
-def _replica_main(rank, env, model, vllm_cfg, layer_ids, work_dir, revision, trust_remote_code, dtype, inbox, results):
-    """One replica process: its own devices, its own engine, batches in, file paths out."""
-    import os
-
-    os.environ.update(env)  # before vLLM touches any device
-    try:
-        from peagle.serving.extraction import request_hidden_states
-
-        with open_data_engine(model, vllm_cfg, layer_ids, Path(work_dir), revision=revision,
-                              trust_remote_code=trust_remote_code, dtype=dtype) as llm:
-            while (job := inbox.get()) is not None:
-                batch_no, prompts = job
-                results.put(("done", rank, (batch_no, request_hidden_states(llm, prompts))))
-    except BaseException as err:  # reported to the parent, which raises it
-        results.put(("error", rank, f"{type(err).__name__}: {err}"))
 
 
 def _split_at_first_problem(batch, max_len: int, vocab: int) -> tuple[list, str | None]:

@@ -243,7 +243,9 @@ class _LazyEngine:
         if self.llm is None:
             from peagle.data.extract import open_data_engine
 
-            log.info(f"data: starting vLLM for {self.target_path}")
+            replicas = self.cfg.vllm.data_parallel_size
+            log.info(f"data: starting vLLM for {self.target_path}"
+                     + (f" ({replicas} engine replicas)" if replicas > 1 else ""))
             t = self.cfg.target
             self.llm = self.stack.enter_context(open_data_engine(
                 self.target_path, self.cfg.vllm, self.facts.stored_layer_ids, self.work_dir,
@@ -256,12 +258,12 @@ class _LazyEngine:
         own, closed before extraction (vLLM 0.32's extraction engine samples wrongly at T > 0)."""
         if self.cfg.data.regenerate.temperature == 0:
             return nullcontext(self.get())
-        from peagle.serving.engine import open_llm
+        from peagle.serving.pool import open_engines
 
         t = self.cfg.target
         log.info(f"data: starting vLLM for sampled regeneration with {self.target_path}")
-        return open_llm(self.target_path, self.cfg.vllm, revision=t.revision,
-                        trust_remote_code=t.trust_remote_code, dtype=t.dtype)
+        return open_engines(self.target_path, self.cfg.vllm, revision=t.revision,
+                            trust_remote_code=t.trust_remote_code, dtype=t.dtype)
 
 
 def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, samples_path: Path, progress: bool) -> None:

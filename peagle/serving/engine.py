@@ -43,13 +43,11 @@ def engine_kwargs(
     kv_transfer_config: dict | None = None,
     max_model_len: int | None = None,
 ) -> dict:
-    """The keyword arguments ``open_llm`` gives ``vllm.LLM`` (exposed for logging and tests)."""
-    if vllm_cfg.data_parallel_size > 1:
-        raise ValueError(
-            f"vllm.data_parallel_size={vllm_cfg.data_parallel_size}: vLLM 0.32's offline LLM runs one "
-            "replica per process; open one engine per replica (see replica_environments; "
-            "peagle.data.extract.extract_hidden_states does) or set vllm.data_parallel_size: 1"
-        )
+    """The keyword arguments ``open_llm`` gives ``vllm.LLM`` (exposed for logging and tests).
+
+    One engine, whatever ``vllm.data_parallel_size`` says: replicas are processes of their
+    own (``peagle.serving.pool``), and an evaluation measures one engine.
+    """
     kwargs = dict(
         model=model,
         revision=revision,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from peagle.serving.pool import spread_over_replicas
+
 
 def extraction_speculative_config(layer_ids: list[int]) -> dict:
     """The ``speculative_config`` that captures the residual stream after ``layer_ids``."""
@@ -30,6 +32,7 @@ def extraction_engine_kwargs(layer_ids: list[int], out_dir: Path) -> dict:
     }
 
 
+@spread_over_replicas()
 def request_hidden_states(llm, prompts: list[list[int]]) -> list[str]:
     """Run each prompt once (one sampled token) and return its hidden-states file path.
 

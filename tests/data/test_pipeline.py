@@ -1,6 +1,7 @@
 """build_dataset: resumable, refuses mixed configurations, and (slow) end to end in vLLM."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -36,7 +37,11 @@ CONVERSATIONS = [
 
 
 def make_cfg(tmp_path, prompts_path, target="embedded", **data):
-    return parse_config({
+    return parse_config(cfg_dict(tmp_path, prompts_path, target, **data))
+
+
+def cfg_dict(tmp_path, prompts_path, target="embedded", **data):
+    return {
         "name": "t",
         "workdir": str(tmp_path / "run"),
         "target": {"model": target, "dtype": "float32"},  # vLLM on CPU would pick bfloat16 for "auto"
@@ -55,7 +60,7 @@ def make_cfg(tmp_path, prompts_path, target="embedded", **data):
         },
         "train": {"max_len": 64, "k_train": 4},
         "eval": {"max_tokens": 16},
-    })
+    }
 
 
 @pytest.fixture
@@ -264,3 +269,67 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
 
     with pytest.raises(ConfigError, match="another configuration"):
         build_dataset(make_cfg(tmp_path, prompts_path, target=str(target), draft_vocab_size=32), str(target), spec)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores for 2 engine replicas")
+def test_two_replicas_build_one_store_and_a_rerun_resumes_after_one_dies(tmp_path):
+    """``vllm.data_parallel_size: 2`` through ``peagle data``, as a user runs it: one replica is
+    killed mid-extraction; the command fails saying so, and a rerun finishes the same store
+    with every sample exactly once, keeping (not redoing) what was stored before."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import yaml
+
+    from peagle.data.store import ShardReader
+    from peagle.layout import RunLayout
+    from peagle.serving.tiny import build_tiny_llama
+
+    target = build_tiny_llama(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"Print the square of {i}, then of {i + 1}."}]}) + "\n"
+        for i in range(60)
+    ))
+    cfg = cfg_dict(tmp_path, prompts, target=str(target), shard_max_tokens=256, extract_batch_size=4, heldout_samples=6)
+    cfg["vllm"]["data_parallel_size"] = 2
+    cfg_path = tmp_path / "dp2.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    data = RunLayout(parse_config(cfg).run_dir).data
+    command = [sys.executable, "-m", "peagle.cli", "data", str(cfg_path)]
+
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while not list(data.train.glob("*.safetensors")) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    replicas = [p for p in psutil.Process(run.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(replicas) == 2, f"expected 2 engine replicas under peagle data, found {replicas}"
+    replicas[0].kill()
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode == 1, out
+    assert "engine replica" in out and "exited with code -9" in out and "rerun to resume" in out, out
+    before = {s.id: s.token_ids for s in ShardReader(data.train)}
+    assert before, "the first run stored nothing before the replica died"
+    first_shards = {p.name: p.read_bytes() for p in data.train.glob("*.safetensors")}
+
+    again = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout
+    assert "regenerated responses restored" in again.stdout
+    lines = [json.loads(x) for x in data.samples.read_text().splitlines()]
+    ok = {d["split"]: set() for d in lines}
+    for d in lines:
+        if d["status"] == "ok":
+            ok[d["split"]].add(d["id"])
+    assert sum(map(len, ok.values())) >= 55
+    for split in ("train", "eval"):
+        stored = [s.id for s in ShardReader(data.split(split), verify="full")]
+        assert len(stored) == len(set(stored)), f"duplicate samples in {split}"
+        assert set(stored) == ok[split], f"{split}: missing {ok[split] - set(stored)}, extra {set(stored) - ok[split]}"
+    import re
+
+    redone = int(re.search(r"data: (\d+) sequences .* to extract", again.stdout).group(1))
+    assert redone == sum(map(len, ok.values())) - len(before)  # the stored samples were not extracted again
+    assert all(data.train.joinpath(name).read_bytes() == blob for name, blob in first_shards.items())

@@ -29,12 +29,6 @@ def test_bad_model_dir_raises_engine_start_error(tmp_path):
             pass
 
 
-def test_data_parallel_needs_one_replica_per_process(tiny_model):
-    with pytest.raises(ValueError, match="data_parallel_size"):
-        with open_llm(tiny_model, VllmConfig(data_parallel_size=2)):
-            pass
-
-
 @pytest.mark.slow
 def test_open_close_reopen_with_speculation_metrics(tiny_model):
     with open_llm(tiny_model, CFG, dtype="float32") as llm:
