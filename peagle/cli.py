@@ -64,6 +64,21 @@ def target_build(
     console.print_json(json.dumps(report))
 
 
+@target_app.command("import-gguf")
+def target_import_gguf(
+    source: str = typer.Argument(..., help="A .gguf file, or package:NAME for the one an installed package ships"),
+    out: Path = typer.Argument(..., help="The model directory to write; point target.model at it"),
+    dtype: str = typer.Option("bfloat16", help="Weights dtype of the written directory"),
+    force: bool = typer.Option(False, help="Rewrite even if OUT already holds this file's import"),
+):
+    """A local model directory (safetensors, tokenizer, chat template) from a GGUF file, offline."""
+    from peagle.target.gguf import import_gguf, packaged_gguf
+
+    path = packaged_gguf(source.removeprefix("package:")) if source.startswith("package:") else Path(source)
+    written = import_gguf(path, out, dtype=dtype, force=force)
+    console.print(f"target: {written.resolve()}  (set target.model to this path)")
+
+
 @app.command("data")
 def data_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt, force: bool = typer.Option(False)):
     """Generate the hidden-state dataset (regeneration and extraction through vLLM)."""

