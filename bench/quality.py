@@ -20,6 +20,8 @@ seed), so the parts can be run one after the other.
 
     .venv/bin/python bench/quality.py [--part ablation|budgets|all] [--budgets 45 90 180] [--seeds 0]
     .venv/bin/python bench/quality.py --quick          # tiny random target and dataset, ~2 min
+    .venv/bin/python bench/quality.py --config configs/smollm2-135m-instruct.yaml --part budgets
+                                                       # -> results/quality_smollm2-135m-instruct.*
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json
 """
 
@@ -217,8 +219,14 @@ def notes(meta: dict) -> list[str]:
 def render(run: Run) -> None:
     add_tables(run, run.meta)
     if any(r["part"] == "budgets" for r in run.meta["runs"]):
-        plot(run.meta, result_path(NAME, ".png"))
+        plot(run.meta, result_path(run.name, ".png"))
     run.finish(notes(run.meta))
+
+
+def result_name(config: str, quick: bool) -> str:
+    """``quality`` for the demo's target, ``quality_<config>`` for another: one result file per target."""
+    stem = Path(config).stem
+    return NAME if quick or stem == "demo" else f"{NAME}_{stem}"
 
 
 def main() -> None:
@@ -233,8 +241,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny random target and dataset, tiny budgets")
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
     args = parser.parse_args()
+    name = result_name(args.config, args.quick)
     if args.render_only:
-        render(Run.restore(NAME))
+        render(Run.restore(name))
         return
 
     from peagle.config import load_config
@@ -242,7 +251,7 @@ def main() -> None:
     from peagle.paths import peagle_home
 
     setup_head_bench(args.threads)
-    run = Run(NAME, vars(args))
+    run = Run(name, vars(args))
     base = {"train.epochs": args.epochs} if args.epochs else {}
     with tempfile.TemporaryDirectory(prefix="peagle-bench-") as tmp:
         if args.quick:
@@ -255,7 +264,7 @@ def main() -> None:
 
             cfg0 = load_config(args.config)
             data_dir = Path(args.data_dir) if args.data_dir else RunLayout(cfg0.run_dir).data.root
-            target_dir, work = resolve_target(cfg0.target), peagle_home() / "bench" / NAME
+            target_dir, work = resolve_target(cfg0.target), peagle_home() / "bench" / name
             budgets, ablation_budget, seeds = args.budgets, args.ablation_budget, args.seeds
             rows = args.ablation_rows
         train = load_config(args.config, base).train
@@ -275,7 +284,7 @@ def main() -> None:
                 for budget in budgets:  # the pair back to back: both see about the same machine load
                     for method in ("peagle", "eagle3"):
                         runs.append(bench.run("budgets", RECIPE_LABEL, method, {}, budget, seed))
-    old = [] if args.quick or not result_path(NAME, ".json").exists() else Run.restore(NAME).meta.get("runs", [])
+    old = [] if args.quick or not result_path(name, ".json").exists() else Run.restore(name).meta.get("runs", [])
     run.meta.update({"data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
                      "ks": ks, "base_overrides": base, "runs": merged(old, runs)})
     render(run)
