@@ -11,6 +11,9 @@ Each engine first runs a warm-up on random sequences (no prefix-cache overlap wi
 timed pass), then one timed pass. Engine start-up is reported apart from throughput.
 
     .venv/bin/python bench/data_extraction.py [--data-dir DIR] [--config configs/demo.yaml]
+
+Results go to ``results/data_extraction.*`` for the demo's config and to
+``results/data_extraction_<config>.*`` for another (one file per target).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from peagle.layout import SPLITS, DataLayout, RunLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
+from result_files import per_target_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "data_extraction"
@@ -157,8 +161,9 @@ def main() -> None:
     parser.add_argument("--max-sequences", type=int, default=None)
     parser.add_argument("--render-only", action="store_true", help="re-print results/data_extraction.json")
     args = parser.parse_args()
+    name = per_target_name(NAME, args.config)
     if args.render_only:
-        render_saved(NAME, tables, notes)
+        render_saved(name, tables, notes)
         return
 
     from peagle.config import load_config
@@ -185,7 +190,7 @@ def main() -> None:
     for r in (plain, extraction):
         r["tokens_per_s"] = num_tokens / r["seconds"]
     result = {
-        "benchmark": NAME,
+        "benchmark": name,
         **stamp,
         "target": target,
         "engine_dtype": plain.pop("dtype"),
@@ -199,7 +204,7 @@ def main() -> None:
         "extraction": extraction,
         "throughput_ratio_extraction_over_plain": extraction["tokens_per_s"] / plain["tokens_per_s"],
     }
-    report(NAME, result, tables(result), notes(result))
+    report(name, result, tables(result), notes(result))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_files import result_path  # noqa: E402
+from result_files import per_target_name, result_path  # noqa: E402
 from train_common import (  # noqa: E402
     OFFLINE_NOTE, Run, head_parser, offline_acceptance, setup_head_bench, target_info, tiny_head_dataset,
     train_fresh,
@@ -224,9 +224,8 @@ def render(run: Run) -> None:
 
 
 def result_name(config: str, quick: bool) -> str:
-    """``quality`` for the demo's target, ``quality_<config>`` for another: one result file per target."""
-    stem = Path(config).stem
-    return NAME if quick or stem == "demo" else f"{NAME}_{stem}"
+    """``quality`` for the demo's target (and --quick), ``quality_<config>`` for another."""
+    return NAME if quick else per_target_name(NAME, config)
 
 
 def main() -> None:

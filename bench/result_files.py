@@ -22,6 +22,12 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def per_target_name(name: str, config: str | Path) -> str:
+    """``name`` for the demo's config, ``<name>_<config stem>`` for another: one result file per target."""
+    stem = Path(config).stem
+    return name if stem == "demo" else f"{name}_{stem}"
+
+
 def result_path(name: str, suffix: str, out_dir: Path | None = None) -> Path:
     """``<results>/<name><suffix>``, e.g. ``result_path("online_eval", ".png")``."""
     return Path(out_dir or RESULTS_DIR) / f"{name}{suffix}"
