@@ -7,8 +7,8 @@ batches of ``data.extract_batch_size``:
 - extraction: ``open_data_engine`` + ``extract_with_engine`` (vLLM's
   ``extract_hidden_states`` + ``PeagleHiddenStatesConnector``), end to end: prefill,
   capture, file write, read back, token check, delete.
-Each engine first runs a warm-up on random sequences (no prefix-cache overlap with the
-timed pass), then one timed pass. Engine start-up is reported apart from throughput.
+Each engine first runs a warm-up pass on random sequences of the same lengths (no
+prefix-cache overlap with the timed pass), then one timed pass. Engine start-up is reported apart from throughput.
 
     .venv/bin/python bench/data_extraction.py [--data-dir DIR] [--config configs/demo.yaml]
 
@@ -50,8 +50,13 @@ def load_sequences(data_dir: Path) -> list[tuple[str, list[int]]]:
     return out
 
 
-def warmup_sequences(sequences, vocab_size: int, count: int = 8, seed: int = 0) -> list[tuple[str, list[int]]]:
-    """Random sequences as long as the first ``count`` real ones: warm kernels, share no prefix."""
+def warmup_sequences(sequences, vocab_size: int, count: int | None = None, seed: int = 0) -> list[tuple[str, list[int]]]:
+    """Random sequences as long as the first ``count`` real ones (default: all): warm kernels, share no prefix.
+
+    A warm-up of every length matters: with 8 sequences the plain engine's first timed pass
+    ran 12% slower than its second with prefix caching off (per-shape kernel set-up), which
+    the extraction engine's first pass did not show.
+    """
     g = torch.Generator().manual_seed(seed)
     return [(f"warmup-{i}", torch.randint(4, vocab_size, (len(ids),), generator=g).tolist())
             for i, (_, ids) in enumerate(sequences[:count])]
@@ -115,7 +120,16 @@ def run_plain(target: str, cfg, sequences, warm, batch_size: int) -> dict:
         warm_s = timed(lambda: plain_prefill(llm, warm, batch_size))
         seconds = timed(lambda: plain_prefill(llm, sequences, batch_size))
         dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
-    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds, "dtype": dtype}
+        scheduler = scheduler_settings(llm)
+    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds, "dtype": dtype, "scheduler": scheduler}
+
+
+def scheduler_settings(llm) -> str:
+    """What decides how prefill is batched: the scheduler's token and sequence budgets, chunked prefill, prefix caching."""
+    config = llm.llm_engine.vllm_config
+    s = config.scheduler_config
+    return (f"max_num_batched_tokens {s.max_num_batched_tokens}, max_num_seqs {s.max_num_seqs}, "
+            f"chunked prefill {s.enable_chunked_prefill}, prefix caching {config.cache_config.enable_prefix_caching}")
 
 
 def run_extraction(target: str, cfg, layer_ids, work_dir: Path, sequences, warm, batch_size: int) -> dict:
@@ -125,13 +139,20 @@ def run_extraction(target: str, cfg, layer_ids, work_dir: Path, sequences, warm,
     with open_data_engine(target, cfg.vllm, layer_ids, work_dir, dtype=cfg.target.dtype) as llm:
         startup = time.perf_counter() - start
         warm_s = timed(lambda: extraction_pass(llm, warm, batch_size))
-        got = {}
+        got = {"scheduler": scheduler_settings(llm)}
         seconds = timed(lambda: got.update(zip(("tokens", "engine_s"), extraction_pass(llm, sequences, batch_size))))
     expected = sum(len(ids) for _, ids in sequences)
     if got["tokens"] != expected:
         raise RuntimeError(f"extraction returned hidden states for {got['tokens']} tokens, expected {expected}")
-    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds,
+    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds, "scheduler": got["scheduler"],
             "engine_generate_s": got["engine_s"], "file_read_check_s": seconds - got["engine_s"]}
+
+
+def same_scheduler(plain: dict, extraction: dict) -> str:
+    """The engines' scheduler settings, refused when they differ (the ratio would compare two budgets)."""
+    if plain["scheduler"] != extraction["scheduler"]:
+        raise RuntimeError(f"the engines batch prefill differently: plain {plain['scheduler']}, extraction {extraction['scheduler']}")
+    return plain["scheduler"]
 
 
 def tables(result: dict) -> list:
@@ -149,8 +170,8 @@ def notes(result: dict) -> list[str]:
         f"engine dtype {result['engine_dtype']}; sequences: the demo dataset's train + eval samples",
         f"extraction pass split: {e['engine_generate_s']:.2f} s inside the engine's generate, "
         f"{e['file_read_check_s']:.2f} s waiting for / loading / checking / deleting the connector's files",
-        "start-up: LLM() construction (model load, KV cache, profiling); one warm-up on 8 random sequences "
-        "per engine before the timed pass; prefix caching as configured (default on) for both",
+        "start-up: LLM() construction (model load, KV cache, profiling); one warm-up pass per engine on random "
+        f"sequences of the same lengths before the timed pass; both engines: {result.get('scheduler', 'scheduler as configured')}",
     ]
 
 
@@ -194,6 +215,7 @@ def main() -> None:
         **stamp,
         "target": target,
         "engine_dtype": plain.pop("dtype"),
+        "scheduler": same_scheduler(plain, extraction),
         "data_dir": str(data_dir),
         "layer_ids": layer_ids,
         "hidden_size": manifest["hidden_size"],

@@ -24,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from peagle.facts import HeadSpec
-from peagle.train.cod import sample_cod
+from peagle.train.cod import cod_anchor_sets
 from peagle.train.masks import PrecomputedMask, element_mask
 
 NUM_AUX_LAYERS = 3
@@ -177,10 +178,10 @@ def _check_sample(sample: SampleLike, spec: HeadSpec) -> None:
 class _Document:
     """One document, truncated to ``max_len`` tokens, and its COD anchor sets (one per depth)."""
 
-    tokens: torch.Tensor  # Long [n]
-    loss_mask: torch.Tensor  # Bool [n]
+    tokens: np.ndarray  # int64 [n]
+    loss_mask: np.ndarray  # bool [n]
     hidden: torch.Tensor  # Float [n, 4, Ht]
-    anchors: list[torch.Tensor]  # depth d -> sorted Long anchors (local to the document)
+    anchors: list[np.ndarray]  # depth d -> sorted int64 anchors (local to the document)
 
 
 def _document(
@@ -193,12 +194,12 @@ def _document(
     generator: torch.Generator | None,
 ) -> _Document:
     _check_sample(sample, spec)
-    tokens = sample.token_ids[:max_len].long()
-    loss_mask = sample.loss_mask[:max_len].bool()
-    if tokens.numel() < 2:
-        raise ValueError(f"a document needs at least 2 tokens to make one training element, got {tokens.numel()}")
+    tokens = sample.token_ids[:max_len].long().cpu().numpy()
+    loss_mask = sample.loss_mask[:max_len].bool().cpu().numpy()
+    if tokens.size < 2:
+        raise ValueError(f"a document needs at least 2 tokens to make one training element, got {tokens.size}")
     valid = loss_mask[1:]  # anchor p is supervised at depth 0 iff position p+1 is
-    anchors = sample_cod(valid, k_train, cod_ratio, cod_floor, generator)
+    anchors = cod_anchor_sets(valid, k_train, cod_ratio, cod_floor, generator)
     return _Document(tokens, loss_mask, sample.hidden[:max_len].float(), anchors)
 
 
@@ -215,34 +216,39 @@ def build_peagle_example(
 
     Packed documents get consecutive anchor ranges and their own doc id; positions restart
     at 0 in each. Their total token count must fit ``max_len``. After COD every field is
-    one vectorised expression over all elements (a fixed handful of tensor operations).
+    one vectorised expression over all elements, in numpy: a few dozen operations on
+    small index arrays per document, where torch's per-call cost would dominate.
     """
     samples = sample if isinstance(sample, (list, tuple)) else [sample]
     if len(samples) > 1 and sum(s.token_ids.numel() for s in samples) > max_len:
         raise ValueError(f"packed documents hold more than max_len={max_len} tokens; pack fewer")
     docs = [_document(s, spec, k_train, cod_ratio, cod_floor, max_len, generator) for s in samples]
-    lengths = torch.tensor([d.tokens.numel() for d in docs])
-    token_start = lengths.cumsum(0) - lengths  # first token row of each document
-    anchor_start = token_start - torch.arange(len(docs))  # a document of n tokens has n - 1 anchors
+    lengths = np.array([d.tokens.size for d in docs])
+    token_start = lengths.cumsum() - lengths  # first token row of each document
+    anchor_start = token_start - np.arange(len(docs))  # a document of n tokens has n - 1 anchors
     # depth-major, then document: anchors stay sorted
-    pieces = [(d, j, doc.anchors[d]) for d in range(k_train) for j, doc in enumerate(docs)]
-    counts = torch.tensor([a.numel() for _, _, a in pieces])
-    local = torch.cat([a for _, _, a in pieces])
-    depth = torch.tensor([d for d, _, _ in pieces]).repeat_interleave(counts)
-    doc = torch.tensor([j for _, j, _ in pieces]).repeat_interleave(counts)
+    pieces = [doc.anchors[d] for d in range(k_train) for doc in docs]
+    counts = [a.size for a in pieces]
+    local = np.concatenate(pieces)
+    depth = np.repeat(np.repeat(np.arange(k_train), len(docs)), counts)
+    doc = np.repeat(np.tile(np.arange(len(docs)), k_train), counts)
     hidden_row = local + token_start[doc]
-    tokens = docs[0].tokens if len(docs) == 1 else torch.cat([d.tokens for d in docs])
-    loss_mask = docs[0].loss_mask if len(docs) == 1 else torch.cat([d.loss_mask for d in docs])
+    tokens = docs[0].tokens if len(docs) == 1 else np.concatenate([d.tokens for d in docs])
+    loss_mask = docs[0].loss_mask if len(docs) == 1 else np.concatenate([d.loss_mask for d in docs])
     is_mask = depth > 0
+    fields = {
+        "input_ids": np.where(is_mask, spec.mask_token_id, tokens[hidden_row + 1]),
+        "is_mask": is_mask,
+        "position_ids": local + depth,
+        "anchor": local + anchor_start[doc],
+        "depth": depth,
+        "doc": doc,
+        "hidden_row": hidden_row,
+        "supervised": loss_mask[hidden_row + 1 + depth],
+    }
     return Example(
-        input_ids=tokens[hidden_row + 1].masked_fill(is_mask, spec.mask_token_id),
-        is_mask=is_mask,
-        position_ids=local + depth,
-        anchor=local + anchor_start[doc],
-        depth=depth,
-        doc=doc,
-        hidden_row=hidden_row,
-        supervised=loss_mask[hidden_row + 1 + depth],
+        **{name: torch.from_numpy(np.ascontiguousarray(value, dtype=np.bool_ if value.dtype == np.bool_ else np.int64))
+           for name, value in fields.items()},
         hidden=docs[0].hidden if len(docs) == 1 else torch.cat([d.hidden for d in docs]),
     )
 
@@ -261,14 +267,14 @@ def collate(examples: list[Example], mask: PrecomputedMask) -> Batch:
 
     def pad(name: str, fill) -> torch.Tensor:
         t = getattr(examples[0], name)
+        if b == 1:
+            return t[None]  # nothing to pad: a view
         out = torch.full((b, n), fill, dtype=t.dtype)
         for i, e in enumerate(examples):
             out[i, : len(e)] = getattr(e, name)
         return out
 
-    valid = torch.zeros(b, n, dtype=torch.bool)
-    for i, e in enumerate(examples):
-        valid[i, : len(e)] = True
+    valid = torch.arange(n) < torch.tensor([len(e) for e in examples])[:, None]
     return Batch(
         input_ids=pad("input_ids", 0),
         is_mask=pad("is_mask", False),

@@ -7,12 +7,21 @@ depth-0 target is supervised, i.e. x_{p+1} is a response token: only such anchor
 ever drafted from when serving, so only they get chains. Element (p, d) predicts the
 same position as depth 0 of anchor p+d, so it is kept only when ``valid[p + d]`` too (a
 chain stops at the end of a response span).
+
+One uniform priority per anchor, drawn once, decides every depth: depth d keeps the
+lowest-priority anchors among those eligible. Given depth d-1's set, the order of its
+priorities is still uniformly random (the set was chosen by being lowest, not by order),
+so each depth is a uniform draw without replacement from its eligible anchors, as with a
+fresh permutation per depth. Indices are numpy arrays while the depths are walked:
+sampling is a few dozen tiny operations per document, where numpy's per-call cost is a
+fraction of torch's (the trainer builds one example per document per step).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -40,16 +49,24 @@ def sample_cod(
         raise ValueError(f"k (depths to train) must be >= 1, got {k}")
     if not (0 < ratio <= 1 and 0 <= floor <= 1):
         raise ValueError(f"COD ratio must be in (0, 1] and floor in [0, 1]; got ratio={ratio}, floor={floor}")
-    n = valid.numel()
-    valid = valid.cpu()
+    return [torch.from_numpy(s) for s in cod_anchor_sets(valid.cpu().numpy(), k, ratio, floor, generator)]
+
+
+def cod_anchor_sets(
+    valid: np.ndarray, k: int, ratio: float, floor: float, generator: torch.Generator | None = None
+) -> list[np.ndarray]:
+    """``sample_cod`` on numpy arrays (int64 anchors per depth), for callers that keep index arithmetic in numpy."""
+    n = valid.size
     num_valid = int(valid.sum())
-    sets = [torch.arange(n, dtype=torch.long)]
+    priority = torch.rand(n, generator=generator).numpy()
+    sets = [np.arange(n, dtype=np.int64)]
     previous = sets[0][valid]
     for d in range(1, k):
-        shifted = previous + d
-        eligible = previous[(shifted < n) & valid[shifted.clamp_max(max(n - 1, 0))]]
-        take = min(depth_budget(num_valid, d, ratio, floor), eligible.numel())
-        order = torch.randperm(eligible.numel(), generator=generator)[:take]
-        previous = eligible[order].sort().values
+        previous = previous[previous + d < n]
+        eligible = previous[valid[previous + d]]
+        take = min(depth_budget(num_valid, d, ratio, floor), eligible.size)
+        if take < eligible.size:
+            eligible = np.sort(eligible[np.argpartition(priority[eligible], take)[:take]]) if take else eligible[:0]
+        previous = eligible
         sets.append(previous)
     return sets

@@ -64,6 +64,19 @@ def test_draws_are_uniform_over_anchors():
     assert (freq - 30 / 49).abs().max() < 0.12
 
 
+def test_nested_depths_are_uniform_too():
+    """Depth 2 is drawn from depth 1's set: still every eligible anchor about equally often."""
+    valid = torch.ones(50, dtype=torch.bool)
+    g = torch.Generator().manual_seed(4)
+    hits = torch.zeros(50)
+    for _ in range(600):
+        hits[sample_cod(valid, 3, 0.7, 0.0, g)[2]] += 1
+    assert hits[48:].sum() == 0  # (p, 2) needs position p + 2 < 50
+    freq = hits[:48] / 600
+    assert (freq - freq.mean()).abs().max() < 0.1, freq
+    assert abs(freq.mean() - depth_budget(50, 2, 0.7, 0.0) / 48) < 1e-6  # every draw keeps its budget of the 48 eligible
+
+
 def test_tiny_and_bad_inputs():
     assert [s.numel() for s in sample_cod(torch.ones(1, dtype=torch.bool), 3, 0.8, 0.2)] == [1, 0, 0]
     assert [s.numel() for s in sample_cod(torch.zeros(0, dtype=torch.bool), 3, 0.8, 0.2)] == [0, 0, 0]
