@@ -52,29 +52,21 @@ def test_same_generator_seed_same_sets_and_different_seeds_differ():
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
-def test_draws_are_uniform_over_anchors():
-    """Over many draws every eligible anchor is kept at depth 1 about ratio of the time."""
-    valid = torch.ones(50, dtype=torch.bool)
-    g = torch.Generator().manual_seed(3)
-    hits = torch.zeros(50)
-    for _ in range(400):
-        hits[sample_cod(valid, 2, 0.6, 0.0, g)[1]] += 1
-    freq = hits[:49] / 400  # anchor 49 has no depth-1 element (no position 50)
-    assert hits[49] == 0
-    assert (freq - 30 / 49).abs().max() < 0.12
-
-
-def test_nested_depths_are_uniform_too():
-    """Depth 2 is drawn from depth 1's set: still every eligible anchor about equally often."""
-    valid = torch.ones(50, dtype=torch.bool)
-    g = torch.Generator().manual_seed(4)
-    hits = torch.zeros(50)
-    for _ in range(600):
-        hits[sample_cod(valid, 3, 0.7, 0.0, g)[2]] += 1
-    assert hits[48:].sum() == 0  # (p, 2) needs position p + 2 < 50
-    freq = hits[:48] / 600
+@pytest.mark.parametrize("depth,ratio,seed", [(1, 0.6, 3), (2, 0.7, 4)])
+def test_draws_are_uniform_over_anchors(depth, ratio, seed):
+    """Over many draws every eligible anchor is kept about equally often, at depth 1 and at the
+    nested depth 2 (drawn from depth 1's set), and each draw keeps exactly its budget."""
+    n, draws = 50, 600
+    valid = torch.ones(n, dtype=torch.bool)
+    g = torch.Generator().manual_seed(seed)
+    hits = torch.zeros(n)
+    for _ in range(draws):
+        hits[sample_cod(valid, depth + 1, ratio, 0.0, g)[depth]] += 1
+    eligible = n - depth  # (p, d) needs position p + d < n
+    assert hits[eligible:].sum() == 0
+    freq = hits[:eligible] / draws
     assert (freq - freq.mean()).abs().max() < 0.1, freq
-    assert abs(freq.mean() - depth_budget(50, 2, 0.7, 0.0) / 48) < 1e-6  # every draw keeps its budget of the 48 eligible
+    assert abs(freq.mean() - depth_budget(n, depth, ratio, 0.0) / eligible) < 1e-6
 
 
 def test_tiny_and_bad_inputs():
