@@ -139,12 +139,13 @@ def run_extraction(target: str, cfg, layer_ids, work_dir: Path, sequences, warm,
     with open_data_engine(target, cfg.vllm, layer_ids, work_dir, dtype=cfg.target.dtype) as llm:
         startup = time.perf_counter() - start
         warm_s = timed(lambda: extraction_pass(llm, warm, batch_size))
-        got = {"scheduler": scheduler_settings(llm)}
+        scheduler = scheduler_settings(llm)
+        got = {}
         seconds = timed(lambda: got.update(zip(("tokens", "engine_s"), extraction_pass(llm, sequences, batch_size))))
     expected = sum(len(ids) for _, ids in sequences)
     if got["tokens"] != expected:
         raise RuntimeError(f"extraction returned hidden states for {got['tokens']} tokens, expected {expected}")
-    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds, "scheduler": got["scheduler"],
+    return {"startup_s": startup, "warmup_s": warm_s, "seconds": seconds, "scheduler": scheduler,
             "engine_generate_s": got["engine_s"], "file_read_check_s": seconds - got["engine_s"]}
 
 

@@ -62,11 +62,11 @@ def cod_anchor_sets(
     sets = [np.arange(n, dtype=np.int64)]
     previous = sets[0][valid]
     for d in range(1, k):
-        previous = previous[previous + d < n]
-        eligible = previous[valid[previous + d]]
+        in_range = previous[previous + d < n]
+        eligible = in_range[valid[in_range + d]]
         take = min(depth_budget(num_valid, d, ratio, floor), eligible.size)
         if take < eligible.size:
-            eligible = np.sort(eligible[np.argpartition(priority[eligible], take)[:take]]) if take else eligible[:0]
+            eligible = np.sort(eligible[np.argpartition(priority[eligible], take)[:take]])
         previous = eligible
         sets.append(previous)
     return sets
