@@ -122,13 +122,24 @@ def test_the_deployment_run_completes_with_named_stage_runs(deployed_run):
         assert children["train-peagle deployed (embedded)"].parameters["config"].endswith("config.resolved.json")
 
 
+def logs_of_every_stage(client, run_ids: list, wait_s: float = 120) -> list:
+    """The runs' logs once each run has some: the server stores log batches shortly after they
+    are sent, so a run that just finished may not show its last stage's lines yet (as in the UI)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        logs = read_all_logs(client, run_ids)
+        if {r.flow_run_id for r in logs} >= set(run_ids) or time.monotonic() > deadline:
+            return logs
+        time.sleep(2)
+
+
 def test_every_stage_logs_into_the_run_including_training_steps(deployed_run):
     server, _, run, tmp, _ = deployed_run
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         children = stage_runs(client, run)
-        logs = read_all_logs(client, [run.id, *(r.id for r in children.values())])
+        logs = logs_of_every_stage(client, [run.id, *(r.id for r in children.values())])
     by_run = {}
     for record in logs:
         by_run.setdefault(record.flow_run_id, []).append(record.message)
