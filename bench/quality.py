@@ -13,15 +13,21 @@ Two parts, both written to ``bench/results/quality.{md,json,png}``:
 
 - ``ablation``: P-EAGLE recipes at one budget, each adding one choice to the one before
   (from the old default to the recipe), so each row's delta is what that choice bought.
+- ``variants``: the config's P-EAGLE recipe and recipes that each change one thing of it, at
+  one budget (``--ablation-budget``), so each row's delta is what that one change buys now.
 - ``budgets``: the config's P-EAGLE recipe and its EAGLE-3 baseline at several budgets.
+  With ``--online``, each method's head of the largest budget is then served in vLLM (the
+  pipeline's ``evaluate_online``: K = 5, concurrency 1 and 4, against no speculation), so the
+  offline numbers are confirmed by what a user would see and the tokens/s are measured.
 
 Results of earlier invocations are kept (a run is keyed by part, recipe, method, budget,
 seed), so the parts can be run one after the other.
 
-    .venv/bin/python bench/quality.py [--part ablation|budgets|all] [--budgets 45 90 180] [--seeds 0]
+    .venv/bin/python bench/quality.py [--part ablation|variants|budgets|all] [--budgets 45 90 180] [--seeds 0]
     .venv/bin/python bench/quality.py --quick          # tiny random target and dataset, ~2 min
     .venv/bin/python bench/quality.py --config configs/smollm2-135m-instruct.yaml --part budgets
                                                        # -> results/quality_smollm2-135m-instruct.*
+    .venv/bin/python bench/quality.py --part budgets --budgets 300 --online   # + the heads in vLLM
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json
 """
 
@@ -56,10 +62,23 @@ ABLATION = [
     ("+ grad_accum 1 (4x the optimizer steps)", {"train.grad_accum": 1}),
     ("+ lr 3e-3", {"train.learning_rate": 3e-3}),
 ]
+# Each variant changes ONE thing of the config's P-EAGLE recipe; its row's delta is against
+# the config recipe at the same budget and seed (candidates for the next default).
+VARIANTS = [
+    ("lr 6e-3", {"train.learning_rate": 6e-3}),
+    ("lr 1.5e-3", {"train.learning_rate": 1.5e-3}),
+    ("lr 1e-3", {"train.learning_rate": 1e-3}),
+    ("depth 0 at its uniform share", {"train.depth0_loss_share": None}),
+    ("COD ratio 1 (every depth at every anchor)", {"train.cod_ratio": 1.0}),
+    ("k_train 5 (the served K)", {"train.k_train": 5}),
+    ("3 drafter layers", {"drafter.num_layers": 3}),
+    ("4 drafter layers", {"drafter.num_layers": 4}),
+]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 6
 QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3, "train.max_len": 64,
-                   "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "train.grad_accum": 1}
+                   "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "train.grad_accum": 1,
+                   "data.max_seq_len": 256, "vllm.max_model_len": 512, "eval.num_prompts": 4, "eval.max_tokens": 32}
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -86,6 +105,7 @@ def measure(cfg, target, data_dir: Path) -> dict:
             "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
                       "eagle3_ttt_steps": t.eagle3_ttt_steps},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
+            "checkpoint": str(trained.last_checkpoint),
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
 
 
@@ -104,7 +124,8 @@ class Bench:
         return load_config(self.config, overrides)
 
     def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
-        key = self.cfg(method, recipe, {}, "key").train.model_dump_json()  # the recipe as trained
+        keyed = self.cfg(method, recipe, {}, "key")
+        key = keyed.train.model_dump_json() + keyed.drafter.model_dump_json()  # the recipe and shape as trained
         if key not in self.step_s:
             self.step_s[key] = calibrate(lambda extra: self.cfg(method, recipe, extra, "calibration"),
                                          self.target, self.data_dir)
@@ -115,6 +136,35 @@ class Bench:
         print(f"[quality] {part} {label} {method} budget {budget}s seed {seed}: {row['steps']} steps, "
               f"{row['train_seconds']:.0f} s, AL {row['acceptance_length']}", flush=True)
         return row
+
+
+ONLINE_K, ONLINE_CONCURRENCY = 5, [1, 4]
+
+
+def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
+    """Serve each method's head of the largest budget (its last budgets run) in vLLM, with no
+    speculation beside them: one record per method, K and concurrency (``OnlineRow`` fields plus
+    the budget, the offline acceptance at that K and the speed-up)."""
+    from peagle.methods import get_method
+    from peagle.stages import evaluate_online, export_head
+
+    last = {r["method"]: r for r in runs if r["part"] == "budgets"}  # dict order: the last run wins
+    k = min(ONLINE_K, max(bench.ks))
+    cfg = bench.cfg("peagle", {}, {"eval.ks": [k], "eval.concurrency": ONLINE_CONCURRENCY}, "online")
+    heads = {m: export_head(cfg, bench.target, bench.data_dir, Path(r["checkpoint"]), method=m)
+             for m, r in last.items()}
+    result = evaluate_online(cfg, bench.target, heads)
+    by_label = {get_method(m).label: m for m in last}
+    records = []
+    for table, traffic in ((result, "chat"), (result.completion, "completion")):
+        for row in table.rows if table else []:
+            run = last.get(by_label.get(row.method))
+            records.append({"traffic": traffic, "method": row.method, "k": row.k, "concurrency": row.concurrency,
+                            "budget_s": run["budget_s"] if run else None,
+                            "offline_al": run["acceptance_length"][str(k)] if run and traffic == "chat" else None,
+                            "acceptance_length": row.acceptance_length, "per_position": row.per_position_acceptance,
+                            "output_tokens_per_s": row.output_tokens_per_s, "speedup": table.speedup(row)})
+    return records
 
 
 def run_key(r: dict) -> tuple:
@@ -130,11 +180,22 @@ def merged(old: list[dict], new: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------- tables and plot
 
 
+# Runs measured before the offline simulation walked the served split (``peagle.eval.offline``)
+# counted acceptance per anchor of the held-out split: their numbers are kept, marked, never
+# averaged with the served walk's.
+OLD_OFFLINE = "held-out, per anchor (old)"
+
+
+def offline_kind(run: dict) -> str:
+    return run.get("offline_split") or OLD_OFFLINE
+
+
 def mean_by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
-    """Per group: mean acceptance per K, mean train seconds, number of seeds."""
+    """Per group (``keys`` of a run, and how its offline acceptance was simulated): mean
+    acceptance per K, mean train seconds, number of seeds."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+        groups.setdefault((*(r[k] for k in keys), offline_kind(r)), []).append(r)
     return {g: {"al": {k: statistics.fmean(r["acceptance_length"][k] for r in rs) for k in rs[0]["acceptance_length"]},
                 "pos": [statistics.fmean(p) for p in zip(*(r["per_position"] for r in rs))],
                 "train_s": statistics.fmean(r["train_seconds"] for r in rs),
@@ -147,16 +208,17 @@ def add_tables(run: Run, meta: dict) -> None:
     budgets = mean_by([r for r in meta["runs"] if r["part"] == "budgets"], ("method", "budget_s"))
     if budgets:
         rows = [[m, f"{b:g}", f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"], *[f"{v['al'][k]:.3f}" for k in ks],
-                 " ".join(f"{p:.2f}" for p in v["pos"])]
-                for (m, b), v in sorted(budgets.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+                 " ".join(f"{p:.2f}" for p in v["pos"]), split]
+                for (m, b, split), v in sorted(budgets.items(), key=lambda kv: (kv[0][2] == OLD_OFFLINE, kv[0][1], kv[0][0]))]
         run.add_table("Offline acceptance length per K at equal training time (the config's recipes)",
-                      ["method", "budget s", "train s", "steps", "seeds", *[f"K={k}" for k in ks], "per position"],
+                      ["method", "budget s", "train s", "steps", "seeds", *[f"K={k}" for k in ks], "per position",
+                       "offline split"],
                       rows, note="mean over seeds; train s = the run's summed step times (no launch, no evaluation)")
     ablation = mean_by([r for r in meta["runs"] if r["part"] == "ablation"], ("recipe", "method", "budget_s"))
     if ablation:
         order = [label for label, _ in ABLATION] + [RECIPE_LABEL]
         rows, previous = [], None
-        for (label, method, budget), v in sorted(ablation.items(), key=lambda kv: (
+        for (label, method, budget, _), v in sorted(ablation.items(), key=lambda kv: (
                 kv[0][1] != "peagle", order.index(kv[0][0]) if kv[0][0] in order else len(order))):
             k5 = ks[min(len(ks), 5) - 1]
             delta = "" if previous is None or method != "peagle" else f"{v['al'][k5] - previous:+.3f}"
@@ -167,7 +229,51 @@ def add_tables(run: Run, meta: dict) -> None:
         run.add_table("Ablation: P-EAGLE recipe choices at one budget (each row adds one choice to the row above)",
                       ["recipe", "method", "budget s", "train s", "steps", *[f"K={k}" for k in ks],
                        f"delta K={ks[min(len(ks), 5) - 1]}", "per position"], rows,
-                      note="the eagle3 row is the baseline at the same budget")
+                      note="the eagle3 row is the baseline at the same budget; offline split: "
+                           + ", ".join(sorted({split for *_, split in ablation})))
+    add_variants_table(run, meta, ks)
+    add_online_table(run, meta)
+
+
+def add_online_table(run: Run, meta: dict) -> None:
+    """The largest budget's heads in vLLM: acceptance (offline beside it), tokens/s, speed-up."""
+    records = meta.get("online") or []
+    if not records:
+        return
+    eagle3 = {(r["traffic"], r["concurrency"]): r["output_tokens_per_s"] for r in records if r["method"] == "eagle-3"}
+    rows = []
+    for r in records:
+        al = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        offline = "" if r["offline_al"] is None else f"{r['offline_al']:.2f}"
+        vs_eagle3 = eagle3.get((r["traffic"], r["concurrency"]))
+        rows.append([r["traffic"], r["method"], "" if r["budget_s"] is None else f"{r['budget_s']:g}",
+                     r["k"] or "-", r["concurrency"], al, offline, " ".join(f"{p:.2f}" for p in r["per_position"]),
+                     f"{r['output_tokens_per_s']:.1f}", "" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+                     f"{r['output_tokens_per_s'] / vs_eagle3:.2f}x" if vs_eagle3 and r["k"] else ""])
+    run.add_table("The largest budget's heads in vLLM (the pipeline's online evaluation)",
+                  ["traffic", "method", "budget s", "K", "conc.", "AL vLLM", "AL offline", "per position",
+                   "out tok/s", "vs no spec.", "tok/s vs EAGLE-3"], rows,
+                  note="greedy, the config's eval prompts (chat) and completion prompts, max_tokens as configured")
+
+
+def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
+    """One row per variant and budget, its delta at K=5 against the config recipe's row."""
+    variants = mean_by([r for r in meta["runs"] if r["part"] == "variants"], ("recipe", "budget_s"))
+    if not variants:
+        return
+    order = [RECIPE_LABEL] + [label for label, _ in VARIANTS]
+    k5 = ks[min(len(ks), 5) - 1]
+    rows = []
+    for (label, budget, split), v in sorted(variants.items(), key=lambda kv: (
+            kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order))):
+        base = variants.get((RECIPE_LABEL, budget, split))
+        delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
+        rows.append([label, f"{budget:g}", f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
+                     *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])
+    run.add_table("Variants: the config's P-EAGLE recipe with one change each, at one budget",
+                  ["recipe", "budget s", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
+                   f"delta K={k5} vs config recipe", "per position"], rows,
+                  note="mean over seeds; a delta compares runs of the same budget")
 
 
 def plot(meta: dict, out: Path) -> None:
@@ -181,6 +287,8 @@ def plot(meta: dict, out: Path) -> None:
 
     k = str(min(max(meta["ks"]), 5))
     runs = [r for r in meta["runs"] if r["part"] == "budgets"]
+    if any(offline_kind(r) != OLD_OFFLINE for r in runs):  # one way of simulating per plot: the current one
+        runs = [r for r in runs if offline_kind(r) != OLD_OFFLINE]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for method, style in (("peagle", "o-"), ("eagle3", "s--")):
         # joined in budget order (the machine's load can make a longer run's seconds shorter)
@@ -208,7 +316,7 @@ def notes(meta: dict) -> list[str]:
         f"budget -> train.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe; "
         f"config {meta['args']['config']} with {json.dumps(meta['base_overrides'])}; "
         f"OMP_NUM_THREADS={meta['args']['threads']}; {len(runs)} runs",
-        OFFLINE_NOTE,
+        OFFLINE_NOTE + f"; runs marked '{OLD_OFFLINE}' were simulated before that walk existed",
         "shared 2-core machine: step times vary with the other jobs' load (see load averages)",
     ]
 
@@ -230,16 +338,24 @@ def result_name(config: str, quick: bool) -> str:
 
 def main() -> None:
     parser = head_parser(__doc__)
-    parser.add_argument("--part", choices=["ablation", "budgets", "all"], default="all")
+    parser.add_argument("--part", choices=["ablation", "variants", "budgets", "all"], default="all")
     parser.add_argument("--budgets", type=float, nargs="+", default=[45, 90, 180], help="training seconds per run")
     parser.add_argument("--ablation-budget", type=float, default=90)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--ablation-rows", type=int, nargs="+", default=None,
                         help="run only these ablation rows (0-based; each still adds the rows above it) and "
                              "skip the EAGLE-3 row; earlier rows' results are kept")
+    parser.add_argument("--variants", type=int, nargs="+", default=None,
+                        help="run only these rows of the variants part: 0 = the config recipe, i = the i-th variant")
+    parser.add_argument("--online", action="store_true",
+                        help="after the budgets part, serve each method's largest-budget head in vLLM "
+                             f"(K={ONLINE_K}, concurrency {ONLINE_CONCURRENCY}) against no speculation")
     parser.add_argument("--quick", action="store_true", help="a tiny random target and dataset, tiny budgets")
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
     args = parser.parse_args()
+    if args.online and args.quick:
+        parser.error("--online serves the heads in vLLM, which cannot run --quick's tiny target (head_dim 16); "
+                     "run --online on a built dataset (the demo's, or --config another)")
     name = result_name(args.config, args.quick)
     if args.render_only:
         render(Run.restore(name))
@@ -258,6 +374,7 @@ def main() -> None:
             base, work = {**QUICK_OVERRIDES, **base}, Path(tmp) / "runs"
             budgets, ablation_budget, seeds = [3.0], 3.0, args.seeds[:1]
             rows = [0, len(ABLATION) - 1]  # the old default and the whole recipe
+            variant_rows = [0, 1]  # the config recipe and the first variant
         else:
             from peagle.target import resolve_target
 
@@ -266,6 +383,7 @@ def main() -> None:
             target_dir, work = resolve_target(cfg0.target), peagle_home() / "bench" / name
             budgets, ablation_budget, seeds = args.budgets, args.ablation_budget, args.seeds
             rows = args.ablation_rows
+            variant_rows = args.variants
         train = load_config(args.config, base).train
         ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
         bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks)
@@ -279,14 +397,31 @@ def main() -> None:
                         runs.append(bench.run("ablation", label, "peagle", dict(recipe), ablation_budget, seed))
                 if args.ablation_rows is None:
                     runs.append(bench.run("ablation", "EAGLE-3 (config)", "eagle3", {}, ablation_budget, seed))
+            if args.part in ("variants", "all"):
+                for i, (label, change) in enumerate([(RECIPE_LABEL, {}), *VARIANTS]):
+                    if variant_rows is None or i in variant_rows:
+                        runs.append(bench.run("variants", label, "peagle", change, ablation_budget, seed))
             if args.part in ("budgets", "all"):
                 for budget in budgets:  # the pair back to back: both see about the same machine load
                     for method in ("peagle", "eagle3"):
                         runs.append(bench.run("budgets", RECIPE_LABEL, method, {}, budget, seed))
-    old = [] if args.quick or not result_path(name, ".json").exists() else Run.restore(name).meta.get("runs", [])
+        online, online_error = None, None
+        if args.online and args.part in ("budgets", "all"):
+            try:
+                online = confirm_online(bench, runs)
+            except Exception as err:  # the trained runs are written first, then this is raised
+                online_error = err
+    saved = None if args.quick or not result_path(name, ".json").exists() else Run.restore(name).meta
+    old, old_online = (saved or {}).get("runs", []), (saved or {}).get("online")
     run.meta.update({"data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
                      "ks": ks, "base_overrides": base, "runs": merged(old, runs)})
+    if online is not None:
+        run.meta["online"] = online
+    elif old_online:
+        run.meta["online"] = old_online
     render(run)
+    if online_error is not None:
+        raise online_error
 
 
 if __name__ == "__main__":

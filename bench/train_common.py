@@ -158,8 +158,8 @@ def _fmt(v) -> str:
 REPO = Path(__file__).resolve().parent.parent
 
 
-OFFLINE_NOTE = ("offline acceptance: peagle.stages.evaluate_offline of each run's last checkpoint "
-                "(reference = the stored target tokens)")
+OFFLINE_NOTE = ("offline acceptance: peagle.stages.evaluate_offline of each run's last checkpoint (the served "
+                "split: the eval prompts with the target's greedy tokens, walked as vLLM decodes)")
 
 
 def head_parser(doc: str):
@@ -211,7 +211,7 @@ def offline_acceptance(cfg, target, data_dir: Path, checkpoint: Path) -> dict:
 
     off = evaluate_offline(cfg, target, data_dir, Path(checkpoint))
     return {"acceptance_length": {str(k): v for k, v in off.acceptance_length.items()},
-            "per_position": off.per_position, "num_anchors": off.num_anchors}
+            "per_position": off.per_position, "num_anchors": off.num_anchors, "offline_split": off.split}
 
 
 def train_settings(train, threads: int) -> dict:

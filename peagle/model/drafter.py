@@ -247,10 +247,13 @@ class PEagleDrafter(nn.Module):
 
     @classmethod
     def from_target(cls, spec: HeadSpec, target_path: str, draft_ids: torch.Tensor) -> PEagleDrafter:
-        """A fresh drafter whose embeddings and lm_head start from the target's (when H == Ht).
+        """A fresh drafter whose embeddings, final norm and lm_head start from the target's (when H == Ht).
 
-        The mask token's row is re-drawn (it is unused by the target, and must differ from
-        the target's table so vLLM ships the learned row instead of sharing the target's).
+        The final norm's per-channel gains are the scale the target's lm_head rows were trained
+        against (SmolLM2's average 1.8, some negative), so a frozen lm_head reads the drafter's
+        output as the target reads its own. The mask token's row is re-drawn (it is unused by the
+        target, and must differ from the target's table so vLLM ships the learned row instead of
+        sharing the target's).
         """
         draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
         if draft_ids.numel() != spec.draft_vocab_size:
@@ -272,6 +275,7 @@ class PEagleDrafter(nn.Module):
             row_std = embed.std().clamp_min(1e-3)
             drafter.embed_tokens.weight[spec.mask_token_id].normal_(0.0, float(row_std))
             drafter.lm_head.weight.copy_(head)
+            drafter.norm.weight.copy_(weights["norm"])
         return drafter
 
     def init_mask_hidden(self, std: float) -> None:

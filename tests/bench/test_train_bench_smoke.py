@@ -18,7 +18,7 @@ SCRIPTS = {
     "train_dataloading": 6,
     "train_forward_latency": 6,
     "train_loss_weighting": 6,  # weighting, seed, K=1..3 (quick K_train 3), train s
-    "quality": 9,  # method, budget, train s, steps, seeds, K=1..3, per position
+    "quality": 10,  # method, budget, train s, steps, seeds, K=1..3, per position, offline split
 }
 
 
@@ -40,11 +40,15 @@ def test_bench_quick_writes_results(name, tmp_path):
     if name == "train_seqlen_memory":  # every quick cell fits: S=1 is the ratio's reference
         assert all(r[4] != "-" for r in table["rows"]), table["rows"]
         assert [r[5] for r in table["rows"] if r[1] == 1] == [1.0, 1.0]
-    if name == "quality":  # both methods at the quick budget, then the ablation's first and last recipe
+    if name == "quality":  # both methods at the quick budget, the ablation's first and last recipe, one variant
         assert sorted(r[0] for r in table["rows"]) == ["eagle3", "peagle"]
         ablation = result["tables"][1]["rows"]
         assert [r[1] for r in ablation] == ["peagle", "peagle", "eagle3"]
-        assert all(1.0 <= float(v) <= 4.0 for r in table["rows"] + ablation for v in r[5:8])
+        variants = result["tables"][2]["rows"]
+        assert [r[0] for r in variants] == ["config recipe", "lr 6e-3"]
+        recipe_k3, variant_k3, delta = float(variants[0][7]), float(variants[1][7]), variants[1][8]
+        assert variants[0][8] == "" and float(delta) == pytest.approx(variant_k3 - recipe_k3, abs=1e-3)
+        assert all(1.0 <= float(v) <= 4.0 for r in table["rows"] + ablation + variants for v in r[5:8])
         assert (tmp_path / "quality.png").stat().st_size > 0
     if name == "train_loss_weighting":  # one quick run per weighting (tiny random target), then their delta
         assert [r[0] for r in table["rows"]] == ["uniform", "per_depth_mean", "per_depth_mean - uniform"]

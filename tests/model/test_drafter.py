@@ -301,7 +301,7 @@ def save_tiny_target(path, tie: bool, sharded: bool, vocab=96, hidden=32) -> Lla
 
 
 @pytest.mark.parametrize("tie,sharded", [(False, False), (True, False), (False, True)])
-def test_from_target_copies_embeddings_and_draft_rows(tmp_path, tie, sharded):
+def test_from_target_copies_embeddings_norm_and_draft_rows(tmp_path, tie, sharded):
     model = save_tiny_target(tmp_path, tie, sharded)
     assert (tmp_path / "model.safetensors.index.json").is_file() == sharded
     spec = tiny_spec()
@@ -313,6 +313,7 @@ def test_from_target_copies_embeddings_and_draft_rows(tmp_path, tie, sharded):
     torch.testing.assert_close(drafter.embed_tokens.weight[keep], target_embed[keep])
     assert not torch.equal(drafter.embed_tokens.weight[spec.mask_token_id], target_embed[spec.mask_token_id])
     torch.testing.assert_close(drafter.lm_head.weight, model.lm_head.weight[draft_ids])
+    torch.testing.assert_close(drafter.norm.weight, model.model.norm.weight)  # not the default ones
     assert drafter.embed_tokens.weight.requires_grad and drafter.mask_hidden.requires_grad
     assert 0 < drafter.mask_hidden.std() < 0.1
 
