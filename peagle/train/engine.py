@@ -121,13 +121,13 @@ def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms' gains, the mask_hidden vector and tensors marked
-    ``no_weight_decay`` (an embedding table of which only the mask row trains) are not shrunk."""
+    """Decay matrices only: norms' gains, the mask_hidden vector and the mask token's own
+    embedding row (``train.train_embeddings: mask_row``) are not shrunk."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        keep = p.dim() < 2 or name in NO_DECAY_PARAMS or getattr(p, "no_weight_decay", False)
+        keep = p.dim() < 2 or name in NO_DECAY_PARAMS
         (no_decay if keep else decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},

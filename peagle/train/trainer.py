@@ -304,8 +304,10 @@ def train_drafter(
 
         warm = asdict(warm_start(drafter, train.init_from, inputs.draft_ids))
         if dist_info.is_main:
+            fresh = (f"; not in the head, kept as initialised: {', '.join(warm['kept_fresh'])}"
+                     if warm["kept_fresh"] else "")
             tqdm.write(f"warm start from {warm['head_dir']}: {warm['lm_head_rows_copied']} lm_head rows kept, "
-                       f"{warm['lm_head_rows_new']} new draft tokens from the target")
+                       f"{warm['lm_head_rows_new']} new draft tokens from the target{fresh}")
     engine = build_engine(drafter, train, total_steps, dist_info.world_size)
     engine.train()
     target_head = TargetHead.from_target(target_path, spec, inputs.draft_ids).to(engine.device)

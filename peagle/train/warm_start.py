@@ -10,12 +10,16 @@ target's own lm_head rows, see ``PEagleDrafter.from_target``).
 The drafter being trained has the shape the run's config asks for (``drafter.spec``, what
 its checkpoints record); the head's ``config.json`` says the shape it was exported with.
 They must agree: a 2-layer champion cannot seed a 4-layer drafter.
+
+A head of another method may seed the drafter (staged training: an EAGLE-3 head, then the
+parallel depths). The tensors its method leaves out of heads (an EAGLE-3 head has no
+``mask_hidden``) keep the initialisation the trainer gave them, and the report names them.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +52,7 @@ class WarmStart:
     head_dir: str
     lm_head_rows_copied: int  # draft tokens the old head also had
     lm_head_rows_new: int  # draft tokens new since the old head: target-initialised rows
+    kept_fresh: list[str] = field(default_factory=list)  # tensors the head's method does not ship
 
 
 def head_draft_ids(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -82,6 +87,13 @@ def check_head_shape(head_dir: Path, spec) -> None:
         )
 
 
+def tensors_heads_may_lack() -> set[str]:
+    """Drafter tensors some drafting method leaves out of its heads (``omitted_tensors``)."""
+    from peagle.methods import available_methods, get_method
+
+    return set().union(*(get_method(name).omitted_tensors for name in available_methods()))
+
+
 def warm_start(drafter: nn.Module, head_dir: str | Path, draft_ids: torch.Tensor) -> WarmStart:
     """Load an exported head's weights into ``drafter`` (same architecture, any draft vocabulary).
 
@@ -100,7 +112,9 @@ def warm_start(drafter: nn.Module, head_dir: str | Path, draft_ids: torch.Tensor
     old_ids = head_draft_ids(tensors)
     weights = {k: v for k, v in tensors.items() if k not in VOCAB_TENSORS}
     state = drafter.state_dict()
-    missing, unexpected = sorted(set(state) - set(weights)), sorted(set(weights) - set(state))
+    lacking = set(state) - set(weights)
+    kept_fresh = sorted(lacking & tensors_heads_may_lack())
+    missing, unexpected = sorted(lacking - set(kept_fresh)), sorted(set(weights) - set(state))
     wrong = sorted(k for k in state if k in weights and k != "lm_head.weight" and weights[k].numel() != state[k].numel())
     if weights["lm_head.weight"].shape[1:] != state["lm_head.weight"].shape[1:]:
         wrong.append("lm_head.weight")
@@ -113,9 +127,10 @@ def warm_start(drafter: nn.Module, head_dir: str | Path, draft_ids: torch.Tensor
     new_ids = torch.as_tensor(draft_ids, dtype=torch.long)
     source = lm_head_row_sources(old_ids, new_ids)
     copied = source >= 0
-    loaded = {k: weights[k].reshape(state[k].shape).to(state[k].dtype) for k in state if k != "lm_head.weight"}
+    loaded = {k: weights[k].reshape(state[k].shape).to(state[k].dtype) if k in weights else state[k]
+              for k in state if k != "lm_head.weight"}
     lm_head = state["lm_head.weight"].clone()
     lm_head[copied] = weights["lm_head.weight"][source[copied]].to(lm_head.dtype)
     loaded["lm_head.weight"] = lm_head
     drafter.load_state_dict(loaded, strict=True)
-    return WarmStart(str(head_dir), int(copied.sum()), int((~copied).sum()))
+    return WarmStart(str(head_dir), int(copied.sum()), int((~copied).sum()), kept_fresh)

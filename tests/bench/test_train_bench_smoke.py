@@ -19,6 +19,7 @@ SCRIPTS = {
     "train_forward_latency": 6,
     "train_loss_weighting": 6,  # weighting, seed, K=1..3 (quick K_train 3), train s
     "quality": 10,  # method, budget, train s, steps, seeds, K=1..3, per position, offline split
+    "train_throughput": 10,  # trainer, trainable, elements, ms/step, 4 phases, tokens/s, vs the peer
 }
 
 
@@ -45,12 +46,29 @@ def test_bench_quick_writes_results(name, tmp_path):
         ablation = result["tables"][1]["rows"]
         assert [r[1] for r in ablation] == ["peagle", "peagle", "eagle3"]
         variants = result["tables"][2]["rows"]
-        assert [r[0] for r in variants] == ["config recipe", "lr 6e-3"]
+        staged = "staged: EAGLE-3 for half the budget, then P-EAGLE from its head"
+        assert [r[0] for r in variants] == ["config recipe", "lr 6e-3", staged]
         recipe_k3, variant_k3, delta = float(variants[0][7]), float(variants[1][7]), variants[1][8]
         assert variants[0][8] == "" and float(delta) == pytest.approx(variant_k3 - recipe_k3, abs=1e-3)
         assert all(1.0 <= float(v) <= 4.0 for r in table["rows"] + ablation + variants for v in r[5:8])
+        # the staged run: an EAGLE-3 head for half the budget, then P-EAGLE warm started from it
+        run = next(r for r in result["meta"]["runs"] if r["recipe"] == staged)
+        assert run["method"] == "peagle" and run["overrides"] == {"staged_eagle3_share": 0.5}
+        first = run["stage1_eagle3"]
+        assert first["steps"] >= 2 and "/eagle3/" in first["checkpoint"]
+        assert run["train_seconds"] > first["train_seconds"]
+        assert run["warm_start"]["kept_fresh"] == ["mask_hidden"]  # the EAGLE-3 head seeded the rest
         assert (tmp_path / "quality.png").stat().st_size > 0
     if name == "train_loss_weighting":  # one quick run per weighting (tiny random target), then their delta
         assert [r[0] for r in table["rows"]] == ["uniform", "per_depth_mean", "per_depth_mean - uniform"]
         assert all(1.0 <= float(v) <= 4.0 for r in table["rows"][:2] for v in r[2:5])
         assert [r["weighting"] for r in result["meta"]["runs"]] == ["uniform", "per_depth_mean"]
+    if name == "train_throughput":  # ours and the peer's step on the same samples, shapes and COD settings
+        assert [r[0] for r in table["rows"]] == ["peagle", "speculators"]
+        ours, peer = table["rows"]
+        assert float(ours[1]) > 0 and float(peer[1]) > 0
+        # the same depths, ratio and floor over the same samples: about as many elements per step
+        assert 0.8 < int(ours[2]) / int(peer[2]) < 1.25, table["rows"]
+        assert peer[-1] == "1.00x"
+        ratio = float(peer[3]) / float(ours[3])  # ms/step: the speed column is their ratio
+        assert float(ours[-1].rstrip("x")) == pytest.approx(ratio, rel=0.05)

@@ -333,14 +333,42 @@ def test_from_target_rejects_a_draft_vocab_of_another_target(tmp_path):
         load_target_tensors(tmp_path / "missing")
 
 
-def test_embedding_freeze_keeps_only_the_mask_row_trainable():
+def test_mask_row_only_trains_one_row_and_keeps_the_head_format(tmp_path):
     drafter = randomize(PEagleDrafter(tiny_spec()))
-    drafter.freeze_embeddings_except_mask()
-    ids = torch.tensor([[3, drafter.spec.mask_token_id, 7]])
+    mask_id = drafter.spec.mask_token_id
+    before = drafter.state_dict()
+    ids = torch.tensor([[3, mask_id, 7]])
     mask = torch.ones(1, 3, 3, dtype=torch.bool).tril()
-    drafter(ids, torch.randn(1, 3, 96), torch.arange(3)[None], mask).logits.sum().backward()
-    rows = drafter.embed_tokens.weight.grad.abs().sum(-1) > 0
-    assert rows.nonzero().flatten().tolist() == [drafter.spec.mask_token_id]
+    args = (ids, torch.randn(1, 3, 96), torch.arange(3)[None], mask)
+    logits = drafter(*args).logits
+
+    drafter.train_mask_row_only()
+    # the optimizer sees H values of the table, not V x H; the forward is unchanged
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    assert "embed_tokens.weight" not in trainable and "mask_embedding" in trainable
+    assert torch.equal(drafter(*args).logits, logits)
+    drafter(*args).logits.sum().backward()
+    assert drafter.mask_embedding.grad.abs().sum() > 0 and drafter.embed_tokens.weight.grad is None
+
+    with torch.no_grad():
+        drafter.mask_embedding.add_(1.0)  # what a step does to the row
+    state = drafter.state_dict()
+    assert sorted(state) == sorted(before)  # the head's names only
+    others = torch.arange(state["embed_tokens.weight"].shape[0]) != mask_id
+    assert torch.equal(state["embed_tokens.weight"][mask_id], before["embed_tokens.weight"][mask_id] + 1.0)
+    assert torch.equal(state["embed_tokens.weight"][others], before["embed_tokens.weight"][others])
+    # ... in a copy: the frozen table stays as every data-parallel replica holds it
+    assert not torch.equal(drafter.embed_tokens.weight[mask_id], state["embed_tokens.weight"][mask_id])
+
+    # a state dict in the head's format (a checkpoint, a head) restores the row, and the plain
+    # drafter it is loaded into computes the same
+    drafter.save(tmp_path / "d.safetensors")
+    plain = PEagleDrafter.load(tmp_path / "d.safetensors", drafter.spec)
+    assert torch.equal(plain(*args).logits, drafter(*args).logits)
+    again = randomize(PEagleDrafter(tiny_spec()))
+    again.train_mask_row_only()
+    again.load_state_dict(state)
+    assert torch.equal(again.mask_embedding, drafter.mask_embedding)
 
 
 def test_save_load_roundtrip(tmp_path):

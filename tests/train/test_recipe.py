@@ -57,10 +57,10 @@ def test_frozen_embedding_rows_are_kept_from_weight_decay():
 
     drafter = PEagleDrafter(tiny_spec())
     drafter.lm_head.requires_grad_(False)
-    drafter.freeze_embeddings_except_mask()
+    drafter.train_mask_row_only()
     decay, no_decay = parameter_groups(drafter, weight_decay=0.1)
-    assert any(p is drafter.embed_tokens.weight for p in no_decay["params"])
-    assert not any(p is drafter.embed_tokens.weight for p in decay["params"])
+    assert any(p is drafter.mask_embedding for p in no_decay["params"])
+    assert not any(p is drafter.embed_tokens.weight for g in (decay, no_decay) for p in g["params"])
     assert not any(p is drafter.lm_head.weight for g in (decay, no_decay) for p in g["params"])
 
 

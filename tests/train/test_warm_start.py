@@ -24,10 +24,10 @@ def vocab_maps(draft_ids: torch.Tensor) -> VocabMaps:
     return VocabMaps(draft_ids, draft_ids - torch.arange(draft_ids.numel()), t2d)
 
 
-def export_tensors(drafter: PEagleDrafter, head_dir: Path, draft_ids: torch.Tensor) -> Path:
+def export_tensors(drafter: PEagleDrafter, head_dir: Path, draft_ids: torch.Tensor, method: str = "peagle") -> Path:
     """What ``peagle export`` writes for this drafter's weights (vLLM's names, d2t, t2d)."""
     head_dir.mkdir(parents=True, exist_ok=True)
-    tensors = head_tensors(drafter.state_dict(), drafter.spec, vocab_maps(draft_ids), torch.float32)
+    tensors = head_tensors(drafter.state_dict(), drafter.spec, vocab_maps(draft_ids), torch.float32, method=method)
     save_file(tensors, str(head_dir / "model.safetensors"))
     return head_dir
 
@@ -68,6 +68,24 @@ def test_weights_copied_and_lm_head_rows_follow_their_tokens(tmp_path):
     assert 0 < shared < DRAFT_VOCAB
 
 
+def test_an_eagle3_head_seeds_a_peagle_drafter_and_mask_hidden_stays_initialised(tmp_path):
+    """Staged training: an EAGLE-3 head (no mask_hidden) warm starts the parallel drafter."""
+    ids = torch.arange(DRAFT_VOCAB)
+    old = random_drafter(0)
+    head = export_tensors(old, tmp_path / "head", ids, method="eagle3")
+    fresh = random_drafter(1)
+    mask_hidden = fresh.mask_hidden.detach().clone()
+
+    report = warm_start(fresh, head, ids)
+
+    assert report.kept_fresh == ["mask_hidden"]
+    assert torch.equal(fresh.mask_hidden, mask_hidden) and not torch.equal(mask_hidden, old.mask_hidden)
+    for name, value in old.state_dict().items():
+        if name != "mask_hidden":
+            assert torch.equal(fresh.state_dict()[name], value), name
+    assert warm_start(random_drafter(2), export_tensors(old, tmp_path / "p", ids), ids).kept_fresh == []
+
+
 def test_another_architecture_is_refused_by_name(tmp_path):
     deeper = dataclasses.replace(tiny_spec(), num_layers=2)
     head = export_tensors(random_drafter(0, deeper), tmp_path / "head", torch.arange(DRAFT_VOCAB))
@@ -104,7 +122,8 @@ def test_training_starts_where_the_head_left_off(tiny_run, tmp_path):
 
     warm = train_drafter(tiny_config(max_steps=1, init_from=str(head), **recipe), data_dir, str(target),
                          tmp_path / "warm", progress=False)
-    assert warm.warm_start == {"head_dir": str(head), "lm_head_rows_copied": DRAFT_VOCAB, "lm_head_rows_new": 0}
+    assert warm.warm_start == {"head_dir": str(head), "lm_head_rows_copied": DRAFT_VOCAB, "lm_head_rows_new": 0,
+                               "kept_fresh": []}
     first_cold, last_cold = cold.metrics_history[0]["loss"], cold.metrics_history[-1]["loss"]
     assert last_cold < 0.8 * first_cold  # the cold run learned something to carry over
     assert warm.metrics_history[0]["loss"] < 0.8 * first_cold
