@@ -17,9 +17,10 @@ the CPU, each with its own recipe's trainable set and torch's AdamW, one sample 
   compiles nothing (``torch.compile`` only with CUDA); so it runs here.
 
 Each step is timed per phase, best of the repetitions per sample, after warm-up steps, the
-two trainers taking turns sample by sample; tokens/s counts each sample's tokens once. A last row times our real trainer (DeepSpeed
-engine, launcher process, data loading included) on the same config: a fresh run of as many
-optimizer steps, in its own sample order, its tokens/s.
+two trainers taking turns sample by sample; tokens/s counts each sample's tokens once. A
+last row times our real trainer (DeepSpeed engine, launcher process, data loading included)
+on the same config: a fresh run of as many optimizer steps, in its own sample order, its
+tokens/s.
 
     .venv/bin/python bench/train_throughput.py [--config CONFIG] [--quick]
 """
@@ -71,7 +72,6 @@ class OurStep:
         from peagle.train.trainer import make_objective
 
         torch.manual_seed(cfg.train.seed)
-        self.train = cfg.train
         self.drafter = PEagleDrafter.from_target(inputs.spec, target_path, inputs.draft_ids)
         get_method("peagle").prepare_drafter(self.drafter, cfg.train)
         self.drafter.train()

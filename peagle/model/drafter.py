@@ -200,6 +200,7 @@ class PEagleDrafter(nn.Module):
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * ht) * MASK_HIDDEN_INIT_STD)
+        self.register_parameter("mask_embedding", None)  # the mask row's own, once train_mask_row_only
         self.rotary = Rotary(spec)
         self.apply(self._init_weights)
 
@@ -311,7 +312,7 @@ class PEagleDrafter(nn.Module):
         row is written back into ``embed_tokens.weight`` there, and loading a state dict takes
         the row from the table, so checkpoints, heads and warm starts keep one format.
         """
-        if getattr(self, "mask_embedding", None) is not None:
+        if self.mask_embedding is not None:
             return
         row = self.spec.mask_token_id
         self.embed_tokens.weight.requires_grad_(False)
@@ -322,7 +323,7 @@ class PEagleDrafter(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings; the mask token's from ``mask_embedding`` when it trains on its own."""
         embeds = self.embed_tokens(input_ids)
-        if getattr(self, "mask_embedding", None) is None:
+        if self.mask_embedding is None:
             return embeds
         is_mask = (input_ids == self.spec.mask_token_id)[..., None]
         return torch.where(is_mask, self.mask_embedding.to(embeds.dtype), embeds)
