@@ -65,8 +65,9 @@ ABLATION = [
 # A variant key, not a config field: that share of the budget trains an EAGLE-3 head first, and
 # the P-EAGLE run warm starts from it (train.init_from) for the rest (staged training).
 STAGED = "staged_eagle3_share"
-# Each variant changes ONE thing of the config's P-EAGLE recipe; its row's delta is against
-# the config recipe at the same budget and seed (candidates for the next default).
+# Each variant changes ONE thing of the config's P-EAGLE recipe (the combined row: the two best
+# single changes; the staged row: a stage before it); its row's delta is against the config
+# recipe at the same budget and seed (candidates for the next default).
 VARIANTS = [
     ("lr 6e-3", {"train.learning_rate": 6e-3}),
     ("lr 1.5e-3", {"train.learning_rate": 1.5e-3}),
@@ -76,6 +77,8 @@ VARIANTS = [
     ("k_train 5 (the served K)", {"train.k_train": 5}),
     ("3 drafter layers", {"drafter.num_layers": 3}),
     ("4 drafter layers", {"drafter.num_layers": 4}),
+    ("k_train 5 and lr 1.5e-3 (the two best single changes together)",
+     {"train.k_train": 5, "train.learning_rate": 1.5e-3}),
     ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
 ]
 RECIPE_LABEL = "config recipe"
@@ -344,11 +347,33 @@ def notes(meta: dict) -> list[str]:
 # ----------------------------------------------------------------------------- main
 
 
-def render(run: Run) -> None:
+def render(run: Run, partial: bool = False) -> None:
+    run.sections = []
     add_tables(run, run.meta)
     if any(r["part"] == "budgets" for r in run.meta["runs"]):
         plot(run.meta, result_path(run.name, ".png"))
-    run.finish(notes(run.meta))
+    run.finish(notes(run.meta), partial=partial)
+
+
+class Results:
+    """The result files of one invocation: earlier invocations' runs (and online table) kept,
+    rewritten after every run, so a run stopped half way keeps the rows it finished."""
+
+    def __init__(self, run: Run, quick: bool, meta: dict):
+        saved = None if quick or not result_path(run.name, ".json").exists() else Run.restore(run.name).meta
+        self.run, self.old, self.old_online = run, (saved or {}).get("runs", []), (saved or {}).get("online")
+        self.runs: list[dict] = []
+        run.meta.update(meta)
+
+    def add(self, row: dict) -> None:
+        self.runs.append(row)
+        self.write(partial=True)
+
+    def write(self, online: list[dict] | None = None, partial: bool = False) -> None:
+        self.run.meta["runs"] = merged(self.old, self.runs)
+        if online is not None or self.old_online:
+            self.run.meta["online"] = online if online is not None else self.old_online
+        render(self.run, partial=partial)
 
 
 def result_name(config: str, quick: bool) -> str:
@@ -407,42 +432,37 @@ def main() -> None:
         train = load_config(args.config, base).train
         ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
         bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks)
-        runs = []
+        results = Results(run, args.quick, {
+            "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
+            "ks": ks, "base_overrides": base})
+        runs = results.runs
         for seed in seeds:
             if args.part in ("ablation", "all"):
                 recipe = dict(OLD_RECIPE)
                 for i, (label, change) in enumerate(ABLATION):
                     recipe.update(change)
                     if rows is None or i in rows:
-                        runs.append(bench.run("ablation", label, "peagle", dict(recipe), ablation_budget, seed))
+                        results.add(bench.run("ablation", label, "peagle", dict(recipe), ablation_budget, seed))
                 if args.ablation_rows is None:
-                    runs.append(bench.run("ablation", "EAGLE-3 (config)", "eagle3", {}, ablation_budget, seed))
+                    results.add(bench.run("ablation", "EAGLE-3 (config)", "eagle3", {}, ablation_budget, seed))
             if args.part in ("variants", "all"):
                 for i, (label, change) in enumerate([(RECIPE_LABEL, {}), *VARIANTS]):
                     if variant_rows is None or i in variant_rows:
                         if STAGED in change:
-                            runs.append(bench.staged("variants", label, change[STAGED], ablation_budget, seed))
+                            results.add(bench.staged("variants", label, change[STAGED], ablation_budget, seed))
                         else:
-                            runs.append(bench.run("variants", label, "peagle", change, ablation_budget, seed))
+                            results.add(bench.run("variants", label, "peagle", change, ablation_budget, seed))
             if args.part in ("budgets", "all"):
                 for budget in budgets:  # the pair back to back: both see about the same machine load
                     for method in ("peagle", "eagle3"):
-                        runs.append(bench.run("budgets", RECIPE_LABEL, method, {}, budget, seed))
+                        results.add(bench.run("budgets", RECIPE_LABEL, method, {}, budget, seed))
         online, online_error = None, None
         if args.online and args.part in ("budgets", "all"):
             try:
                 online = confirm_online(bench, runs)
             except Exception as err:  # the trained runs are written first, then this is raised
                 online_error = err
-    saved = None if args.quick or not result_path(name, ".json").exists() else Run.restore(name).meta
-    old, old_online = (saved or {}).get("runs", []), (saved or {}).get("online")
-    run.meta.update({"data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
-                     "ks": ks, "base_overrides": base, "runs": merged(old, runs)})
-    if online is not None:
-        run.meta["online"] = online
-    elif old_online:
-        run.meta["online"] = old_online
-    render(run)
+    results.write(online)
     if online_error is not None:
         raise online_error
 

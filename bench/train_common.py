@@ -108,11 +108,17 @@ class Run:
     def add_table(self, title: str, columns: list[str], rows: list[list], note: str = "") -> None:
         self.sections.append({"title": title, "columns": columns, "rows": rows, "note": note})
 
-    def finish(self, notes: list[str] | None = None) -> None:
-        """Print every table and write results/<name>.json and .md atomically."""
+    def finish(self, notes: list[str] | None = None, partial: bool = False) -> None:
+        """Print every table and write results/<name>.json and .md atomically. ``partial``: a
+        long run's rows so far, written quietly after each row, so an interrupted run keeps them."""
+        self.meta["notes"] = notes or []
+        if partial:
+            self.meta["partial"] = True
+            write_results(self.name, {"meta": self.meta, "tables": self.sections}, self._markdown())
+            return
+        self.meta.pop("partial", None)
         self.meta.setdefault("load_average_end", load_average())  # set already in a restored run
         self.meta.setdefault("finished_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        self.meta["notes"] = notes or []
         console = Console(width=200)
         for s in self.sections:
             table = Table(title=s["title"])
@@ -130,9 +136,10 @@ class Run:
 
     def _meta_line(self) -> str:
         m = self.meta
+        end = "(running: the rows so far)" if m.get("partial") else m["load_average_end"]
         return (
             f"{m['processor']} x{m['cpu_count']}, torch {m['torch']} ({m['torch_threads']} threads), "
-            f"load avg start {m['load_average_start']} end {m['load_average_end']}, {m['started_utc']}"
+            f"load avg start {m['load_average_start']} end {end}, {m['started_utc']}"
         )
 
     def _markdown(self) -> str:

@@ -66,14 +66,10 @@ class OurStep:
     """One optimizer step of the trainer's objective on one sample, outside DeepSpeed."""
 
     def __init__(self, cfg, target_path: str, inputs):
-        from peagle.methods import get_method
-        from peagle.model.drafter import PEagleDrafter
         from peagle.train.loss import TargetHead
-        from peagle.train.trainer import make_objective
+        from peagle.train.trainer import build_drafter, make_objective
 
-        torch.manual_seed(cfg.train.seed)
-        self.drafter = PEagleDrafter.from_target(inputs.spec, target_path, inputs.draft_ids)
-        get_method("peagle").prepare_drafter(self.drafter, cfg.train)
+        self.drafter = build_drafter(cfg.train, inputs, target_path)  # the trainer's own drafter and trainable set
         self.drafter.train()
         self.objective = make_objective(cfg.train, inputs.spec, TargetHead.from_target(target_path, inputs.spec,
                                                                                        inputs.draft_ids))
@@ -225,7 +221,7 @@ def compare(args, version: str, tmp: Path) -> Run:
     from peagle.target import resolve_target
     from peagle.train.trainer import load_training_inputs
 
-    overrides = {"train.epochs": args.epochs} if args.epochs else {}
+    overrides = {"train.method": "peagle", **({"train.epochs": args.epochs} if args.epochs else {})}
     if args.quick:  # the tiny target's positions
         overrides.update({"train.max_len": 64, "train.k_train": 3, "drafter.num_layers": 1})
     cfg = load_config(args.config, overrides)

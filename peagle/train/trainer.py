@@ -78,6 +78,18 @@ def make_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective
     return get_method(train.method).objective(train, spec, target_head)
 
 
+def build_drafter(train: TrainConfig, inputs: TrainingInputs, target_path: str):
+    """The drafter a run of ``train`` starts from, before any warm start or DeepSpeed: the
+    target's rows where it is as wide, seeded by ``train.seed``, with the method's trainable
+    set and its own initialisation (``DraftingMethod.prepare_drafter``)."""
+    from peagle.model import PEagleDrafter
+
+    torch.manual_seed(train.seed)
+    drafter = PEagleDrafter.from_target(inputs.spec, target_path, inputs.draft_ids)
+    get_method(train.method).prepare_drafter(drafter, train)
+    return drafter
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
@@ -269,7 +281,7 @@ def train_drafter(
     With ``train.max_steps`` set, training runs that many optimizer steps (as many epochs
     as needed); otherwise ``train.epochs`` whole epochs.
     """
-    from peagle.model import PEagleDrafter, target_config
+    from peagle.model import target_config
     from peagle.train.loss import TargetHead
 
     train = cfg.train
@@ -295,9 +307,7 @@ def train_drafter(
     plan.check()
     total_steps = train.max_steps or plan.steps_per_epoch * train.epochs
 
-    torch.manual_seed(train.seed)
-    drafter = PEagleDrafter.from_target(spec, target_path, inputs.draft_ids)
-    get_method(train.method).prepare_drafter(drafter, train)  # what trains: before DeepSpeed sees it
+    drafter = build_drafter(train, inputs, target_path)  # what trains: before DeepSpeed sees it
     warm = None
     if train.init_from:  # a resumed run then loads its checkpoint over these weights
         from peagle.train.warm_start import warm_start

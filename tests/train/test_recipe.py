@@ -52,6 +52,16 @@ def test_without_freezing_lm_head_and_embeddings_train(tiny_run, tmp_path):
     assert not torch.equal(last["embed_tokens.weight"][others], target["embed_tokens"][others])
 
 
+def test_eagle3_keeps_the_targets_embedding_table_and_trains_lm_head(tiny_run, tmp_path):
+    """EAGLE-3's baseline trains as its reference trainers do: the table frozen, lm_head learning."""
+    first, last, target = trained_steps(tiny_run, tmp_path / "eagle3", method="eagle3", eagle3_ttt_steps=3)
+    assert torch.equal(last["embed_tokens.weight"], first["embed_tokens.weight"])
+    others = torch.arange(last["embed_tokens.weight"].shape[0]) != MASK_ID
+    assert torch.equal(last["embed_tokens.weight"][others], target["embed_tokens"][others])
+    assert not torch.equal(last["lm_head.weight"], first["lm_head.weight"])
+    assert not torch.equal(last["fc.weight"], first["fc.weight"])
+
+
 def test_frozen_embedding_rows_are_kept_from_weight_decay():
     from peagle.train.engine import parameter_groups
 
