@@ -21,7 +21,8 @@ Two parts, both written to ``bench/results/quality.{md,json,png}``:
   offline numbers are confirmed by what a user would see and the tokens/s are measured.
 
 Results of earlier invocations are kept (a run is keyed by part, recipe, method, budget,
-seed), so the parts can be run one after the other.
+seed), so the parts can be run one after the other; the files are rewritten after every
+run, so a stopped invocation keeps the rows it finished (its header says "running").
 
     .venv/bin/python bench/quality.py [--part ablation|variants|budgets|all] [--budgets 45 90 180] [--seeds 0]
     .venv/bin/python bench/quality.py --quick          # tiny random target and dataset, ~2 min
@@ -221,20 +222,30 @@ def mean_by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
     return {g: {"al": {k: statistics.fmean(r["acceptance_length"][k] for r in rs) for k in rs[0]["acceptance_length"]},
                 "pos": [statistics.fmean(p) for p in zip(*(r["per_position"] for r in rs))],
                 "train_s": statistics.fmean(r["train_seconds"] for r in rs),
-                "steps": statistics.fmean(r["steps"] for r in rs), "seeds": len(rs)}
+                "steps": statistics.fmean(r["steps"] for r in rs), "seeds": len(rs),
+                "trained": " / ".join(dict.fromkeys(trained_as(r) for r in rs))}
             for g, rs in groups.items()}
+
+
+def trained_as(run: dict) -> str:
+    """The recipe a run really trained with: "config recipe" rows of different sessions differ."""
+    t = run.get("train")
+    if not t:
+        return "?"
+    depth = f"TTT {t['eagle3_ttt_steps']}" if run["method"] == "eagle3" else f"K_train {t['k_train']}"
+    return f"{depth}, lr {t['lr']:g}"
 
 
 def add_tables(run: Run, meta: dict) -> None:
     ks = [str(k) for k in meta["ks"]]
     budgets = mean_by([r for r in meta["runs"] if r["part"] == "budgets"], ("method", "budget_s"))
     if budgets:
-        rows = [[m, f"{b:g}", f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"], *[f"{v['al'][k]:.3f}" for k in ks],
-                 " ".join(f"{p:.2f}" for p in v["pos"]), split]
+        rows = [[m, f"{b:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
+                 *[f"{v['al'][k]:.3f}" for k in ks], " ".join(f"{p:.2f}" for p in v["pos"]), split]
                 for (m, b, split), v in sorted(budgets.items(), key=lambda kv: (kv[0][2] == OLD_OFFLINE, kv[0][1], kv[0][0]))]
         run.add_table("Offline acceptance length per K at equal training time (the config's recipes)",
-                      ["method", "budget s", "train s", "steps", "seeds", *[f"K={k}" for k in ks], "per position",
-                       "offline split"],
+                      ["method", "budget s", "trained as", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
+                       "per position", "offline split"],
                       rows, note="mean over seeds; train s = the run's summed step times (no launch, no evaluation)")
     ablation = mean_by([r for r in meta["runs"] if r["part"] == "ablation"], ("recipe", "method", "budget_s"))
     if ablation:
@@ -290,10 +301,10 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
             kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order))):
         base = variants.get((RECIPE_LABEL, budget, split))
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
-        rows.append([label, f"{budget:g}", f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
+        rows.append([label, f"{budget:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
                      *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])
     run.add_table("Variants: the config's P-EAGLE recipe with one change each, at one budget",
-                  ["recipe", "budget s", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
+                  ["recipe", "budget s", "trained as", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
                    f"delta K={k5} vs config recipe", "per position"], rows,
                   note="mean over seeds; a delta compares runs of the same budget; a staged row's train s sums "
                        "both stages (its steps: the P-EAGLE stage's)")
