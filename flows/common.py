@@ -132,13 +132,44 @@ def ensure_accelerator_limit(cfg: PipelineConfig) -> None:
                                              orch.accelerator_limit, orch.accelerator_slots)
 
 
+# A wait for the accelerator longer than this is said in the run's log, with how to free a stale slot.
+ACCELERATOR_WAIT_NOTICE_S = 60.0
+
+
 @contextlib.contextmanager
-def on_accelerator(cfg: PipelineConfig):
-    """Hold one slot of the accelerator limit: a second run on the host waits here."""
+def on_accelerator(cfg: PipelineConfig, notice_after_s: float = ACCELERATOR_WAIT_NOTICE_S):
+    """Hold one slot of the accelerator limit: a second run on the host waits here.
+
+    A wait past ``notice_after_s`` is logged (then the run waits on): it is either another run
+    on this accelerator or a slot a killed run left taken. Prefect expires a lease its holder
+    stopped renewing, but a temporary server (``peagle run`` without a server) keeps leases in
+    its own memory, so when that process dies the slot stays taken in the database for good.
+    """
+    from prefect.concurrency._asyncio import AcquireConcurrencySlotTimeoutError
     from prefect.concurrency.sync import concurrency
 
-    with concurrency(cfg.orchestration.accelerator_limit, occupy=1, strict=True):
+    name = cfg.orchestration.accelerator_limit
+    held = contextlib.ExitStack()
+    try:
+        held.enter_context(concurrency(name, occupy=1, strict=True, timeout_seconds=notice_after_s))
+    except AcquireConcurrencySlotTimeoutError:
+        run_logger().warning("%s", accelerator_wait_notice(name, notice_after_s))
+        held.enter_context(concurrency(name, occupy=1, strict=True))
+    with held:
         yield
+
+
+def accelerator_wait_notice(name: str, waited_s: float) -> str:
+    """Who holds the accelerator limit's slots, and the command that frees a stale one."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(name)
+    return (f"waiting {waited_s:.0f} s so far for a slot of the global concurrency limit {name!r} "
+            f"({limit.active_slots} of {limit.limit} taken); waiting on. Either another run is using the "
+            f"accelerator, or a run that was killed left its slot taken (a temporary Prefect server forgets "
+            f"its leases when it stops). If no other run is working, free the slots: "
+            f"prefect gcl update {name} --active-slots 0")
 
 
 def result_storage(cfg: PipelineConfig) -> Path:

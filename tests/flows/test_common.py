@@ -178,3 +178,61 @@ def test_two_runs_on_one_accelerator_queue(prefect_server, tmp_path):
         t.join(timeout=120)
     (s1, e1, _), (s2, e2, _) = sorted(spans)
     assert len(spans) == 2 and s2 >= e1  # the second waited for the first to release the slot
+
+
+def test_a_slot_left_taken_is_reported_with_the_command_that_frees_it(prefect_server, tmp_path):
+    """A killed run's slot (taken in the database, no lease behind it) makes the next stage say
+    in its run log why it waits and how to free it; running that command lets the stage run."""
+    import contextvars
+    import logging
+    import subprocess
+    import threading
+    import time
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    from flows.common import ensure_accelerator_limit, on_accelerator
+
+    name = "test-stale-accelerator"
+    cfg = demo_config(tmp_path, **{"orchestration.accelerator_limit": name})
+    ensure_accelerator_limit(cfg)
+    with get_client(sync_client=True) as client:  # what a SIGKILLed holder on a temporary server leaves
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=1))
+    ran = threading.Event()
+    notices: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if "--active-slots" in record.getMessage():
+                notices.append(record.getMessage())
+
+    @flow
+    def gpu_stage():
+        with on_accelerator(cfg, notice_after_s=2):
+            ran.set()
+
+    handler, run_log = Collect(), logging.getLogger("prefect.flow_runs")
+    run_log.addHandler(handler)
+    try:
+        stage = threading.Thread(target=contextvars.copy_context().run, args=(gpu_stage,), daemon=True)
+        stage.start()
+        deadline = time.monotonic() + 60
+        while not notices and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        run_log.removeHandler(handler)
+    assert notices, "no notice in the run log after 60 s of waiting"
+    assert f"limit {name!r} (1 of 1 taken)" in notices[0] and not ran.is_set()
+    command = notices[0].rsplit(": ", 1)[1].split()  # the user's fix, run as printed
+    assert command[:2] == ["prefect", "gcl"]
+    from tests.prefect_server import PREFECT
+
+    done = subprocess.run([PREFECT, *command[1:]], env=prefect_server.env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stage.join(timeout=120)
+    assert ran.is_set()
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(name).active_slots == 0  # released after the stage
