@@ -446,7 +446,6 @@ def main() -> None:
         results = Results(run, args.quick, {
             "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
             "ks": ks, "base_overrides": base})
-        runs = results.runs
         for seed in seeds:
             if args.part in ("ablation", "all"):
                 recipe = dict(OLD_RECIPE)
@@ -470,7 +469,7 @@ def main() -> None:
         online, online_error = None, None
         if args.online and args.part in ("budgets", "all"):
             try:
-                online = confirm_online(bench, runs)
+                online = confirm_online(bench, results.runs)
             except Exception as err:  # the trained runs are written first, then this is raised
                 online_error = err
     results.write(online)

@@ -145,14 +145,13 @@ def on_accelerator(cfg: PipelineConfig, notice_after_s: float = ACCELERATOR_WAIT
     stopped renewing, but a temporary server (``peagle run`` without a server) keeps leases in
     its own memory, so when that process dies the slot stays taken in the database for good.
     """
-    from prefect.concurrency._asyncio import AcquireConcurrencySlotTimeoutError
     from prefect.concurrency.sync import concurrency
 
     name = cfg.orchestration.accelerator_limit
     held = contextlib.ExitStack()
     try:
         held.enter_context(concurrency(name, occupy=1, strict=True, timeout_seconds=notice_after_s))
-    except AcquireConcurrencySlotTimeoutError:
+    except TimeoutError:  # raised only by the acquisition: the stage's body runs below, outside this try
         run_logger().warning("%s", accelerator_wait_notice(name, notice_after_s))
         held.enter_context(concurrency(name, occupy=1, strict=True))
     with held:

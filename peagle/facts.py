@@ -265,6 +265,11 @@ class HeadSpec:
     k_train: int | None = None  # train.k_train it was trained with
 
     @property
+    def as_wide_as_target(self) -> bool:
+        """The drafter's width is the target's: its embeddings, lm_head and norm start as the target's."""
+        return self.hidden_size == self.target_hidden_size
+
+    @property
     def stored_layer_ids(self) -> list[int]:
         """Layers the dataset stores per token: the three aux layers, then the final one."""
         return [*self.aux_layer_ids, self.final_layer_id]

@@ -52,6 +52,12 @@ class Objective:
         return segment_batches(examples, segments, self.collate)
 
 
+def starts_from_trained_rows(spec: HeadSpec, train) -> bool:
+    """Whether a fresh drafter's embeddings and lm_head hold trained rows (the target's, or a
+    warm start's head), so a recipe may freeze them; a narrower drafter's start random."""
+    return spec.as_wide_as_target or bool(train.init_from)
+
+
 class DraftingMethod:
     """One drafting method; class attributes say what it is, methods what it does."""
 

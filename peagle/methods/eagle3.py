@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from peagle.facts import HeadSpec
-from peagle.methods.base import DraftingMethod, Objective
+from peagle.methods.base import DraftingMethod, Objective, starts_from_trained_rows
 from peagle.model.drafter import DrafterOutput
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
 from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss
@@ -244,8 +244,7 @@ class Eagle3(DraftingMethod):
         vocabulary the table is most of the drafter: SmolLM2's 28M of 37M values.) A drafter
         narrower than its target starts with a random table, which must train unless a warm
         start brings a trained one."""
-        spec = drafter.spec
-        if spec.hidden_size == spec.target_hidden_size or train.init_from:
+        if starts_from_trained_rows(drafter.spec, train):
             drafter.embed_tokens.weight.requires_grad_(False)
 
     def draft(self, drafter, batch, k, to_target_ids):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from peagle.methods.base import DraftingMethod, Objective
+from peagle.methods.base import DraftingMethod, Objective, starts_from_trained_rows
 
 
 class PEagle(DraftingMethod):
@@ -64,7 +64,7 @@ class PEagle(DraftingMethod):
             ("train.freeze_lm_head: true", train.freeze_lm_head),
             ("train.train_embeddings: mask_row", train.train_embeddings == "mask_row"),
         ) if on]
-        if frozen and spec.hidden_size != spec.target_hidden_size and not train.init_from:
+        if frozen and not starts_from_trained_rows(spec, train):
             raise ValueError(
                 f"{' and '.join(frozen)} keep the target's weights, but this drafter is {spec.hidden_size} wide "
                 f"and the target {spec.target_hidden_size}, so they start random: set train.freeze_lm_head: false "

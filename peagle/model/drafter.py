@@ -280,7 +280,7 @@ class PEagleDrafter(nn.Module):
                 f"draft_ids has {draft_ids.numel()} entries but spec.draft_vocab_size is {spec.draft_vocab_size}"
             )
         drafter = cls(spec)
-        if spec.hidden_size != spec.target_hidden_size:
+        if not spec.as_wide_as_target:
             return drafter
         weights = load_target_tensors(target_path, draft_ids)
         embed, head = weights["embed_tokens"], weights["lm_head"]
