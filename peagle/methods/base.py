@@ -97,8 +97,8 @@ class DraftingMethod:
         """Tensors the head ships beyond the EAGLE-3 contract (``peagle.export.contract``)."""
         return {}
 
-    def card_training(self, train) -> dict[str, str]:
-        """The model card's training facts that belong to this method."""
+    def card_training(self, train, spec: HeadSpec) -> dict[str, str]:
+        """The model card's training facts that belong to this method (``spec``: the head trained)."""
         return {"method": self.display_name}
 
     def __repr__(self) -> str:

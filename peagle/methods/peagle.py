@@ -96,7 +96,7 @@ class PEagle(DraftingMethod):
 
         return {"mask_hidden": TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")}
 
-    def card_training(self, train) -> dict[str, str]:
+    def card_training(self, train, spec) -> dict[str, str]:
         trained = "all but lm_head" if train.freeze_lm_head else "all"
         if train.train_embeddings == "mask_row":
             trained += " (embeddings: the mask row only)"

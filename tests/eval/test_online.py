@@ -88,7 +88,7 @@ def test_completion_results_travel_with_the_chat_results_into_the_card(tmp_path)
     cfg = load_config("configs/demo.yaml")
     data = SimpleNamespace(num_train=1, num_eval=1, num_tokens=10, config_hash="h")
     offline = SimpleNamespace(acceptance_length={3: 2.55}, split="served")
-    card = run_card(cfg, data, loaded, offline)
+    card = run_card(cfg, data, loaded, offline, tiny_spec())
     assert card.completion_acceptance == {3: 3.1} and card.baseline_completion_acceptance == {3: 3.4}
     assert card.acceptance == {1: 1.8, 3: 2.6}
     assert "the eval prompts' states, decoded as vLLM does" in next(iter(k for k in card.training if "offline" in k))

@@ -40,9 +40,15 @@ def test_each_method_answers_for_itself():
     spec = tiny_spec()
     assert set(peagle.head_tensors(spec)) == {"mask_hidden"} and eagle3.head_tensors(spec) == {}
     assert eagle3.omitted_tensors == {"mask_hidden"} and not peagle.omitted_tensors
-    assert peagle.card_training(train) == {"method": "P-EAGLE", "K_train": "4", "COD ratio": "0.8",
-                                           "trained parameters": "all but lm_head (embeddings: the mask row only)"}
-    assert eagle3.card_training(train)["TTT steps"] == "2"
+    assert peagle.card_training(train, spec) == {"method": "P-EAGLE", "K_train": "4", "COD ratio": "0.8",
+                                                 "trained parameters": "all but lm_head (embeddings: the mask row only)"}
+    assert eagle3.card_training(train, spec)["TTT steps"] == "2"
+    # what EAGLE-3's card says trained follows the drafter: a narrower one trains its table, too
+    narrow = replace(spec, hidden_size=spec.target_hidden_size // 2)
+    assert eagle3.card_training(train, spec)["trained parameters"].startswith("all but the embedding table")
+    assert eagle3.card_training(train, narrow)["trained parameters"].startswith("all (the embedding table too")
+    warm = tiny_config(init_from="/heads/previous").train
+    assert eagle3.card_training(warm, narrow)["trained parameters"].startswith("all but the embedding table")
     # the EAGLE-3 baseline trains beside a P-EAGLE head, never beside an EAGLE-3 one
     assert trained_methods(tiny_config(eagle3_baseline=True).train) == [peagle, eagle3]
     assert trained_methods(tiny_config(method="eagle3", eagle3_baseline=True).train) == [eagle3]
@@ -77,8 +83,8 @@ class DecayedPEagle(PEagle):
 
         return replace(super().objective(train, spec, target_head), name=self.name, loss=loss)
 
-    def card_training(self, train):
-        return {**super().card_training(train), "depth weight": f"{self.GAMMA}^d"}
+    def card_training(self, train, spec):
+        return {**super().card_training(train, spec), "depth weight": f"{self.GAMMA}^d"}
 
 
 @pytest.fixture
