@@ -83,8 +83,8 @@ VARIANTS = [
     ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
 ]
 RECIPE_LABEL = "config recipe"
-CALIBRATION_STEPS = 6
-QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3, "train.max_len": 64,
+CALIBRATION_STEPS = 25
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3_num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3, "train.max_len": 64,
                    "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "train.grad_accum": 1,
                    "data.max_seq_len": 256, "vllm.max_model_len": 512, "eval.num_prompts": 4, "eval.max_tokens": 32}
 
@@ -97,14 +97,20 @@ def step_seconds(history: list[dict]) -> list[float]:
 
 
 def calibrate(cfg_for, target, data_dir: Path) -> float:
-    """Median seconds per optimizer step of a short run (its first step, which warms up, left out)."""
+    """Mean seconds per optimizer step of a short run (its first step, which warms up, left out).
+
+    The mean, over a couple of dozen samples: a step's time follows its sample's length (and,
+    for P-EAGLE, how many COD elements it draws), so the median of a few steps set budgets that
+    real runs overshot by up to 1.7x (session 10: bench/README.md)."""
     from peagle.config import load_config  # noqa: F401 (cfg_for builds configs)
 
     trained, _ = train_fresh(cfg_for({"train.max_steps": CALIBRATION_STEPS, "train.epochs": 1}), target, data_dir)
-    return statistics.median(step_seconds(trained.metrics_history)[1:])
+    return statistics.fmean(step_seconds(trained.metrics_history)[1:])
 
 
 def measure(cfg, target, data_dir: Path) -> dict:
+    from peagle.methods import get_method
+
     trained, wall = train_fresh(cfg, target, data_dir)
     seconds = step_seconds(trained.metrics_history)
     last = [r for r in trained.metrics_history if "loss" in r][-1]
@@ -112,7 +118,7 @@ def measure(cfg, target, data_dir: Path) -> dict:
     return {"steps": len(seconds), "train_seconds": sum(seconds), "wall_seconds": wall, "final_loss": last["loss"],
             "warm_start": trained.warm_start,
             "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
-                      "eagle3_ttt_steps": t.eagle3_ttt_steps},
+                      "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": get_method(t.method).num_layers(cfg)},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
             "checkpoint": str(trained.last_checkpoint),
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
@@ -137,8 +143,9 @@ class Bench:
         for the rest: one row, its training seconds both stages' (the EAGLE-3 stage kept in it)."""
         from peagle.stages import export_head
 
-        first = self.run(part, f"{label} [stage 1]", "eagle3", {}, budget * share, seed)
-        head = export_head(self.cfg("eagle3", {}, {}, f"{part}-staged-{seed}"), self.target, self.data_dir,
+        same_depth = {"train.eagle3_num_layers": None}  # the P-EAGLE stage starts from this head's layers
+        first = self.run(part, f"{label} [stage 1]", "eagle3", same_depth, budget * share, seed)
+        head = export_head(self.cfg("eagle3", same_depth, {}, f"{part}-staged-{seed}"), self.target, self.data_dir,
                            Path(first["checkpoint"]), method="eagle3")
         second = self.run(part, label, "peagle", {"train.init_from": str(head)}, budget * (1 - share), seed)
         stage1 = {k: first[k] for k in ("steps", "train_seconds", "budget_s", "acceptance_length", "checkpoint")}
@@ -191,7 +198,8 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
 
 
 def run_key(r: dict) -> tuple:
-    return (r["part"], r["recipe"], r["method"], r["budget_s"], r["seed"])
+    """A later run replaces an earlier one of the same key: "config recipe" runs of another recipe stay."""
+    return (r["part"], r["recipe"], r["method"], r["budget_s"], r["seed"], trained_as(r))
 
 
 def merged(old: list[dict], new: list[dict]) -> list[dict]:
@@ -218,7 +226,7 @@ def mean_by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
     acceptance per K, mean train seconds, number of seeds."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((*(r[k] for k in keys), offline_kind(r)), []).append(r)
+        groups.setdefault((*(trained_as(r) if k == "trained_as" else r[k] for k in keys), offline_kind(r)), []).append(r)
     return {g: {"al": {k: statistics.fmean(r["acceptance_length"][k] for r in rs) for k in rs[0]["acceptance_length"]},
                 "pos": [statistics.fmean(p) for p in zip(*(r["per_position"] for r in rs))],
                 "train_s": statistics.fmean(r["train_seconds"] for r in rs),
@@ -233,16 +241,17 @@ def trained_as(run: dict) -> str:
     if not t:
         return "?"
     depth = f"TTT {t['eagle3_ttt_steps']}" if run["method"] == "eagle3" else f"K_train {t['k_train']}"
-    return f"{depth}, lr {t['lr']:g}"
+    return f"{depth}, lr {t['lr']:g}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}"
 
 
 def add_tables(run: Run, meta: dict) -> None:
     ks = [str(k) for k in meta["ks"]]
-    budgets = mean_by([r for r in meta["runs"] if r["part"] == "budgets"], ("method", "budget_s"))
+    budgets = mean_by([r for r in meta["runs"] if r["part"] == "budgets"], ("method", "budget_s", "trained_as"))
     if budgets:
         rows = [[m, f"{b:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
                  *[f"{v['al'][k]:.3f}" for k in ks], " ".join(f"{p:.2f}" for p in v["pos"]), split]
-                for (m, b, split), v in sorted(budgets.items(), key=lambda kv: (kv[0][2] == OLD_OFFLINE, kv[0][1], kv[0][0]))]
+                for (m, b, _, split), v in sorted(budgets.items(),
+                                                  key=lambda kv: (kv[0][3] == OLD_OFFLINE, kv[0][1], kv[0][2], kv[0][0]))]
         run.add_table("Offline acceptance length per K at equal training time (the config's recipes)",
                       ["method", "budget s", "trained as", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
                        "per position", "offline split"],
@@ -291,15 +300,15 @@ def add_online_table(run: Run, meta: dict) -> None:
 
 def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
     """One row per variant and budget, its delta at K=5 against the config recipe's row."""
-    variants = mean_by([r for r in meta["runs"] if r["part"] == "variants"], ("recipe", "budget_s"))
+    variants = mean_by([r for r in meta["runs"] if r["part"] == "variants"], ("recipe", "budget_s", "trained_as"))
     if not variants:
         return
     order = [RECIPE_LABEL] + [label for label, _ in VARIANTS]
     k5 = ks[min(len(ks), 5) - 1]
     rows = []
-    for (label, budget, split), v in sorted(variants.items(), key=lambda kv: (
-            kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order))):
-        base = variants.get((RECIPE_LABEL, budget, split))
+    for (label, budget, trained, split), v in sorted(variants.items(), key=lambda kv: (
+            kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
+        base = next((b for (lb, bb, _, sb), b in variants.items() if (lb, bb, sb) == (RECIPE_LABEL, budget, split)), None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
         rows.append([label, f"{budget:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
                      *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])

@@ -240,6 +240,10 @@ class TrainConfig(Strict):
     # EAGLE-3 baseline trained on the same data (training-time-test steps).
     eagle3_baseline: bool = False
     eagle3_ttt_steps: int = Field(7, ge=1)
+    # EAGLE-3 heads' decoder layers (None: drafter.num_layers). Each method at its best depth for
+    # the same training time: P-EAGLE's parallel slots predict further ahead from the same
+    # context and want more layers; an EAGLE-3 step runs the drafter once per TTT step.
+    eagle3_num_layers: int | None = Field(None, ge=1)
 
     @field_validator("method")
     @classmethod

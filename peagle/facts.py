@@ -201,10 +201,13 @@ class DrafterShape:
 
 
 def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
-    """The drafter of ``cfg.drafter`` for this target: the target's own widths where unset.
+    """The drafter of ``cfg.drafter`` for this target: the target's own widths where unset, and
+    the depth of ``train.method`` (``DraftingMethod.num_layers``: EAGLE-3 may have its own).
 
     Raises ``ConfigError`` naming the key for shapes that cannot work.
     """
+    from peagle.methods import get_method
+
     d, ht = cfg.drafter, facts.target_hidden_size
     hidden = d.hidden_size or ht
     same_width = hidden == ht
@@ -223,7 +226,7 @@ def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
         )
     return DrafterShape(
         hidden_size=hidden,
-        num_layers=d.num_layers,
+        num_layers=get_method(cfg.train.method).num_layers(cfg),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

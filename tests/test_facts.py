@@ -9,6 +9,7 @@ from transformers import LlamaConfig
 from peagle.config import ConfigError, load_config
 from peagle.facts import HeadSpec, TargetFacts, head_spec_for, load_dataset_facts, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
+from peagle.stages import with_method
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,7 +37,7 @@ def test_the_drafter_shape_comes_from_the_drafter_section_not_the_data():
     assert facts_of_a_target(demo(**{"drafter.num_layers": 4})) == facts
     assert demo(**{"drafter.num_layers": 4}).section_hash("target", "data") == demo().section_hash("target", "data")
     # ...but the head trained on them has the new shape.
-    two, four = head_spec_for(demo(), facts), head_spec_for(demo(**{"drafter.num_layers": 4}), facts)
+    two, four = head_spec_for(demo(**{"drafter.num_layers": 2}), facts), head_spec_for(demo(**{"drafter.num_layers": 4}), facts)
     assert (two.num_layers, four.num_layers) == (2, 4)
     assert two.same_target_as(facts) and four.same_target_as(facts)
     assert four.method == "peagle" and four.k_train == demo().train.k_train
@@ -44,6 +45,16 @@ def test_the_drafter_shape_comes_from_the_drafter_section_not_the_data():
     assert (wide.hidden_size, wide.num_heads, wide.head_dim, wide.intermediate_size) == (128, 2, 64, 512)
     with pytest.raises(ConfigError, match="drafter: hidden_size 64 must divide by num_heads 3"):
         head_spec_for(demo(**{"drafter.num_heads": 3}), facts)
+
+
+def test_an_eagle3_head_may_have_a_depth_of_its_own():
+    """train.eagle3_num_layers: the EAGLE-3 baseline at its own best depth beside a deeper P-EAGLE head."""
+    cfg = demo(**{"drafter.num_layers": 3, "train.eagle3_num_layers": 2})
+    facts = facts_of_a_target(cfg)
+    assert head_spec_for(cfg, facts).num_layers == 3  # P-EAGLE: the drafter section's
+    assert head_spec_for(with_method(cfg, "eagle3"), facts).num_layers == 2
+    unset = demo(**{"drafter.num_layers": 3, "train.eagle3_num_layers": None})
+    assert head_spec_for(with_method(unset, "eagle3"), facts).num_layers == 3
 
 
 def test_facts_and_specs_round_trip_and_old_files_are_handled(tmp_path):

@@ -72,6 +72,8 @@ def test_the_drafter_shape_and_the_dataset_count(inputs):
 def test_fields_of_another_method_do_not_count():
     peagle, eagle3 = tiny_config(), tiny_config(method="eagle3")
     assert training_hash(with_train(peagle, eagle3_ttt_steps=3)) == training_hash(peagle)
+    assert training_hash(with_train(peagle, eagle3_num_layers=3)) == training_hash(peagle)
+    assert training_hash(with_train(eagle3, eagle3_num_layers=3)) != training_hash(eagle3)
     assert training_hash(with_train(eagle3, k_train=7, cod_ratio=0.5)) == training_hash(eagle3)
     assert training_hash(with_train(eagle3, eagle3_ttt_steps=3)) != training_hash(eagle3)
     # a head of another method on the same config is another head

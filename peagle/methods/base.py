@@ -97,6 +97,11 @@ class DraftingMethod:
         """Tensors the head ships beyond the EAGLE-3 contract (``peagle.export.contract``)."""
         return {}
 
+    def num_layers(self, cfg) -> int:
+        """Decoder layers of this method's drafter under ``cfg`` (``drafter.num_layers`` unless the
+        method has a depth of its own)."""
+        return cfg.drafter.num_layers
+
     def card_training(self, train, spec: HeadSpec) -> dict[str, str]:
         """The model card's training facts that belong to this method (``spec``: the head trained)."""
         return {"method": self.display_name}

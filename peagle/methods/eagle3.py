@@ -211,7 +211,7 @@ class Eagle3(DraftingMethod):
     label = "eagle-3"
     display_name = "EAGLE-3"
     parallel_drafting = False
-    own_train_fields = frozenset({"eagle3_ttt_steps"})
+    own_train_fields = frozenset({"eagle3_ttt_steps", "eagle3_num_layers"})
     # Untrained here; shipping it would let vLLM serve the head with parallel drafting.
     omitted_tensors = frozenset({"mask_hidden"})
     card_summary = ("An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with "
@@ -237,6 +237,9 @@ class Eagle3(DraftingMethod):
             depths=steps,
             weighting=train.loss_depth_weighting,
         )
+
+    def num_layers(self, cfg) -> int:
+        return cfg.train.eagle3_num_layers or cfg.drafter.num_layers
 
     def prepare_drafter(self, drafter, train) -> None:
         """The embedding table stays frozen, as EAGLE-3's reference trainers keep it: every token
