@@ -260,9 +260,12 @@ class Eagle3(DraftingMethod):
         return torch.cat(anchor), torch.cat(depth), torch.cat(tokens)
 
     def card_training(self, train, spec) -> dict[str, str]:
-        trained = ("all but the embedding table (kept as it started: the target's or the warm start's)"
-                   if starts_from_trained_rows(spec, train) else
-                   "all (the embedding table too: this drafter is narrower than its target and started it random)")
+        if train.init_from:
+            trained = "all but the embedding table (the warm start head's)"
+        elif starts_from_trained_rows(spec, train):
+            trained = "all but the embedding table (the target's)"
+        else:
+            trained = "all (the embedding table too: this drafter is narrower than its target and started it random)"
         return {"method": "EAGLE-3 (training-time test)", "TTT steps": str(train.eagle3_ttt_steps),
                 "trained parameters": trained}
 
