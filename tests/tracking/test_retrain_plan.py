@@ -153,7 +153,7 @@ def test_a_weight_changing_config_retrains(world, trained):
     cfg, target, _ = trained
     plan = plan_retraining(with_train(cfg, learning_rate=cfg.train.learning_rate / 2), target)
     assert plan.retrain and plan.changes[0].startswith("drafter/train config or method changed")
-    deeper = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"num_layers": 3})})
+    deeper = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"num_layers": cfg.drafter.num_layers + 1})})
     assert plan_retraining(deeper, target).retrain
 
 
