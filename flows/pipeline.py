@@ -63,8 +63,7 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
 
 
 def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool) -> PipelineResult:
-    from peagle.export.card import run_card, write_card  # imports torch: not at flow import
-    from peagle.train.checkpoint import read_head_spec
+    from peagle.export.card import write_run_card  # imports torch: not at flow import
     from peagle.tracking import Tracker
 
     method, *baseline = trained_methods(cfg.train)  # the head, then the EAGLE-3 baseline when asked for
@@ -96,12 +95,10 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
         with timer.stage("evaluate"), tracker.stage("evaluate") as run:
             online = evaluate_flow(config, head_dir, target=target, head_key=head_key, baseline_dir=baseline_dir)
             plot = records.record_online(run, online, RunLayout(cfg.run_dir).eval)
-            write_card(head_dir, run_card(cfg, data, online, trained.offline, read_head_spec(trained.best_checkpoint)),
-                       trained.best_checkpoint)
+            write_run_card(head_dir, cfg, data, online, trained.offline, trained.best_checkpoint)
             for other in baseline:
-                write_card(baseline_dir, run_card(cfg, data, online, compared.offline,
-                                                  read_head_spec(compared.best_checkpoint), method=other),
-                           compared.best_checkpoint)
+                write_run_card(baseline_dir, cfg, data, online, compared.offline, compared.best_checkpoint,
+                               method=other)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(config, head_dir, str(RunLayout(cfg.run_dir).online_results),
                                      mlflow_run_id=tracker.run_id)

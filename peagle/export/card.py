@@ -288,3 +288,12 @@ def write_card(head_dir: Path, card: ModelCardInfo, checkpoint: Path) -> Path:
     """
     spec = HeadSpec.load(CheckpointLayout(checkpoint).head_spec)
     return write_text_atomic(Path(head_dir) / "README.md", render_model_card(card, spec))
+
+
+def write_run_card(head_dir: Path, cfg: PipelineConfig, data, online, offline, checkpoint: Path, *,
+                   method: str | DraftingMethod | None = None) -> Path:
+    """``write_card`` of ``run_card``: the pipeline's card for a head, the checkpoint's spec read
+    once for what trained and for the architecture."""
+    spec = HeadSpec.load(CheckpointLayout(checkpoint).head_spec)
+    card = run_card(cfg, data, online, offline, spec, method=method)
+    return write_text_atomic(Path(head_dir) / "README.md", render_model_card(card, spec))
