@@ -183,8 +183,8 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
         head = heads[get_method(cfg.train.method).name]
         champion = champion_to_measure(cfg, head)
         if champion is not None:
-            get_run_logger().info("measuring champion v%s beside the new head (same prompts, K and engine settings)",
-                                  champion.version)
+            get_run_logger().info("measuring champion v%s beside the new head at K=%d, the K the gate compares "
+                                  "(same prompts and engine settings)", champion.version, max(cfg.eval.ks))
         key = evaluation_key(cfg, target, heads, head_key, champion)
         online = online_task.with_options(**limits(cfg, "evaluate", cached=True))(cfg, target, heads, key, champion)
         get_run_logger().info("%s", acceptance_markdown(online))

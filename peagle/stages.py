@@ -258,7 +258,8 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
     """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
     method's label, drafting as the method does), against the no-speculation baseline; the
     registry's champion (a ``peagle.tracking.gate.ChampionHead``) in the same run when given,
-    its rows labelled ``champion-v<N>``, so the gate compares like with like."""
+    its rows labelled ``champion-v<N>``, so the gate compares like with like: at the largest K,
+    the only K the gate reads (``peagle.tracking.gate.head_score``), one engine."""
     from peagle.eval.online import evaluate_online as run_online
     from peagle.eval.online import load_completion_prompts
 
@@ -281,6 +282,7 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
         dtype=cfg.target.dtype,
         completion_prompts=load_completion_prompts(cfg),
         completion_prompt_set=Path(cfg.eval.completion_prompts).stem if cfg.eval.completion_prompts else "",
+        largest_k_only=[champion.label] if champion is not None else [],  # the gate compares there
     )
 
 

@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -375,6 +375,7 @@ def evaluate_online(
     on_row: Callable[[OnlineRow], None] | None = None,
     completion_prompts: Sequence[str] = (),
     completion_prompt_set: str = "",
+    largest_k_only: Collection[str] = (),
 ) -> OnlineResult:
     """Serve each head at each K (plus the target alone) and measure every concurrency level.
 
@@ -383,7 +384,9 @@ def evaluate_online(
     default the target's). ``methods`` gives each label's drafting method (default
     P-EAGLE): it decides whether vLLM drafts in parallel. ``on_row`` sees each row as soon
     as it is measured. ``completion_prompts`` (raw texts) are measured on the same engines
-    after the chat prompts, into ``result.completion``.
+    after the chat prompts, into ``result.completion``. Heads labelled in ``largest_k_only`` are
+    served at the largest K alone: one engine where a comparison needs no more (the registry
+    champion: the gate compares at the largest K).
     """
     from peagle.serving import open_llm
 
@@ -391,8 +394,9 @@ def evaluate_online(
     ks, concurrency = sorted(set(ks)), sorted(set(concurrency))
     _check_inputs(heads, ks, concurrency, max_tokens, vllm_cfg)
     methods = dict(methods or {})
-    if set(methods) - set(heads):
-        raise ValueError(f"methods names heads {sorted(set(methods) - set(heads))} that are not in heads {sorted(heads)}")
+    for what, labels in (("methods", methods), ("largest_k_only", largest_k_only)):
+        if set(labels) - set(heads):
+            raise ValueError(f"{what} names heads {sorted(set(labels) - set(heads))} that are not in heads {sorted(heads)}")
     parallel = {label: get_method(methods.get(label, DEFAULT_METHOD)).parallel_drafting for label in heads}
     if prompts and not isinstance(prompts[0][0] if prompts[0] else 0, int) and tokenizer is None:
         from transformers import AutoTokenizer
@@ -420,7 +424,7 @@ def evaluate_online(
         runs.append((BASELINE, 0, None, None))
     for label, head in heads.items():
         runs += [(label, k, speculative_config(str(Path(head).resolve()), k, parallel_drafting=parallel[label]),
-                  parallel[label]) for k in ks]
+                  parallel[label]) for k in (ks[-1:] if label in largest_k_only else ks)]
 
     for method, k, spec_cfg, par in runs:
         log.info("online eval: starting engine for %s K=%d", method, k)

@@ -401,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    from peagle.train.engine import flush_denormals
     from peagle.train.trainer import train_drafter
 
+    flush_denormals()
     train_drafter(
         cfg,
         args.data_dir,

@@ -141,6 +141,8 @@ def test_bad_inputs_fail_before_any_engine_starts(tmp_path):
         evaluate_online(tmp_path, {"p-eagle": tmp_path / "none"}, cfg, [[1, 2]], ks=[1])
     with pytest.raises(ValueError, match="exceeds vllm.max_num_seqs=2"):
         evaluate_online(tmp_path, {}, cfg, [[1, 2]], ks=[1], concurrency=[4])
+    with pytest.raises(ValueError, match=r"largest_k_only names heads \['champion-v1'\] that are not in heads"):
+        evaluate_online(tmp_path, {}, cfg, [[1, 2]], ks=[1], largest_k_only=["champion-v1"])
     with pytest.raises(ValueError, match="no prompt fits"):
         evaluate_online(tmp_path, {}, VllmConfig(max_model_len=64), [[1] * 60], ks=[1], max_tokens=16)
 

@@ -27,8 +27,9 @@ NEW_PROMPTS = 8
 
 def retrain_overrides(run) -> dict:
     """The shared run's config, without the EAGLE-3 baseline: retraining trains one head
-    (the shared run covers the baseline), which the lineage records as a config change too."""
-    return {**run.overrides, "train.eagle3_baseline": False}
+    (the shared run covers the baseline), which the lineage records as a config change too.
+    Two Ks, so the evaluation shows the champion served at the largest alone."""
+    return {**run.overrides, "train.eagle3_baseline": False, "eval.ks": [1, 3]}
 
 
 def samples(run: Path) -> dict[str, dict]:
@@ -189,8 +190,11 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     online, label = result.pipeline.online, f"champion-v{champion_before.version}"
     assert online.methods() == ["p-eagle", label]
     rows = {m: [(r.k, r.concurrency, r.requests) for r in online.rows if r.method == m] for m in online.methods()}
-    assert rows["p-eagle"] == rows[label] and all(r.num_drafts > 0 for r in online.rows if r.method == label)
     cfg = load_config(pipeline_run.config, retrain_overrides(pipeline_run))
+    assert [k for k, _, _ in rows["p-eagle"]] == cfg.eval.ks == [1, 3]
+    # the champion on one engine, at the K the gate compares (the largest), on the same prompts
+    assert rows[label] == [r for r in rows["p-eagle"] if r[0] == 3]
+    assert all(r.num_drafts > 0 for r in online.rows if r.method == label)
     score, champion_score = head_score(cfg, online, "p-eagle"), head_score(cfg, online, label)
     assert float(new.tags["peagle.score"]) == score
     assert float(new.tags["peagle.promotion.champion_score"]) == champion_score

@@ -58,3 +58,23 @@ def test_progress_is_throttled_but_keeps_first_and_last_step(tmp_path, caplog):
 
 def test_durations_read_like_an_eta():
     assert [format_duration(s) for s in (7, 75, 3725)] == ["7s", "1m15s", "1h02m"]
+
+
+def test_a_rank_flushes_subnormal_floats_on_its_threads():
+    """Subnormal arithmetic takes a slow path on CPUs; a rank (its own process) flushes it to
+    zero on its main thread and on the threads it starts later (torch's workers)."""
+    import subprocess
+
+    code = textwrap.dedent("""
+        import threading, torch
+        from peagle.train.engine import flush_denormals
+        tiny = lambda: (torch.tensor([1e-39]) * 1.0).item()
+        before = tiny()
+        flushed = flush_denormals()
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(tiny()))
+        worker.start(); worker.join()
+        print(before > 0, flushed, tiny(), seen[0])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "0.0", "0.0"], out
