@@ -1,0 +1,118 @@
+"""Output tokens/s of the demo's two heads in vLLM, over several rounds: how sure a speed ratio is.
+
+One `make demo` evaluation measures each engine once (16 requests). On 2 CPU cores such a
+single measurement varies a lot between runs: the no-speculation engine served 133.9 tokens/s
+in one demo run and 197.3 in the next. So a ratio of two single measurements (P-EAGLE's
+output tokens/s over EAGLE-3's, the issue's 1.3x goal) says little. Here each round serves
+no speculation, P-EAGLE and EAGLE-3 at one K through the pipeline's own evaluation
+(``peagle.stages.evaluate_online``: a fresh engine each, a warm-up request, then the eval
+prompts), and the ratios are taken within a round, then summarised over rounds.
+
+    .venv/bin/python bench/serving_speed.py              # 3 rounds, K = 5, concurrency 1
+    .venv/bin/python bench/serving_speed.py --rounds 5 --k 3
+
+The heads are the demo run's exported ones (``make demo`` first). Writes
+bench/results/serving_speed.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_files import load_average, markdown_table, write_results  # noqa: E402
+
+NAME = "serving_speed"
+CONFIG = "configs/demo.yaml"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--config", default=CONFIG)
+    p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
+    return p.parse_args(argv)
+
+
+def speeds(online) -> dict[str, float]:
+    """Output tokens/s of each method's row in one evaluation."""
+    return {r.method: r.output_tokens_per_s for r in online.rows}
+
+
+def summarise(rounds: list[dict[str, float]], head: str, other: str, baseline: str) -> dict:
+    """Per-round ratios of ``head`` over ``other`` and over ``baseline``: median, lowest, highest."""
+    def spread(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    return {f"{head}/{other}": spread([r[head] / r[other] for r in rounds]),
+            f"{head}/{baseline}": spread([r[head] / r[baseline] for r in rounds]),
+            f"{other}/{baseline}": spread([r[other] / r[baseline] for r in rounds])}
+
+
+def markdown(rounds: list[dict[str, float]], acceptance: dict[str, float], ratios: dict, meta: dict) -> str:
+    methods = list(rounds[0])
+    lines = [f"# Serving speed over rounds ({meta['date']})", "",
+             f"K = {meta['k']}, concurrency {meta['concurrency']}, {meta['num_prompts']} prompts, "
+             f"max_tokens {meta['max_tokens']}, vLLM on CPU; one fresh engine per method per round. "
+             f"Load average at the end: {meta['load_average']}.", "",
+             "Output tokens/s per round:", ""]
+    lines += markdown_table(["round", *methods], [[i + 1, *(f"{r[m]:.1f}" for m in methods)]
+                                                   for i, r in enumerate(rounds)])
+    lines += ["", "Acceptance length (last round): "
+              + ", ".join(f"{m} {a:.2f}" for m, a in acceptance.items()), "", "Ratios within a round:", ""]
+    lines += markdown_table(["ratio", "median", "lowest", "highest"],
+                            [[name, f"{v['median']:.2f}x", f"{v['min']:.2f}x", f"{v['max']:.2f}x"]
+                             for name, v in ratios.items()])
+    return "\n".join(lines + [""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from peagle.paths import configure_environment
+
+    configure_environment()
+    from rich.console import Console
+
+    from peagle import stages
+    from peagle.config import load_config
+    from peagle.eval.online import BASELINE  # the no-speculation rows
+    from peagle.methods import get_method
+
+    console = Console()
+    cfg = load_config(args.config, {"eval.ks": [args.k], "eval.concurrency": [args.concurrency],
+                                     "eval.completion_prompts": None})
+    try:
+        heads = stages.heads_to_evaluate(cfg)
+    except FileNotFoundError as err:
+        raise SystemExit(f"{err} (`make demo`, or `peagle run {args.config}`, trains and exports both)") from None
+    if len(heads) < 2:
+        raise SystemExit(f"{args.config} trains no EAGLE-3 baseline (train.eagle3_baseline): nothing to compare with")
+    target = stages.prepare_target(cfg)
+    rounds, online = [], None
+    for i in range(args.rounds):
+        start = time.perf_counter()
+        online = stages.evaluate_online(cfg, target, heads)
+        rounds.append(speeds(online))
+        console.print(f"round {i + 1}/{args.rounds} ({time.perf_counter() - start:.0f} s): "
+                      + ", ".join(f"{m} {s:.1f} tok/s" for m, s in rounds[-1].items()))
+    head, other = (get_method(m).label for m in heads)
+    ratios = summarise(rounds, head, other, BASELINE)
+    acceptance = {r.method: r.acceptance_length for r in online.rows if r.acceptance_length is not None}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "concurrency": args.concurrency,
+            "num_prompts": cfg.eval.num_prompts, "max_tokens": cfg.eval.max_tokens, "load_average": load_average(),
+            "heads": {m: str(d) for m, d in heads.items()}}
+    text = markdown(rounds, acceptance, ratios, meta)
+    write_results(NAME, {"meta": meta, "rounds": rounds, "acceptance": acceptance, "ratios": ratios}, text,
+                  args.out_dir)
+    console.print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
