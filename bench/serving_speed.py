@@ -11,6 +11,9 @@ prompts), and the ratios are taken within a round, then summarised over rounds.
     .venv/bin/python bench/serving_speed.py              # 3 rounds, K = 5, concurrency 1
     .venv/bin/python bench/serving_speed.py --rounds 5 --k 3
 
+Leave OMP_NUM_THREADS unset, as `make demo` does: vLLM picks its own threads then (with it set,
+vLLM keeps that many torch threads for serving and warns that it may be slower).
+
 The heads are the demo run's exported ones (``make demo`` first). Writes
 bench/results/serving_speed.{json,md}.
 """
@@ -18,6 +21,7 @@ bench/results/serving_speed.{json,md}.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import sys
 import time
@@ -82,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     from peagle import stages
     from peagle.config import load_config
     from peagle.eval.online import BASELINE  # the no-speculation rows
+    from peagle.logs import library_output_to, show_on_console
     from peagle.methods import get_method
 
     console = Console()
+    show_on_console()  # peagle's lines (engine starts, rounds) stay on the console; vLLM's go to the log
+    log = logging.getLogger("peagle.bench.serving_speed")
     cfg = load_config(args.config, {"eval.ks": [args.k], "eval.concurrency": [args.concurrency],
                                      "eval.completion_prompts": None})
     try:
@@ -95,12 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.config} trains no EAGLE-3 baseline (train.eagle3_baseline): nothing to compare with")
     target = stages.prepare_target(cfg)
     rounds, online = [], None
-    for i in range(args.rounds):
-        start = time.perf_counter()
-        online = stages.evaluate_online(cfg, target, heads)
-        rounds.append(speeds(online))
-        console.print(f"round {i + 1}/{args.rounds} ({time.perf_counter() - start:.0f} s): "
-                      + ", ".join(f"{m} {s:.1f} tok/s" for m, s in rounds[-1].items()))
+    library_log = cfg.run_dir / "logs" / f"{NAME}.log"
+    console.print(f"library output (vLLM, torch) goes to {library_log}")
+    with library_output_to(library_log):
+        for i in range(args.rounds):
+            start = time.perf_counter()
+            online = stages.evaluate_online(cfg, target, heads)
+            rounds.append(speeds(online))
+            log.info("round %d/%d (%.0f s): %s", i + 1, args.rounds, time.perf_counter() - start,
+                     ", ".join(f"{m} {s:.1f} tok/s" for m, s in rounds[-1].items()))
     head, other = (get_method(m).label for m in heads)
     ratios = summarise(rounds, head, other, BASELINE)
     acceptance = {r.method: r.acceptance_length for r in online.rows if r.acceptance_length is not None}
