@@ -320,7 +320,9 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
 
 
 def plot(meta: dict, out: Path) -> None:
-    """Acceptance length at K=5 (or the largest K) against training seconds, one line per method."""
+    """Acceptance length at K=5 (or the largest K) against training seconds: one series per method
+    and recipe (a recipe's runs joined with another's read as a trend that is not there), each run
+    a point, a line through each budget's mean."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -332,20 +334,29 @@ def plot(meta: dict, out: Path) -> None:
     runs = [r for r in meta["runs"] if r["part"] == "budgets"]
     if any(offline_kind(r) != OLD_OFFLINE for r in runs):  # one way of simulating per plot: the current one
         runs = [r for r in runs if offline_kind(r) != OLD_OFFLINE]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for method, style in (("peagle", "o-"), ("eagle3", "s--")):
-        # joined in budget order (the machine's load can make a longer run's seconds shorter)
-        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: (r["budget_s"], r["steps"]))
-        if mine:
-            xs, ys = [r["train_seconds"] for r in mine], [r["acceptance_length"][k] for r in mine]
-            ax.plot(xs, ys, style, label=f"{'P-EAGLE' if method == 'peagle' else 'EAGLE-3'} (one run per point)")
-            for x, y, r in zip(xs, ys, mine):
-                ax.annotate(f"{r['steps']} steps", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    series: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(runs, key=lambda r: (r["method"] != "peagle", trained_as(r))):
+        series.setdefault((r["method"], trained_as(r)), []).append(r)
+    for (method, trained), mine in series.items():
+        name = "P-EAGLE" if method == "peagle" else "EAGLE-3"
+        marker, line = ("o", "-") if method == "peagle" else ("s", "--")
+        points = ax.scatter([r["train_seconds"] for r in mine], [r["acceptance_length"][k] for r in mine],
+                            marker=marker, alpha=0.45, s=22)
+        by_budget: dict[float, list[dict]] = {}
+        for r in mine:
+            by_budget.setdefault(r["budget_s"], []).append(r)
+        means = [(statistics.fmean(r["train_seconds"] for r in rs), statistics.fmean(r["acceptance_length"][k] for r in rs),
+                  statistics.fmean(r["steps"] for r in rs)) for _, rs in sorted(by_budget.items())]
+        ax.plot([m[0] for m in means], [m[1] for m in means], line, marker=marker, color=points.get_facecolor()[0][:3],
+                label=f"{name}, {trained} (mean per budget)")
+        for x, y, steps in means:
+            ax.annotate(f"{steps:.0f} steps", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=7)
     ax.set_xlabel("training seconds (summed step times)")
     ax.set_ylabel(f"offline acceptance length, K={k}")
     ax.set_title(f"Acceptance vs training time, {meta['data_name']}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
