@@ -343,15 +343,12 @@ def plot(meta: dict, out: Path) -> None:
         marker, line = ("o", "-") if method == "peagle" else ("s", "--")
         points = ax.scatter([r["train_seconds"] for r in mine], [r["acceptance_length"][k] for r in mine],
                             marker=marker, alpha=0.45, s=22)
-        by_budget: dict[float, list[dict]] = {}
-        for r in mine:
-            by_budget.setdefault(r["budget_s"], []).append(r)
-        means = [(statistics.fmean(r["train_seconds"] for r in rs), statistics.fmean(r["acceptance_length"][k] for r in rs),
-                  statistics.fmean(r["steps"] for r in rs)) for _, rs in sorted(by_budget.items())]
-        ax.plot([m[0] for m in means], [m[1] for m in means], line, marker=marker, color=points.get_facecolor()[0][:3],
-                label=f"{name}, {trained} (mean per budget)")
-        for x, y, steps in means:
-            ax.annotate(f"{steps:.0f} steps", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=7)
+        means = [v for _, v in sorted(mean_by(mine, ("budget_s",)).items())]
+        ax.plot([v["train_s"] for v in means], [v["al"][k] for v in means], line, marker=marker,
+                color=points.get_facecolor()[0][:3], label=f"{name}, {trained} (mean per budget)")
+        for v in means:
+            ax.annotate(f"{v['steps']:.0f} steps", (v["train_s"], v["al"][k]), textcoords="offset points",
+                        xytext=(4, -12), fontsize=7)
     ax.set_xlabel("training seconds (summed step times)")
     ax.set_ylabel(f"offline acceptance length, K={k}")
     ax.set_title(f"Acceptance vs training time, {meta['data_name']}")
