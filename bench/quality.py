@@ -368,6 +368,7 @@ def notes(meta: dict) -> list[str]:
         f"config {meta['args']['config']} with {json.dumps(meta['base_overrides'])}; "
         f"OMP_NUM_THREADS={meta['args']['threads']}; {len(runs)} runs",
         OFFLINE_NOTE + f"; runs marked '{OLD_OFFLINE}' were simulated before that walk existed",
+        f"GPU: {meta['gpu']} (one rank)" if meta.get("gpu") else
         "shared 2-core machine: step times vary with the other jobs' load (see load averages)",
     ]
 
@@ -425,6 +426,8 @@ def main() -> None:
                              f"(K={ONLINE_K}, concurrency {ONLINE_CONCURRENCY}) against no speculation")
     parser.add_argument("--quick", action="store_true", help="a tiny random target and dataset, tiny budgets")
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a config key for every run, e.g. --set train.precision=bf16 on a GPU")
     args = parser.parse_args()
     if args.online and args.quick:
         parser.error("--online serves the heads in vLLM, which cannot run --quick's tiny target (head_dim 16); "
@@ -434,13 +437,13 @@ def main() -> None:
         render(Run.restore(name))
         return
 
-    from peagle.config import load_config
+    from peagle.config import load_config, parse_overrides
     from peagle.layout import RunLayout
     from peagle.paths import peagle_home
 
     setup_head_bench(args.threads)
     run = Run(name, vars(args))
-    base = {"train.epochs": args.epochs} if args.epochs else {}
+    base = {**parse_overrides(args.set), **({"train.epochs": args.epochs} if args.epochs else {})}
     with tempfile.TemporaryDirectory(prefix="peagle-bench-") as tmp:
         if args.quick:
             data_dir, target_dir = tiny_head_dataset(Path(tmp))

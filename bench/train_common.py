@@ -82,6 +82,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -33,6 +34,12 @@ from peagle.layout import CheckpointLayout
 from peagle.model.target_weights import load_target_tensors
 
 MASK_HIDDEN_INIT_STD = 0.02
+# Every SDPA backend but cuDNN's. PyTorch picks cuDNN attention for bf16 on Hopper, and it builds
+# a graph for every new sequence length: on an H100, 0.32-0.43 s per forward+backward against
+# 0.7-1.9 ms for the memory-efficient kernel (bench/README.md, session 13). A drafter's element
+# count changes every training step and every evaluated prompt, so nearly every call would build.
+# Flash attention takes no mask; the memory-efficient kernel takes any mask at any length.
+MASKED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -118,7 +125,8 @@ class Attention(nn.Module):
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.head_dim**-0.5)
+        with sdpa_kernel(MASKED_ATTENTION_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 

@@ -400,3 +400,24 @@ def test_bf16_cast_keeps_rope_frequencies_in_fp32():
     drafter = PEagleDrafter(tiny_spec()).to(torch.bfloat16)
     assert drafter.rotary.inv_freq.dtype == torch.float32
     assert all(p.dtype == torch.bfloat16 for p in drafter.parameters())
+
+
+def test_attention_never_lets_torch_pick_cudnn(monkeypatch):
+    """cuDNN's attention (PyTorch's pick for bf16 on Hopper) builds a graph per sequence length:
+    0.3-0.4 s per call on an H100 when, as in training, every step's length is new. The drafter's
+    attention must run with it switched off, and leave torch's setting as it found it."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    drafter = randomize(PEagleDrafter(tiny_spec(layers=2)))
+    n = 9
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    drafter(torch.randint(0, 90, (1, n)), torch.randn(1, n, 96), torch.arange(n)[None], causal).logits.sum().backward()
+    assert seen == [False, False]  # one call per layer, cuDNN off in each
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
