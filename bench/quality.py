@@ -81,6 +81,9 @@ VARIANTS = [
     ("k_train 5 and lr 1.5e-3 (the two best single changes together)",
      {"train.k_train": 5, "train.learning_rate": 1.5e-3}),
     ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
+    ("Muon (lr 0.02) on the decoder's matrices, AdamW on the rest", {"train.optimizer": "muon"}),
+    ("Muon at lr 0.04", {"train.optimizer": "muon", "train.muon_learning_rate": 0.04}),
+    ("Muon at lr 0.01", {"train.optimizer": "muon", "train.muon_learning_rate": 0.01}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -118,7 +121,8 @@ def measure(cfg, target, data_dir: Path) -> dict:
     return {"steps": len(seconds), "train_seconds": sum(seconds), "wall_seconds": wall, "final_loss": last["loss"],
             "warm_start": trained.warm_start,
             "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
-                      "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": get_method(t.method).num_layers(cfg)},
+                      "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": get_method(t.method).num_layers(cfg),
+                      "optimizer": t.optimizer, "muon_lr": t.muon_learning_rate},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
             "checkpoint": str(trained.last_checkpoint),
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
@@ -241,7 +245,8 @@ def trained_as(run: dict) -> str:
     if not t:
         return "?"
     depth = f"TTT {t['eagle3_ttt_steps']}" if run["method"] == "eagle3" else f"K_train {t['k_train']}"
-    return f"{depth}, lr {t['lr']:g}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}"
+    optimizer = f", Muon {t['muon_lr']:g}" if t.get("optimizer", "adamw") == "muon" else ""
+    return f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}"
 
 
 def add_tables(run: Run, meta: dict) -> None:
@@ -351,7 +356,8 @@ def plot(meta: dict, out: Path) -> None:
                         xytext=(4, -12), fontsize=7)
     ax.set_xlabel("training seconds (summed step times)")
     ax.set_ylabel(f"offline acceptance length, K={k}")
-    ax.set_title(f"Acceptance vs training time, {meta['data_name']}")
+    where = f", {meta['gpu']}" if meta.get("gpu") else ""
+    ax.set_title(f"Acceptance vs training time, {meta['data_name']}{where}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -365,7 +371,8 @@ def notes(meta: dict) -> list[str]:
     return [
         f"data: {meta['data_dir']}" + (" (tiny random target, --quick)" if meta["args"].get("quick") else ""),
         f"budget -> train.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe; "
-        f"config {meta['args']['config']} with {json.dumps(meta['base_overrides'])}; "
+        f"config {meta['args']['config']}; the last invocation's overrides {json.dumps(meta['base_overrides'])} "
+        "(each run's own recipe: its 'trained as'); "
         f"OMP_NUM_THREADS={meta['args']['threads']}; {len(runs)} runs",
         OFFLINE_NOTE + f"; runs marked '{OLD_OFFLINE}' were simulated before that walk existed",
         f"GPU: {meta['gpu']} (one rank)" if meta.get("gpu") else

@@ -213,6 +213,10 @@ class TrainConfig(Strict):
     micro_batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
+    # "muon": DeepSpeed's Muon on the decoder's matrices (fc, attention, MLP) at
+    # muon_learning_rate, AdamW at learning_rate on the rest (norms, mask row, mask_hidden).
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_learning_rate: float = Field(0.02, gt=0)
     warmup_ratio: float = Field(0.0025, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)

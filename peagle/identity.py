@@ -33,6 +33,8 @@ Bookkeeping, which never counts (``BOOKKEEPING``):
   ``train_result.json`` (``warm_start``).
 - ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``: where the
   ranks run, not what they compute.
+``optimizer`` and ``muon_learning_rate`` count only with ``optimizer: muon``: every head
+trained before the field existed trained with AdamW, and keeps its identity.
 ``world_size`` and ``grad_accum`` count as their product (``micro_batches_per_step``): with
 ``micro_batch_size`` it sets the global batch, and step s trains the same samples however
 it splits into ranks x accumulation (``peagle.train.data``), so a head trained on 2 ranks
@@ -62,6 +64,8 @@ def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
     others = {f for name in available_methods() for f in get_method(name).own_train_fields}
     ignored = BOOKKEEPING | LAUNCH | SPLIT_OF_THE_BATCH | (others - method.own_train_fields)
     train = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in ignored}
+    if cfg.train.optimizer == "adamw":
+        del train["optimizer"], train["muon_learning_rate"]
     train["micro_batches_per_step"] = cfg.train.micro_batches_per_step
     train["method"] = method.name
     return {"drafter": cfg.drafter.model_dump(mode="json"), "train": train}

@@ -12,14 +12,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))  # the tiny-run builders
 from test_deepspeed import one_thread, tiny_config, tiny_facts, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
 
-from peagle.identity import BOOKKEEPING, head_identity, training_hash  # noqa: E402
+from peagle.identity import BOOKKEEPING, head_identity, training_fields, training_hash  # noqa: E402
 from peagle.lineage import changes_since, lineage  # noqa: E402
 from peagle.stages import TargetInfo, with_train  # noqa: E402
 
 BOOKKEEPING_CHANGES = {"keep_last": 7, "save_every": 3, "eval_every": 5, "eagle3_baseline": True,
                        "init_from": "/heads/champion-v3"}
 WEIGHT_CHANGES = {"learning_rate": 3e-4, "k_train": 5, "method": "eagle3", "seed": 1, "world_size": 2,
-                  "epochs": 2, "loss_depth_weighting": "per_depth_mean"}
+                  "epochs": 2, "loss_depth_weighting": "per_depth_mean", "optimizer": "muon"}
 DATASET = {"train": "aa", "eval": "bb"}
 
 
@@ -98,3 +98,12 @@ def test_resume_follows_the_identity(tiny_run, tmp_path):
     assert ckpt.latest_checkpoint(out) == out / "step-000001"
     with pytest.raises(ValueError, match=r"cannot resume .*\(head identity \(dataset, weight-changing config"):
         train_drafter(tiny_config(max_steps=1, learning_rate=1e-2), data_dir, str(target), out, progress=False)
+
+
+def test_the_optimizer_fields_count_only_with_muon():
+    """Heads trained before train.optimizer existed (AdamW) keep their identity; Muon's lr counts under Muon."""
+    cfg = tiny_config()
+    assert "optimizer" not in training_fields(cfg)["train"]
+    assert training_hash(with_train(cfg, muon_learning_rate=0.05)) == training_hash(cfg)
+    muon = with_train(cfg, optimizer="muon")
+    assert training_hash(with_train(muon, muon_learning_rate=0.05)) != training_hash(muon) != training_hash(cfg)

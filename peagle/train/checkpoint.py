@@ -11,8 +11,9 @@
     deepspeed/engine/     DeepSpeed's own engine checkpoint (module, optimizer, scheduler),
                           partitioned for the world size that wrote it
     optimizer.safetensors the same state consolidated, free of any world size: per
-                          parameter name its fp32 weights and AdamW moments, with the
-                          AdamW step, LR schedule and DeepSpeed's counters as metadata
+                          parameter name its fp32 weights and optimizer state (AdamW's
+                          moments, or Muon's momentum for the matrices Muon trains), with
+                          AdamW's step, LR schedule and DeepSpeed's counters as metadata
 
 A checkpoint is written into ``<root>/.tmp-step-NNNNNN`` and renamed when every rank
 has finished, so a visible ``step-*`` directory is always complete; ``latest`` and
@@ -53,7 +54,8 @@ from peagle.layout import BEST, DRAFTER_FILE, HEAD_SPEC_FILE, LATEST, TRAINER_ST
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "engine"
 OPTIMIZER_FILE = "optimizer.safetensors"
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step count
+ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step count
+MUON_STATE = ("momentum_buffer",)  # Muon's (train.optimizer: muon), on the matrices it trains
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
 STATE_VERSION = 1
@@ -404,36 +406,49 @@ def load_checkpoint(engine, checkpoint: Path) -> TrainerState:
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch AdamW under DeepSpeed's wrappers (ZeRO / bf16 optimizers hold it as ``.optimizer``)."""
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO / bf16 optimizers hold it as
+    ``.optimizer``): torch's AdamW, or DeepSpeed's Muon (itself a ``torch.optim.Optimizer``)."""
     optimizer = engine.optimizer
-    while not type(optimizer).__module__.startswith("torch.optim"):
+    while not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
 
 
+def state_keys(muon: bool) -> tuple[str, ...]:
+    """The per-parameter state of the half of the optimizer that trains it."""
+    return MUON_STATE if muon else ADAMW_STATE
+
+
+def _trained_by_muon(param: torch.nn.Parameter) -> bool:
+    """DeepSpeed tags every model parameter ``use_muon`` when the optimizer is Muon."""
+    return bool(getattr(param, "use_muon", False))
+
+
 def _full_tensors(engine, param: torch.nn.Parameter, stepped: bool) -> dict[str, torch.Tensor]:
-    """fp32 weights and AdamW moments of one parameter, whole; collective under ZeRO.
+    """fp32 weights and optimizer state of one parameter, whole; collective under ZeRO.
 
     A parameter DeepSpeed does not shard (ZeRO-0 in fp32) is its own fp32 master, with
-    its moments in the optimizer's state under itself. Before the first step (``stepped``
-    false) AdamW has no moments yet: zeros, what its first step starts from.
+    its state in the optimizer's state under itself. Before the first step (``stepped``
+    false) there is no state yet: zeros, what the first step starts from.
     """
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    keys = state_keys(_trained_by_muon(param))
     full = {"fp32": safe_get_full_fp32_param(param)}
-    for key in MOMENTS:
+    for key in keys:
         full[key] = safe_get_full_optimizer_state(param, key) if stepped and full["fp32"] is not None else None
         if full[key] is None and full["fp32"] is not None:
             full[key] = torch.zeros_like(full["fp32"])
     if full["fp32"] is None:
         own = base_optimizer(engine).state.get(param, {})
-        full = {"fp32": param.detach(), **{key: own.get(key, torch.zeros_like(param)) for key in MOMENTS}}
+        full = {"fp32": param.detach(), **{key: own.get(key, torch.zeros_like(param)) for key in keys}}
     return {key: value.detach().float().cpu() for key, value in full.items()}
 
 
 def consolidated_optimizer_state(engine) -> dict[str, torch.Tensor]:
     """``{"fp32/NAME", "exp_avg/NAME", "exp_avg_sq/NAME"}`` for every trained parameter
-    (every rank computes them: DeepSpeed's accessors are collectives)."""
+    (``"momentum_buffer/NAME"`` instead of the moments where Muon trains it); every rank
+    computes them: DeepSpeed's accessors are collectives."""
     stepped = any(base_optimizer(engine).state.values())
     _link_optimizer_state(engine)
     tensors = {}
@@ -458,17 +473,17 @@ def engine_counters(engine) -> dict[str, str]:
     }
 
 
-def _materialize_adam_state(engine) -> None:
-    """Give every AdamW parameter the (zero) state torch creates at its first step, and let
-    DeepSpeed map its fragments onto it, so the full-state setters have somewhere to write."""
-    adam = base_optimizer(engine)
-    for group in adam.param_groups:
+def _materialize_optimizer_state(engine) -> None:
+    """Give every parameter the (zero) state its optimizer creates at its first step (AdamW:
+    step and moments; Muon: its momentum), and let DeepSpeed map its fragments onto it, so
+    the full-state setters have somewhere to write."""
+    optimizer = base_optimizer(engine)
+    for group in optimizer.param_groups:
+        muon = bool(group.get("use_muon", False))
         for param in group["params"]:
-            if not adam.state.get(param):
-                adam.state[param] = {
-                    "step": torch.tensor(0.0),
-                    **{key: torch.zeros_like(param, memory_format=torch.preserve_format) for key in MOMENTS},
-                }
+            if not optimizer.state.get(param):
+                zeros = {key: torch.zeros_like(param, memory_format=torch.preserve_format) for key in state_keys(muon)}
+                optimizer.state[param] = zeros if muon else {"step": torch.tensor(0.0), **zeros}
     _link_optimizer_state(engine)
 
 
@@ -487,7 +502,7 @@ def _link_optimizer_state(engine) -> None:
 
 
 def load_consolidated(engine, checkpoint: Path, written_by: int) -> None:
-    """Rebuild the engine's weights, AdamW state, schedule and counters at this world size
+    """Rebuild the engine's weights, optimizer state, schedule and counters at this world size
     from ``optimizer.safetensors``; collective. Refuses ZeRO-3 (see the module docstring)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -506,8 +521,8 @@ def load_consolidated(engine, checkpoint: Path, written_by: int) -> None:
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as fh:
         counters = fh.metadata()
-    _materialize_adam_state(engine)
-    adam = base_optimizer(engine)
+    _materialize_optimizer_state(engine)
+    optimizer = base_optimizer(engine)
     with torch.no_grad():
         for name, param in engine.module.named_parameters():
             if not param.requires_grad:
@@ -515,14 +530,16 @@ def load_consolidated(engine, checkpoint: Path, written_by: int) -> None:
             fp32 = tensors[f"fp32/{name}"].to(param.device)
             param.data.copy_(fp32.to(param.dtype))  # the weights the next forward uses
             safe_set_full_fp32_param(param, fp32)  # ZeRO's master fragment (a no-op without ZeRO)
-            for key in MOMENTS:
+            for key in state_keys(_trained_by_muon(param)):
                 value = tensors[f"{key}/{name}"].to(param.device)
                 if hasattr(param, "_hp_mapping"):
                     safe_set_full_optimizer_state(param, value, key)
                 else:
-                    adam.state[param][key].copy_(value)
-        for param_state in adam.state.values():
-            param_state["step"] = torch.full_like(param_state["step"], float(counters["adam_step"]))
+                    optimizer.state[param][key].copy_(value)
+        for param_state in optimizer.state.values():
+            if "step" in param_state:  # AdamW's; Muon keeps none
+                param_state["step"] = torch.full_like(torch.as_tensor(param_state["step"]),
+                                                      float(counters["adam_step"]))
     engine.lr_scheduler.load_state_dict(json.loads(counters["lr_scheduler"]))
     for group, lr in zip(engine.lr_scheduler.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
         group["lr"] = lr

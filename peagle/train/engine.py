@@ -1,8 +1,10 @@
 """The DeepSpeed engine that trains the drafter: process group, config, optimizer, schedule.
 
 Everything DeepSpeed needs comes from ``TrainConfig``: ZeRO stage 0-3, bf16 or fp32,
-optional CPU optimizer offload, gradient accumulation and clipping, AdamW and a linear
-warmup + linear decay schedule. Nothing here needs a C++ compiler on a CPU machine:
+optional CPU optimizer offload, gradient accumulation and clipping, AdamW (or DeepSpeed's
+Muon on the matrices, ``train.optimizer: muon``) and a linear warmup + linear decay
+schedule. With AdamW nothing here needs a C++ compiler on a CPU machine (Muon's update
+is torch.compiled: ``peagle.train.launch.check_optimizer_runs_here``):
 AdamW runs as ``torch.optim.AdamW`` (``"torch_adam": true``, also with offload), and
 DeepSpeed's shared-memory CPU comm op (compiled with g++ at init otherwise) is
 switched off, so ranks talk over gloo. On GPUs the backend is nccl.
@@ -116,17 +118,28 @@ def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": gas,
         "train_batch_size": train.micro_batch_size * gas * world_size,
-        "gradient_clipping": train.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": train.learning_rate, "weight_decay": train.weight_decay, "torch_adam": True},
-        },
+        # DeepSpeed's ZeRO Muon writes its orthogonalized update into the gradient before
+        # clipping, so clipping would cut Muon's step size (measured: to a tenth): Muon's
+        # updates have a fixed size already, AdamW's half is scale-free.
+        "gradient_clipping": train.grad_clip if train.optimizer == "adamw" else 0.0,
+        "optimizer": optimizer_config(train),
         "zero_optimization": zero,
         "bf16": {"enabled": train.precision == "bf16"},
         "fp16": {"enabled": False},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+
+
+def optimizer_config(train: TrainConfig) -> dict:
+    """AdamW, or Muon: DeepSpeed tags the >= 2-D parameters outside the embeddings and lm_head
+    for Muon (fc, attention, MLP; ``mask_hidden`` too, a 1 x N matrix: a normalized step)
+    and steps the rest with AdamW at ``learning_rate``."""
+    adamw = {"lr": train.learning_rate, "weight_decay": train.weight_decay, "torch_adam": True}
+    if train.optimizer == "adamw":
+        return {"type": "AdamW", "params": adamw}
+    return {"type": "Muon", "params": {**adamw, "muon_lr": train.muon_learning_rate, "adam_lr": train.learning_rate,
+                                        "momentum": 0.95}}
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -155,6 +155,7 @@ def launch_training(
     ``metrics.jsonl`` records (steps after the resume point) about once a second while the
     ranks run; it runs in this process, so the ranks never talk to a tracking server.
     """
+    check_optimizer_runs_here(cfg.train)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_json = out_dir / LAUNCH_CONFIG
@@ -175,6 +176,24 @@ def launch_training(
     if not result_path.exists():
         raise TrainingFailed(f"training exited cleanly but wrote no {result_path}")
     return TrainResult.from_json(result_path.read_text())
+
+
+def check_optimizer_runs_here(train: TrainConfig) -> None:
+    """Muon's update is compiled (DeepSpeed decorates it with torch.compile); on a CPU,
+    torch's inductor builds it with a C++ compiler, so without one every rank would fail at
+    its first step. Raised before any rank starts."""
+    import shutil
+
+    import torch
+
+    if train.optimizer != "muon" or torch.cuda.is_available():
+        return
+    if not (shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")):
+        raise ConfigError(
+            "train.optimizer: muon compiles its update with torch.compile, which on a CPU needs a C++ compiler, "
+            "and this machine has none (no g++ or clang++ on PATH, CXX unset): install one (Debian: apt-get install "
+            "g++) or set train.optimizer: adamw"
+        )
 
 
 def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:

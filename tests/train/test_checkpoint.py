@@ -18,6 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
 from test_deepspeed import child_env, one_thread, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
 
+from safetensors.torch import load_file
+
 from peagle.fileio import temp_sibling
 from peagle.train import checkpoint as ckpt
 
@@ -67,7 +69,8 @@ def _one_step(engine, objective, batch):
     run_micro_batch(engine, objective, batch, segments=1, grad_accum=1, stats=StepStats(3, engine.device))
 
 
-def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path, optimizer):
     from peagle.model import PEagleDrafter
     from peagle.train.data import EpochSamples
     from peagle.train.engine import build_engine, init_process_group
@@ -76,7 +79,7 @@ def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path):
 
     data_dir, target = tiny_run
     init_process_group()
-    cfg = tiny_config(zero_stage=2)
+    cfg = tiny_config(zero_stage=2, optimizer=optimizer)
     inputs = load_training_inputs(data_dir, cfg)
     objective = make_objective(cfg.train, inputs.spec, TargetHead.from_target(str(target), inputs.spec, inputs.draft_ids))
     samples = EpochSamples(inputs.samples, objective.make_example, seed=0)
@@ -102,10 +105,56 @@ def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path):
     resumed = fresh_engine(1)
     assert ckpt.load_checkpoint(resumed, path).step == 2
     assert resumed.global_steps == 2 and resumed.lr_scheduler.get_last_lr() == trained.lr_scheduler.get_last_lr()
-    _one_step(trained, objective, batches[2])
-    _one_step(resumed, objective, batches[2])
-    for (name, a), b in zip(trained.module.named_parameters(), resumed.module.parameters()):
+    # The world-size-free copy (what a resume at another world size rebuilds from) holds each
+    # parameter's own optimizer state: Muon's momentum for the matrices it trains.
+    consolidated = load_file(str(path / ckpt.OPTIMIZER_FILE))
+    by_muon = {name: bool(getattr(p, "use_muon", False)) for name, p in trained.module.named_parameters()
+               if p.requires_grad}
+    assert any(by_muon.values()) == (optimizer == "muon")
+    for name, muon in by_muon.items():
+        for key in ckpt.state_keys(muon):
+            assert consolidated[f"{key}/{name}"].abs().sum() > 0, f"{key}/{name} was saved empty"
+    rebuilt = fresh_engine(2)
+    ckpt.load_consolidated(rebuilt, path, written_by=1)
+    for engine in (trained, resumed, rebuilt):
+        _one_step(engine, objective, batches[2])
+    for (name, a), b, c in zip(trained.module.named_parameters(), resumed.module.parameters(),
+                               rebuilt.module.parameters()):
         assert torch.equal(a, b), f"{name} differs after resuming: optimizer state was not restored"
+        assert torch.allclose(a, c, atol=1e-6), f"{name} differs after a rebuild from {ckpt.OPTIMIZER_FILE}"
+
+
+def test_muon_steps_the_decoder_matrices_by_orthogonal_updates(tiny_run):
+    """train.optimizer: muon trains fc, attention and MLP with Muon (an update's largest singular
+    values all about the learning rate, what no gradient step gives) and the rest with AdamW."""
+    from peagle.model import PEagleDrafter
+    from peagle.train.data import EpochSamples
+    from peagle.train.engine import build_engine, init_process_group
+    from peagle.train.loss import TargetHead
+    from peagle.train.trainer import load_training_inputs, make_objective
+
+    data_dir, target = tiny_run
+    init_process_group()
+    cfg = tiny_config(optimizer="muon", warmup_ratio=0.0)
+    inputs = load_training_inputs(data_dir, cfg)
+    objective = make_objective(cfg.train, inputs.spec, TargetHead.from_target(str(target), inputs.spec, inputs.draft_ids))
+    sample = EpochSamples(inputs.samples, objective.make_example, seed=0)[0][0]
+    torch.manual_seed(0)
+    engine = build_engine(PEagleDrafter(inputs.spec), cfg.train, total_steps=10, world_size=1)
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    _one_step(engine, objective, [sample])
+    muon = {name for name, p in engine.module.named_parameters() if getattr(p, "use_muon", False)}
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= muon
+    assert not muon & {"embed_tokens.weight", "lm_head.weight", "norm.weight"}
+    lr = cfg.train.muon_learning_rate
+    for name, p in engine.module.named_parameters():
+        if name in muon and p.dim() == 2:
+            rows, cols = p.shape
+            singular = torch.linalg.svdvals((p.detach() - before[name]).double())
+            # Muon's step: the orthogonalized momentum (Newton-Schulz puts its singular values
+            # near 1) times the lr and sqrt(max(1, rows / cols)). Clipped, it was a tenth of that.
+            top = singular[:4] / (lr * max(1.0, rows / cols) ** 0.5)
+            assert 0.6 < top.min() and top.max() < 1.5, f"{name}: not a Muon step of size lr ({top})"
 
 
 CHILD_SAVE = r"""

@@ -4,6 +4,7 @@ import json
 import logging
 import sys
 import textwrap
+from pathlib import Path
 
 from peagle.train.launch import TrainingProgress, format_duration, run_streaming
 
@@ -78,3 +79,25 @@ def test_a_rank_flushes_subnormal_floats_on_its_threads():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "0.0", "0.0"], out
+
+
+def test_muon_on_a_cpu_without_a_compiler_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """torch.compile (Muon's update) needs a C++ compiler on a CPU: say so, and how to fix it."""
+    import pytest
+    import torch
+
+    from peagle.config import ConfigError
+    from peagle.train.launch import check_optimizer_runs_here, launch_training
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deepspeed import tiny_config
+
+    if torch.cuda.is_available():
+        pytest.skip("the check is for CPU machines")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # nothing on it
+    monkeypatch.delenv("CXX", raising=False)
+    check_optimizer_runs_here(tiny_config().train)  # AdamW compiles nothing
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"needs a C\+\+ compiler.*apt-get install g\+\+.*optimizer: adamw"):
+        launch_training(tiny_config(optimizer="muon"), tmp_path / "data", "target", out)
+    assert not out.exists()  # nothing started, nothing written
