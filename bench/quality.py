@@ -457,7 +457,8 @@ def main() -> None:
             base, work = {**QUICK_OVERRIDES, **base}, Path(tmp) / "runs"
             budgets, ablation_budget, seeds = [3.0], 3.0, args.seeds[:1]
             rows = [0, len(ABLATION) - 1]  # the old default and the whole recipe
-            variant_rows = [0, 1, len(VARIANTS)]  # the config recipe, the first variant and the staged one
+            staged_row = 1 + next(i for i, (_, change) in enumerate(VARIANTS) if STAGED in change)
+            variant_rows = [0, 1, staged_row]  # the config recipe, the first variant and the staged one
         else:
             from peagle.target import resolve_target
 
