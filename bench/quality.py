@@ -313,7 +313,10 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
     rows = []
     for (label, budget, trained, split), v in sorted(variants.items(), key=lambda kv: (
             kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
-        base = next((b for (lb, bb, _, sb), b in variants.items() if (lb, bb, sb) == (RECIPE_LABEL, budget, split)), None)
+        # The config recipe it changed: trained with the same optimizer, unless the variant is the change of optimizer.
+        muon_base = ("Muon" in trained) != ("train.optimizer" in dict(VARIANTS).get(label, {}))
+        base = next((b for (lb, bb, tb, sb), b in variants.items()
+                     if (lb, bb, sb, "Muon" in tb) == (RECIPE_LABEL, budget, split, muon_base)), None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
         rows.append([label, f"{budget:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
                      *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])
