@@ -184,9 +184,9 @@ def check_optimizer_runs_here(train: TrainConfig) -> None:
     its first step. Raised before any rank starts."""
     import shutil
 
-    import torch
+    from peagle.train.engine import use_gpu
 
-    if train.optimizer != "muon" or torch.cuda.is_available():
+    if train.optimizer != "muon" or use_gpu():
         return
     if not (shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")):
         raise ConfigError(
