@@ -235,8 +235,14 @@ def mean_by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
                 "pos": [statistics.fmean(p) for p in zip(*(r["per_position"] for r in rs))],
                 "train_s": statistics.fmean(r["train_seconds"] for r in rs),
                 "steps": statistics.fmean(r["steps"] for r in rs), "seeds": len(rs),
-                "trained": " / ".join(dict.fromkeys(trained_as(r) for r in rs))}
+                "trained": " / ".join(dict.fromkeys(trained_as(r) for r in rs)),
+                "optimizers": {optimizer_of(r) for r in rs}}
             for g, rs in groups.items()}
+
+
+def optimizer_of(run: dict) -> str:
+    """The optimizer a run recorded (runs from before Muon existed trained with AdamW)."""
+    return (run.get("train") or {}).get("optimizer", "adamw")
 
 
 def trained_as(run: dict) -> str:
@@ -245,7 +251,7 @@ def trained_as(run: dict) -> str:
     if not t:
         return "?"
     depth = f"TTT {t['eagle3_ttt_steps']}" if run["method"] == "eagle3" else f"K_train {t['k_train']}"
-    optimizer = f", Muon {t['muon_lr']:g}" if t.get("optimizer", "adamw") == "muon" else ""
+    optimizer = f", Muon {t['muon_lr']:g}" if optimizer_of(run) == "muon" else ""
     return f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}"
 
 
@@ -311,12 +317,13 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
     order = [RECIPE_LABEL] + [label for label, _ in VARIANTS]
     k5 = ks[min(len(ks), 5) - 1]
     rows = []
-    for (label, budget, trained, split), v in sorted(variants.items(), key=lambda kv: (
+    for (label, budget, _, split), v in sorted(variants.items(), key=lambda kv: (
             kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
         # The config recipe it changed: trained with the same optimizer, unless the variant is the change of optimizer.
-        muon_base = ("Muon" in trained) != ("train.optimizer" in dict(VARIANTS).get(label, {}))
-        base = next((b for (lb, bb, tb, sb), b in variants.items()
-                     if (lb, bb, sb, "Muon" in tb) == (RECIPE_LABEL, budget, split, muon_base)), None)
+        changes_optimizer = "train.optimizer" in dict(VARIANTS).get(label, {})
+        base = next((b for (lb, bb, _, sb), b in variants.items()
+                     if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
+                     and (b["optimizers"] != v["optimizers"]) == changes_optimizer), None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
         rows.append([label, f"{budget:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
                      *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])

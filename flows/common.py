@@ -23,13 +23,13 @@ import logging
 from pathlib import Path
 
 from peagle.config import PipelineConfig, load_config
-from peagle.logs import LIBRARY_LOG, ROOT, library_output_to
+from peagle.layout import RunLayout
+from peagle.logs import ROOT, library_output_to
 
 RESULT_SERIALIZER = "json"
 RETRIES = 2
 RETRY_DELAY_S = 15
 RESULTS_DIR = "prefect-results"  # cached task results, inside the run directory
-LOGS_DIR = "logs"
 
 # ----------------------------------------------------------------------------- run names
 
@@ -102,7 +102,7 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
 def run_logs(cfg: PipelineConfig):
     """Library output (vLLM, DeepSpeed, torch, transformers) into ``<run>/logs/libraries.log``
     for the flow's duration; our own lines stay on the console and in Prefect."""
-    path = cfg.run_dir / LOGS_DIR / LIBRARY_LOG
+    path = RunLayout(cfg.run_dir).library_log
     with library_output_to(path):
         yield path
 

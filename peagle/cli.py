@@ -33,6 +33,18 @@ def _load(config: Path, overrides: list[str] | None = None):
         raise typer.Exit(2) from None
 
 
+def _library_output(cfg):
+    """vLLM's, DeepSpeed's, torch's and transformers' output of a stage command into the run's
+    library log (``RunLayout.library_log``); our own lines and progress bars stay on the console."""
+    import logging
+
+    from peagle.logs import ROOT, library_output_to
+
+    path = RunLayout(cfg.run_dir).library_log
+    logging.getLogger(ROOT).info("library output (vLLM, DeepSpeed, torch): %s", path)
+    return library_output_to(path)
+
+
 @config_app.command("check")
 def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Validate a config (types, unknown keys, impossible combinations) without running anything."""
@@ -85,7 +97,8 @@ def data_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt, force: bool = t
     from peagle import stages
 
     cfg = _load(config, set_)
-    info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force)
+    with _library_output(cfg):
+        info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force)
     console.print(stages.summary_json(info))
 
 
@@ -99,7 +112,8 @@ def train_cmd(
     from peagle import stages
 
     cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
-    result = stages.train_head(cfg, stages.prepare_target(cfg), RunLayout(cfg.run_dir).data.root)
+    with _library_output(cfg):
+        result = stages.train_head(cfg, stages.prepare_target(cfg), RunLayout(cfg.run_dir).data.root)
     console.print(stages.summary_json(result))
 
 
@@ -118,16 +132,21 @@ def export_cmd(
     from peagle.export.validate import validate_head
 
     cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
-    target = stages.prepare_target(cfg)
     data_dir = RunLayout(cfg.run_dir).data.root
-    try:
-        ckpt = checkpoint or stages.trained_checkpoint(cfg, cfg.train.method, data_dir)
-        head = stages.export_head(cfg, target, data_dir, ckpt)
-    except (ExportError, FileNotFoundError) as err:
-        console.print(f"[red]{err}[/red]")
-        raise typer.Exit(2) from None
-    if vllm_check:
-        validate_head(head, target.path, vllm_cfg=cfg.vllm, method=cfg.train.method)
+    with _library_output(cfg):
+        target = stages.prepare_target(cfg)
+        try:
+            ckpt = checkpoint or stages.trained_checkpoint(cfg, cfg.train.method, data_dir)
+            head = stages.export_head(cfg, target, data_dir, ckpt)
+        except (ExportError, FileNotFoundError) as err:
+            error = err
+        else:
+            error = None
+            if vllm_check:
+                validate_head(head, target.path, vllm_cfg=cfg.vllm, method=cfg.train.method)
+    if error is not None:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2)
     console.print(f"head: {head}")
 
 
@@ -138,14 +157,14 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     from peagle.methods import available_methods
 
     cfg = _load(config, set_)
-    target = stages.prepare_target(cfg)
     run = RunLayout(cfg.run_dir)
     heads = {m: stages.exported_head_dir(cfg, m) for m in available_methods()
              if (stages.exported_head_dir(cfg, m) / "config.json").exists()}
     if not heads:
         console.print(f"[red]no exported head under {run.heads}: run `peagle export` first[/red]")
         raise typer.Exit(2)
-    online = stages.evaluate_online(cfg, target, heads)
+    with _library_output(cfg):
+        online = stages.evaluate_online(cfg, stages.prepare_target(cfg), heads)
     console.print(online.to_table())
     if online.completion:
         console.print(online.completion.to_table(title=f"On completion traffic ({online.completion.prompt_set})"))

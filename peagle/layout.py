@@ -177,6 +177,12 @@ class RunLayout:
         return self.eval / ONLINE_PLOT_FILE
 
     @property
+    def library_log(self) -> Path:
+        """Where vLLM's, DeepSpeed's, torch's and transformers' output goes while a stage runs
+        (``peagle.logs.library_output_to``), so our own lines stay readable on the console."""
+        return self.root / "logs" / "libraries.log"
+
+    @property
     def resolved_config(self) -> Path:
         """The run's config with overrides applied (``peagle.config.write_resolved_config``)."""
         return self.root / RESOLVED_CONFIG_FILE

@@ -5,8 +5,9 @@ end up: the CLI prints them (``show_on_console``), the Prefect flows send them t
 logs (``flows/logs.py``). vLLM, DeepSpeed, torch and transformers write to the process's
 stdout/stderr, also from the engine and rank processes they start (which inherit those file
 descriptors): ``library_output_to`` sends the descriptors to a log file under the run
-directory while our own console handlers keep writing to the terminal, so our lines stay
-readable and the libraries' output is still there to read when something fails.
+directory (``RunLayout.library_log``) while our own console handlers and progress bars
+(``console_stream``) keep writing to the terminal, so our lines stay readable and the
+libraries' output is still there to read when something fails.
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ from pathlib import Path
 ROOT = "peagle"
 # Loggers whose records are ours to show: peagle's, and Prefect's run/state lines.
 OWN_LOGGERS = (ROOT, "prefect")
-LIBRARY_LOG = "libraries.log"
 CONSOLE_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
 
 _redirect_depth = 0
+_console = None  # the terminal while library_output_to holds fds 1 and 2
+
+
+def console_stream():
+    """Where our progress bars write: the terminal, also while ``library_output_to`` sends
+    fds 1 and 2 to the library log."""
+    return _console or sys.stderr
 
 
 def show_on_console(level: int = logging.INFO) -> None:
@@ -80,7 +87,7 @@ def library_output_to(path: Path) -> Iterator[Path]:
     stderr, showing only our own records (``is_own``); other libraries' log records go to
     ``path`` too. Re-entrant: an inner call (a subflow) keeps the outer file.
     """
-    global _redirect_depth
+    global _redirect_depth, _console
     path = Path(path)
     if _redirect_depth:
         _redirect_depth += 1
@@ -115,11 +122,11 @@ def library_output_to(path: Path) -> Iterator[Path]:
         logging.getLogger().addHandler(h)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
-    _redirect_depth = 1
+    _redirect_depth, _console = 1, console
     try:
         yield path
     finally:
-        _redirect_depth = 0
+        _redirect_depth, _console = 0, None
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

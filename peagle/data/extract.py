@@ -104,12 +104,14 @@ def extract_with_engine(
     """
     from tqdm.auto import tqdm
 
+    from peagle.logs import console_stream
     from peagle.serving.extraction import request_hidden_states
     from peagle.serving.generation import engine_max_model_len, engine_vocab_size
 
     max_len, vocab = engine_max_model_len(llm), engine_vocab_size(llm)
     total = len(sequences) if hasattr(sequences, "__len__") else None
-    bar = tqdm(total=total, desc="extract hidden states", unit="seq", disable=not progress)
+    bar = tqdm(total=total, desc="extract hidden states", unit="seq", disable=not progress,
+               file=console_stream())
     iterator = iter(sequences)
     try:
         while batch := list(islice(iterator, batch_size)):

@@ -47,6 +47,7 @@ from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
 from peagle.fileio import atomic_open, write_json_atomic
 from peagle.layout import SAMPLES_FILE, SPLITS, DataLayout, RunLayout
+from peagle.logs import console_stream
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, sampl
 
     rcfg = cfg.data.regenerate
     chunk = 4 * rcfg.batch_size
-    bar = tqdm(total=len(records), desc="regenerate", unit="conv", disable=not progress)
+    bar = tqdm(total=len(records), desc="regenerate", unit="conv", disable=not progress, file=console_stream())
     for start in range(0, len(records), chunk):
         batch = records[start : start + chunk]
         results = regenerate_responses(llm, tokenizer, [r.messages for r in batch], rcfg, progress=False,
@@ -315,7 +316,7 @@ class _Sequences:
 
 def render_records(tokenizer, records: list[Record], cfg: PipelineConfig, max_len: int, progress: bool) -> None:
     """Token ids + loss mask for each usable record; failures get a status saying why."""
-    for r in tqdm(records, desc="chat template", unit="conv", disable=not progress):
+    for r in tqdm(records, desc="chat template", unit="conv", disable=not progress, file=console_stream()):
         if r.regen and r.regen != "ok":
             r.status = f"failed: regeneration: {r.regen.removeprefix('failed: ')}"
             continue

@@ -26,6 +26,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 
 from peagle.config import EmbeddedTargetRecipe
 from peagle.fileio import staged_dir
+from peagle.logs import console_stream
 from peagle.paths import peagle_home
 from peagle.target.corpus import Corpus, chat_examples, load_corpus, stdlib_root
 from peagle.target.tokenizer import END, render_chat, train_bpe, wrap_tokenizer
@@ -259,7 +260,8 @@ def train(model: LlamaForCausalLM, data: TokenData, recipe: EmbeddedTargetRecipe
     )
     model.train()
     curve, start = [], time.perf_counter()
-    bar = tqdm(range(recipe.train_steps), desc="training embedded target", disable=not progress)
+    bar = tqdm(range(recipe.train_steps), desc="training embedded target", disable=not progress,
+               file=console_stream())
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, recipe)
