@@ -84,6 +84,7 @@ VARIANTS = [
     ("Muon (lr 0.02) on the decoder's matrices, AdamW on the rest", {"train.optimizer": "muon"}),
     ("Muon at lr 0.04", {"train.optimizer": "muon", "train.muon_learning_rate": 0.04}),
     ("Muon at lr 0.01", {"train.optimizer": "muon", "train.muon_learning_rate": 0.01}),
+    ("depth 0 at 0.4 of the loss", {"train.depth0_loss_share": 0.4}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
