@@ -85,6 +85,7 @@ VARIANTS = [
     ("Muon at lr 0.04", {"train.optimizer": "muon", "train.muon_learning_rate": 0.04}),
     ("Muon at lr 0.01", {"train.optimizer": "muon", "train.muon_learning_rate": 0.01}),
     ("depth 0 at 0.4 of the loss", {"train.depth0_loss_share": 0.4}),
+    ("lm_head trains (as EAGLE-3's does)", {"train.freeze_lm_head": False}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
