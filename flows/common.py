@@ -23,8 +23,7 @@ import logging
 from pathlib import Path
 
 from peagle.config import PipelineConfig, load_config
-from peagle.layout import RunLayout
-from peagle.logs import ROOT, library_output_to
+from peagle.logs import ROOT, run_library_output
 
 RESULT_SERIALIZER = "json"
 RETRIES = 2
@@ -102,8 +101,7 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
 def run_logs(cfg: PipelineConfig):
     """Library output (vLLM, DeepSpeed, torch, transformers) into ``<run>/logs/libraries.log``
     for the flow's duration; our own lines stay on the console and in Prefect."""
-    path = RunLayout(cfg.run_dir).library_log
-    with library_output_to(path):
+    with run_library_output(cfg.run_dir) as path:
         yield path
 
 

@@ -38,11 +38,10 @@ def _library_output(cfg):
     library log (``RunLayout.library_log``); our own lines and progress bars stay on the console."""
     import logging
 
-    from peagle.logs import ROOT, library_output_to
+    from peagle.logs import ROOT, run_library_output
 
-    path = RunLayout(cfg.run_dir).library_log
-    logging.getLogger(ROOT).info("library output (vLLM, DeepSpeed, torch): %s", path)
-    return library_output_to(path)
+    logging.getLogger(ROOT).info("library output (vLLM, DeepSpeed, torch) goes to %s", RunLayout(cfg.run_dir).library_log)
+    return run_library_output(cfg.run_dir)
 
 
 @config_app.command("check")

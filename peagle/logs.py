@@ -19,6 +19,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from peagle.layout import RunLayout
+
 ROOT = "peagle"
 # Loggers whose records are ours to show: peagle's, and Prefect's run/state lines.
 OWN_LOGGERS = (ROOT, "prefect")
@@ -141,3 +143,9 @@ def library_output_to(path: Path) -> Iterator[Path]:
             h.removeFilter(own)
             _set_stream(h, stream)
         console.close()
+
+
+def run_library_output(run_dir: Path) -> contextlib.AbstractContextManager[Path]:
+    """``library_output_to`` the run's library log (``RunLayout.library_log``): what the flows
+    and the stage commands wrap a stage in."""
+    return library_output_to(RunLayout(run_dir).library_log)

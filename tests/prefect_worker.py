@@ -90,6 +90,19 @@ def read_all_logs(client, flow_run_ids: list) -> list:
             return logs
 
 
+def logs_of_finished_runs(client, flow_run_ids: list, wait_s: float = 120) -> list:
+    """Every log record of these finished flow runs once each run's last line ("Finished in
+    state ...", Prefect's own) is stored: a run's process ships its log batches in the
+    background, so they can reach the API after its final state does (the UI lags the same)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        logs = read_all_logs(client, flow_run_ids)
+        finished = {r.flow_run_id for r in logs if r.message.startswith("Finished in state")}
+        if finished >= set(flow_run_ids) or time.monotonic() > deadline:
+            return logs
+        time.sleep(2)
+
+
 @contextlib.contextmanager
 def deployed_on_this_server(pools: set[str], deployments: set[str]):
     """Own these work-pool and deployment names on the server this process talks to (the

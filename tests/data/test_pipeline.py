@@ -319,9 +319,9 @@ def test_two_replicas_build_one_store_and_a_rerun_resumes_after_one_dies(tmp_pat
     assert again.returncode == 0, again.stdout
     assert "regenerated responses restored" in again.stdout
     # the console shows our lines and progress bar; vLLM's output (its engine processes' too) is in the log
-    library_log = RunLayout(parse_config(cfg).run_dir).library_log.read_text()
-    assert "extract hidden states" in again.stdout and str(RunLayout(parse_config(cfg).run_dir).library_log) in again.stdout
-    assert "Loading safetensors checkpoint shards" in library_log
+    library_log = RunLayout(parse_config(cfg).run_dir).library_log
+    assert "extract hidden states" in again.stdout and str(library_log) in again.stdout
+    assert "Loading safetensors checkpoint shards" in library_log.read_text()
     assert "Loading safetensors checkpoint shards" not in again.stdout, again.stdout
     lines = [json.loads(x) for x in data.samples.read_text().splitlines()]
     ok = {d["split"]: set() for d in lines}

@@ -22,7 +22,7 @@ from tests.prefect_worker import (
     deployed_on_this_server,
     prefect_cli,
     prefect_worker,
-    read_all_logs,
+    logs_of_finished_runs,
     start_deployment_run,
     wait_for_flow_run,
 )
@@ -122,24 +122,13 @@ def test_the_deployment_run_completes_with_named_stage_runs(deployed_run):
         assert children["train-peagle deployed (embedded)"].parameters["config"].endswith("config.resolved.json")
 
 
-def logs_of_every_stage(client, run_ids: list, wait_s: float = 120) -> list:
-    """The runs' logs once each run has some: the server stores log batches shortly after they
-    are sent, so a run that just finished may not show its last stage's lines yet (as in the UI)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        logs = read_all_logs(client, run_ids)
-        if {r.flow_run_id for r in logs} >= set(run_ids) or time.monotonic() > deadline:
-            return logs
-        time.sleep(2)
-
-
 def test_every_stage_logs_into_the_run_including_training_steps(deployed_run):
     server, _, run, tmp, _ = deployed_run
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         children = stage_runs(client, run)
-        logs = logs_of_every_stage(client, [run.id, *(r.id for r in children.values())])
+        logs = logs_of_finished_runs(client, [run.id, *(r.id for r in children.values())])
     by_run = {}
     for record in logs:
         by_run.setdefault(record.flow_run_id, []).append(record.message)
@@ -208,14 +197,7 @@ def test_a_scheduled_deployment_is_run_by_the_worker(deployed_run):
         client.pause_deployment(deployment.id)
         scheduled = next((r for r in done if r.state.is_completed()), done[0])
         assert scheduled.auto_scheduled and scheduled.state.is_completed(), scheduled.state.message
-        # The run's process ships its last log lines in the background: they may reach the
-        # API a moment after its final state does.
-        deadline = time.monotonic() + 60
-        while True:
-            messages = [r.message for r in read_all_logs(client, [scheduled.id])]
-            if any("nothing new" in m for m in messages) or time.monotonic() > deadline:
-                break
-            time.sleep(2)
+        messages = [r.message for r in logs_of_finished_runs(client, [scheduled.id])]
     assert any("nothing new" in m for m in messages), messages
 
 
