@@ -30,6 +30,8 @@ run, so a stopped invocation keeps the rows it finished (its header says "runnin
                                                        # -> results/quality_smollm2-135m-instruct.*
     .venv/bin/python bench/quality.py --part budgets --budgets 300 --online   # + the heads in vLLM
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json
+    .venv/bin/python bench/quality.py --config my.yaml --part budgets --step-seconds peagle=0.28 eagle3=0.53
+                                                       # budgets as an idle run's steps, whatever the load
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from result_files import per_target_name, result_path  # noqa: E402
 from train_common import (  # noqa: E402
-    OFFLINE_NOTE, Run, head_parser, offline_acceptance, setup_head_bench, target_info, tiny_head_dataset,
+    OFFLINE_NOTE, Run, cpu_model, head_parser, offline_acceptance, setup_head_bench, target_info, tiny_head_dataset,
     train_fresh,
 )
 
@@ -86,6 +89,9 @@ VARIANTS = [
     ("Muon at lr 0.01", {"train.optimizer": "muon", "train.muon_learning_rate": 0.01}),
     ("depth 0 at 0.4 of the loss", {"train.depth0_loss_share": 0.4}),
     ("lm_head trains (as EAGLE-3's does)", {"train.freeze_lm_head": False}),
+    # The mask slots' inputs are constant: all they learn of the context comes through attention,
+    # and the embedded target (so the drafter by default) has one KV head for its 3 query heads.
+    ("3 KV heads (one per query head)", {"drafter.num_kv_heads": 3}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -130,12 +136,56 @@ def measure(cfg, target, data_dir: Path) -> dict:
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
 
 
-class Bench:
-    """Runs keyed by (part, recipe, method, budget, seed); step-time calibration per recipe."""
+def parse_step_seconds(pairs: list[str] | None) -> dict[str, float]:
+    """``--step-seconds METHOD=S`` pairs -> {method: seconds per step}, checked before anything trains."""
+    from peagle.methods import available_methods
 
-    def __init__(self, config: str, base: dict, target, data_dir: Path, work: Path, ks: list[int]):
+    given: dict[str, float] = {}
+    for pair in pairs or []:
+        method, sep, value = pair.partition("=")
+        if not sep or method not in available_methods():
+            raise ValueError(f"--step-seconds {pair!r}: expected METHOD=SECONDS with METHOD one of "
+                             f"{', '.join(available_methods())} (e.g. peagle=0.28)")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if not seconds > 0:
+            raise ValueError(f"--step-seconds {pair!r}: SECONDS must be a positive number")
+        given[method] = seconds
+    return given
+
+
+class Bench:
+    """Runs keyed by (part, recipe, method, budget, seed); step-time calibration per recipe, unless
+    a method's seconds per step are given (``--step-seconds``): then a budget is the same number of
+    steps whatever else the machine is running, e.g. an idle run's steps on a second dataset."""
+
+    def __init__(self, config: str, base: dict, target, data_dir: Path, work: Path, ks: list[int],
+                 given_step_s: dict[str, float] | None = None):
         self.config, self.base, self.target, self.data_dir, self.work, self.ks = config, base, target, data_dir, work, ks
         self.step_s: dict[str, float] = {}
+        self.given_step_s = dict(given_step_s or {})
+        self.recorded = {"target_revision": self.target_revision(), "cpu": cpu_model()}
+
+    def target_revision(self) -> str:
+        """Which build of the target the runs measure (a local target's content digest, as the
+        pipeline's lineage records it): machines build the embedded target differently."""
+        from peagle.config import load_config
+        from peagle.lineage import target_revision
+
+        return target_revision(load_config(self.config).target, str(self.target.path)).value
+
+    def seconds_per_step(self, method: str, recipe: dict) -> tuple[float, str]:
+        """The step time a budget is divided by, and where it came from ("given" or "calibration")."""
+        if method in self.given_step_s:
+            return self.given_step_s[method], "given"
+        keyed = self.cfg(method, recipe, {}, "key")
+        key = keyed.train.model_dump_json() + keyed.drafter.model_dump_json()  # the recipe and shape as trained
+        if key not in self.step_s:
+            self.step_s[key] = calibrate(lambda extra: self.cfg(method, recipe, extra, "calibration"),
+                                         self.target, self.data_dir)
+        return self.step_s[key], "calibration"
 
     def cfg(self, method: str, recipe: dict, extra: dict, tag: str):
         from peagle.config import load_config
@@ -160,15 +210,12 @@ class Bench:
                 "wall_seconds": first["wall_seconds"] + second["wall_seconds"]}
 
     def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
-        keyed = self.cfg(method, recipe, {}, "key")
-        key = keyed.train.model_dump_json() + keyed.drafter.model_dump_json()  # the recipe and shape as trained
-        if key not in self.step_s:
-            self.step_s[key] = calibrate(lambda extra: self.cfg(method, recipe, extra, "calibration"),
-                                         self.target, self.data_dir)
-        steps = max(2, math.ceil(budget / self.step_s[key]))
+        step_s, source = self.seconds_per_step(method, recipe)
+        steps = max(2, math.ceil(budget / step_s))
         cfg = self.cfg(method, recipe, {"train.max_steps": steps, "train.seed": seed}, f"{part}-{method}-{seed}")
         row = {"part": part, "recipe": label, "overrides": recipe, "method": method, "budget_s": budget, "seed": seed,
-               "calibrated_step_s": self.step_s[key], **measure(cfg, self.target, self.data_dir)}
+               "calibrated_step_s": step_s, "step_s_source": source, **self.recorded,
+               **measure(cfg, self.target, self.data_dir)}
         print(f"[quality] {part} {label} {method} budget {budget}s seed {seed}: {row['steps']} steps, "
               f"{row['train_seconds']:.0f} s, AL {row['acceptance_length']}", flush=True)
         return row
@@ -227,12 +274,37 @@ def offline_kind(run: dict) -> str:
     return run.get("offline_split") or OLD_OFFLINE
 
 
+# Runs from before the bench recorded its target build: which build they measured is not known.
+UNRECORDED_TARGET = "unrecorded"
+
+
+class Setting(NamedTuple):
+    """What two runs must share for their acceptance to be compared or averaged: how it was
+    simulated, and the target build. The embedded target is built on each machine, and two
+    machines' builds differ: the same recipe, steps and seed gave AL@5 4.79 on one and 4.31 on
+    another (bench/README.md, session 16)."""
+
+    split: str
+    target: str
+
+    def label(self, many_targets: bool) -> str:
+        return f"{self.split}, target {self.target}" if many_targets else self.split
+
+
+def setting(run: dict) -> Setting:
+    return Setting(offline_kind(run), run.get("target_revision") or UNRECORDED_TARGET)
+
+
+def several_targets(runs: list[dict]) -> bool:
+    return len({setting(r).target for r in runs}) > 1
+
+
 def mean_by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
-    """Per group (``keys`` of a run, and how its offline acceptance was simulated): mean
-    acceptance per K, mean train seconds, number of seeds."""
+    """Per group (``keys`` of a run, and its ``Setting``): mean acceptance per K, mean train
+    seconds, number of seeds."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((*(trained_as(r) if k == "trained_as" else r[k] for k in keys), offline_kind(r)), []).append(r)
+        groups.setdefault((*(trained_as(r) if k == "trained_as" else r[k] for k in keys), setting(r)), []).append(r)
     return {g: {"al": {k: statistics.fmean(r["acceptance_length"][k] for r in rs) for k in rs[0]["acceptance_length"]},
                 "pos": [statistics.fmean(p) for p in zip(*(r["per_position"] for r in rs))],
                 "train_s": statistics.fmean(r["train_seconds"] for r in rs),
@@ -259,25 +331,29 @@ def trained_as(run: dict) -> str:
 
 def add_tables(run: Run, meta: dict) -> None:
     ks = [str(k) for k in meta["ks"]]
+    many = several_targets(meta["runs"])
     budgets = mean_by([r for r in meta["runs"] if r["part"] == "budgets"], ("method", "budget_s", "trained_as"))
     if budgets:
         rows = [[m, f"{b:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
-                 *[f"{v['al'][k]:.3f}" for k in ks], " ".join(f"{p:.2f}" for p in v["pos"]), split]
-                for (m, b, _, split), v in sorted(budgets.items(),
-                                                  key=lambda kv: (kv[0][3] == OLD_OFFLINE, kv[0][1], kv[0][2], kv[0][0]))]
+                 *[f"{v['al'][k]:.3f}" for k in ks], " ".join(f"{p:.2f}" for p in v["pos"]), split.label(many)]
+                for (m, b, _, split), v in sorted(budgets.items(), key=lambda kv: (
+                    kv[0][3].split == OLD_OFFLINE, kv[0][3].target, kv[0][1], kv[0][2], kv[0][0]))]
         run.add_table("Offline acceptance length per K at equal training time (the config's recipes)",
                       ["method", "budget s", "trained as", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
-                       "per position", "offline split"],
+                       "per position", "offline split" + (", target" if many else "")],
                       rows, note="mean over seeds; train s = the run's summed step times (no launch, no evaluation)")
     ablation = mean_by([r for r in meta["runs"] if r["part"] == "ablation"], ("recipe", "method", "budget_s"))
     if ablation:
         order = [label for label, _ in ABLATION] + [RECIPE_LABEL]
-        rows, previous = [], None
-        for (label, method, budget, _), v in sorted(ablation.items(), key=lambda kv: (
-                kv[0][1] != "peagle", order.index(kv[0][0]) if kv[0][0] in order else len(order))):
+        rows, previous, previous_target = [], None, None
+        for (label, method, budget, where), v in sorted(ablation.items(), key=lambda kv: (
+                kv[0][3].target, kv[0][1] != "peagle", order.index(kv[0][0]) if kv[0][0] in order else len(order))):
             k5 = ks[min(len(ks), 5) - 1]
+            if where.target != previous_target:  # each build's rows add to its own rows only
+                previous, previous_target = None, where.target
             delta = "" if previous is None or method != "peagle" else f"{v['al'][k5] - previous:+.3f}"
-            rows.append([label, method, f"{budget:g}", f"{v['train_s']:.0f}", f"{v['steps']:.0f}",
+            rows.append([label + (f" [target {where.target}]" if many else ""), method, f"{budget:g}",
+                         f"{v['train_s']:.0f}", f"{v['steps']:.0f}",
                          *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])
             if method == "peagle":
                 previous = v["al"][k5]
@@ -285,7 +361,7 @@ def add_tables(run: Run, meta: dict) -> None:
                       ["recipe", "method", "budget s", "train s", "steps", *[f"K={k}" for k in ks],
                        f"delta K={ks[min(len(ks), 5) - 1]}", "per position"], rows,
                       note="the eagle3 row is the baseline at the same budget; offline split: "
-                           + ", ".join(sorted({split for *_, split in ablation})))
+                           + ", ".join(sorted({split.split for *_, split in ablation})))
     add_variants_table(run, meta, ks)
     add_online_table(run, meta)
 
@@ -318,16 +394,18 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
         return
     order = [RECIPE_LABEL] + [label for label, _ in VARIANTS]
     k5 = ks[min(len(ks), 5) - 1]
+    many = several_targets(meta["runs"])
     rows = []
     for (label, budget, _, split), v in sorted(variants.items(), key=lambda kv: (
-            kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
+            kv[0][3].target, kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
         # The config recipe it changed: trained with the same optimizer, unless the variant is the change of optimizer.
         changes_optimizer = "train.optimizer" in dict(VARIANTS).get(label, {})
         base = next((b for (lb, bb, _, sb), b in variants.items()
                      if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
                      and (b["optimizers"] != v["optimizers"]) == changes_optimizer), None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
-        rows.append([label, f"{budget:g}", v["trained"], f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
+        rows.append([label + (f" [target {split.target}]" if many else ""), f"{budget:g}", v["trained"],
+                     f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
                      *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])
     run.add_table("Variants: the config's P-EAGLE recipe with one change each, at one budget",
                   ["recipe", "budget s", "trained as", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
@@ -352,11 +430,13 @@ def plot(meta: dict, out: Path) -> None:
     if any(offline_kind(r) != OLD_OFFLINE for r in runs):  # one way of simulating per plot: the current one
         runs = [r for r in runs if offline_kind(r) != OLD_OFFLINE]
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    series: dict[tuple[str, str], list[dict]] = {}
-    for r in sorted(runs, key=lambda r: (r["method"] != "peagle", trained_as(r))):
-        series.setdefault((r["method"], trained_as(r)), []).append(r)
-    for (method, trained), mine in series.items():
+    many = several_targets(runs)
+    series: dict[tuple[str, str, str], list[dict]] = {}
+    for r in sorted(runs, key=lambda r: (r["method"] != "peagle", trained_as(r), setting(r).target)):
+        series.setdefault((r["method"], trained_as(r), setting(r).target if many else ""), []).append(r)
+    for (method, trained, target), mine in series.items():
         name = "P-EAGLE" if method == "peagle" else "EAGLE-3"
+        trained += f", target {target}" if target else ""
         marker, line = ("o", "-") if method == "peagle" else ("s", "--")
         points = ax.scatter([r["train_seconds"] for r in mine], [r["acceptance_length"][k] for r in mine],
                             marker=marker, alpha=0.45, s=22)
@@ -378,11 +458,21 @@ def plot(meta: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def given_step_note(runs: list[dict]) -> str:
+    """Which runs divided their budget by a given step time (``--step-seconds``) instead."""
+    given = sorted({(r["method"], r["calibrated_step_s"]) for r in runs if r.get("step_s_source") == "given"})
+    if not given:
+        return ""
+    return (", or by the seconds per step given with --step-seconds ("
+            + ", ".join(f"{m} {s:g} s" for m, s in given) + "; their train s ran under whatever load there was)")
+
+
 def notes(meta: dict) -> list[str]:
     runs = meta["runs"]
     return [
         f"data: {meta['data_dir']}" + (" (tiny random target, --quick)" if meta["args"].get("quick") else ""),
-        f"budget -> train.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe; "
+        f"budget -> train.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe"
+        + given_step_note(runs) + "; "
         f"config {meta['args']['config']}; the last invocation's overrides {json.dumps(meta['base_overrides'])} "
         "(each run's own recipe: its 'trained as'); "
         f"OMP_NUM_THREADS={meta['args']['threads']}; {len(runs)} runs",
@@ -447,7 +537,16 @@ def main() -> None:
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="override a config key for every run, e.g. --set train.precision=bf16 on a GPU")
+    parser.add_argument("--methods", nargs="+", choices=["peagle", "eagle3"], default=["peagle", "eagle3"],
+                        help="which methods the budgets part trains (default both, P-EAGLE first)")
+    parser.add_argument("--step-seconds", nargs="+", metavar="METHOD=S",
+                        help="seconds per step of a method instead of its calibration run (budget -> steps "
+                             "independent of the machine's load), e.g. an idle run's: peagle=0.28 eagle3=0.53")
     args = parser.parse_args()
+    try:
+        given_step_s = parse_step_seconds(args.step_seconds)
+    except ValueError as err:
+        parser.error(str(err))
     if args.online and args.quick:
         parser.error("--online serves the heads in vLLM, which cannot run --quick's tiny target (head_dim 16); "
                      "run --online on a built dataset (the demo's, or --config another)")
@@ -482,10 +581,10 @@ def main() -> None:
             variant_rows = args.variants
         train = load_config(args.config, base).train
         ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
-        bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks)
+        bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s)
         results = Results(run, args.quick, {
             "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
-            "ks": ks, "base_overrides": base})
+            "ks": ks, "base_overrides": base, "given_step_s": given_step_s})
         for seed in seeds:
             if args.part in ("ablation", "all"):
                 recipe = dict(OLD_RECIPE)
@@ -504,7 +603,7 @@ def main() -> None:
                             results.add(bench.run("variants", label, "peagle", change, ablation_budget, seed))
             if args.part in ("budgets", "all"):
                 for budget in budgets:  # the pair back to back: both see about the same machine load
-                    for method in ("peagle", "eagle3"):
+                    for method in args.methods:
                         results.add(bench.run("budgets", RECIPE_LABEL, method, {}, budget, seed))
         online, online_error = None, None
         if args.online and args.part in ("budgets", "all"):

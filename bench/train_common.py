@@ -74,10 +74,22 @@ def synthetic_sample(length: int, spec: HeadSpec, seed: int, prompt_fraction: fl
     return SyntheticSample(tokens, loss_mask, hidden)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), where platform.processor() says only the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -139,7 +151,7 @@ class Run:
         m = self.meta
         end = "(running: the rows so far)" if m.get("partial") else m["load_average_end"]
         return (
-            f"{m['processor']} x{m['cpu_count']}, torch {m['torch']} ({m['torch_threads']} threads), "
+            f"{m.get('cpu_model') or m['processor']} x{m['cpu_count']}, torch {m['torch']} ({m['torch_threads']} threads), "
             f"load avg start {m['load_average_start']} end {end}, {m['started_utc']}"
         )
 

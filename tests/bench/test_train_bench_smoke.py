@@ -46,6 +46,8 @@ def test_bench_quick_writes_results(name, tmp_path):
         assert {r[0]: r[2] for r in table["rows"]} == {"peagle": "K_train 3, lr 0.003, Muon 0.02, 1 layer",
                                                        "eagle3": "TTT 3, lr 0.003, Muon 0.02, 1 layer"}
         assert "partial" not in result["meta"]  # rewritten after every run, finished at the end
+        # every run names the target build and CPU it measured (machines build the embedded target differently)
+        assert all(r["target_revision"].startswith("local:") and r["cpu"] for r in result["meta"]["runs"])
         ablation = result["tables"][1]["rows"]
         assert [r[1] for r in ablation] == ["peagle", "peagle", "eagle3"]
         variants = result["tables"][2]["rows"]

@@ -1,0 +1,80 @@
+"""bench/quality.py's budget -> steps rule: a calibration run per recipe, or a given step time."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import quality  # noqa: E402
+
+
+def test_step_seconds_are_parsed_per_method():
+    assert quality.parse_step_seconds(["peagle=0.28", "eagle3=0.53"]) == {"peagle": 0.28, "eagle3": 0.53}
+    assert quality.parse_step_seconds(None) == {}
+
+
+@pytest.mark.parametrize("pair", ["medusa=0.3", "peagle", "peagle=0", "peagle=-1", "peagle=fast"])
+def test_a_bad_step_seconds_pair_names_the_form(pair):
+    with pytest.raises(ValueError, match="--step-seconds") as err:
+        quality.parse_step_seconds([pair])
+    assert "METHOD=SECONDS" in str(err.value) or "positive" in str(err.value)
+
+
+def test_a_given_step_time_replaces_the_calibration(monkeypatch):
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("a method with a given step time must not be calibrated")
+
+    monkeypatch.setattr(quality, "calibrate", no_calibration)
+    monkeypatch.setattr(quality.Bench, "target_revision", lambda self: "local:aaaa")
+    bench = quality.Bench("unused.yaml", {}, None, Path("data"), Path("work"), [1], {"peagle": 0.25})
+    assert bench.seconds_per_step("peagle", {}) == (0.25, "given")
+    runs = [{"method": "peagle", "calibrated_step_s": 0.25, "step_s_source": "given"},
+            {"method": "eagle3", "calibrated_step_s": 0.5, "step_s_source": "calibration"}]
+    assert quality.given_step_note(runs) == (
+        ", or by the seconds per step given with --step-seconds (peagle 0.25 s; their train s ran under "
+        "whatever load there was)")
+    assert quality.given_step_note(runs[1:]) == ""
+
+
+def test_the_command_refuses_a_bad_pair_before_training():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--step-seconds", "peagle=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--step-seconds 'peagle=0': SECONDS must be a positive number" in proc.stderr
+
+
+def _run(recipe: str, al5: float, target: str | None, seed: int = 0) -> dict:
+    run = {"part": "variants", "recipe": recipe, "method": "peagle", "budget_s": 180.0, "seed": seed,
+           "train": {"k_train": 5, "eagle3_ttt_steps": 5, "lr": 1.5e-3, "layers": 3, "optimizer": "muon",
+                     "muon_lr": 0.02},
+           "acceptance_length": {"5": al5}, "per_position": [0.9], "train_seconds": 180.0, "steps": 667,
+           "offline_split": "served"}
+    return run if target is None else {**run, "target_revision": target}
+
+
+def _variants_rows(runs: list[dict]) -> list[list]:
+    run = quality.Run.__new__(quality.Run)
+    run.sections = []
+    quality.add_variants_table(run, {"runs": runs}, ["5"])
+    return run.sections[0]["rows"]
+
+
+def test_runs_of_different_target_builds_are_never_averaged_or_compared():
+    # The same recipe measured on two machines' builds of the embedded target, and a variant on one.
+    runs = [_run("config recipe", 4.8, "local:aaaa"), _run("config recipe", 4.3, "local:bbbb"),
+            _run("3 KV heads (one per query head)", 4.9, "local:aaaa")]
+    rows = {r[0]: r for r in _variants_rows(runs)}
+    assert set(rows) == {"config recipe [target local:aaaa]", "config recipe [target local:bbbb]",
+                         "3 KV heads (one per query head) [target local:aaaa]"}
+    assert rows["config recipe [target local:aaaa]"][6] == "4.800"  # not the 4.55 of both builds
+    assert rows["3 KV heads (one per query head) [target local:aaaa]"][7] == "+0.100"  # against its own build's
+
+
+def test_one_target_build_keeps_the_tables_as_they_were():
+    rows = _variants_rows([_run("config recipe", 4.8, "local:aaaa", seed=0), _run("config recipe", 4.6, "local:aaaa", seed=1)])
+    assert [r[0] for r in rows] == ["config recipe"] and rows[0][5] == 2 and rows[0][6] == "4.700"
+    assert quality.setting(_run("config recipe", 4.8, None)).target == quality.UNRECORDED_TARGET
