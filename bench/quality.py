@@ -170,7 +170,7 @@ class Bench:
 
     def target_revision(self) -> str:
         """Which build of the target the runs measure (a local target's content digest, as the
-        pipeline's lineage records it): machines build the embedded target differently."""
+        pipeline's lineage records it): each machine builds the embedded target itself."""
         from peagle.config import load_config
         from peagle.lineage import target_revision
 
@@ -280,9 +280,9 @@ UNRECORDED_TARGET = "unrecorded"
 
 class Setting(NamedTuple):
     """What two runs must share for their acceptance to be compared or averaged: how it was
-    simulated, and the target build. The embedded target is built on each machine, and two
-    machines' builds differ: the same recipe, steps and seed gave AL@5 4.79 on one and 4.31 on
-    another (bench/README.md, session 16)."""
+    simulated, and the target build. The embedded target is built on each machine: the same
+    recipe, steps and seed gave AL@5 4.79 on one machine and 4.31 on another with another CPU
+    (bench/README.md, session 16), so each run also records its CPU."""
 
     split: str
     target: str
