@@ -251,8 +251,9 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
 
 
 def run_key(r: dict) -> tuple:
-    """A later run replaces an earlier one of the same key: "config recipe" runs of another recipe stay."""
-    return (r["part"], r["recipe"], r["method"], r["budget_s"], r["seed"], trained_as(r))
+    """A later run replaces an earlier one of the same key: "config recipe" runs of another recipe,
+    and runs on another build of the target, stay."""
+    return (r["part"], r["recipe"], r["method"], r["budget_s"], r["seed"], trained_as(r), setting(r).target)
 
 
 def merged(old: list[dict], new: list[dict]) -> list[dict]:

@@ -19,13 +19,14 @@ from peagle.facts import default_aux_layer_ids, head_spec_for, target_facts_from
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+BENCH_CONFIGS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
 
 
 def demo_dict() -> dict:
     return yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS + BENCH_CONFIGS, ids=[p.stem for p in CONFIGS + BENCH_CONFIGS])
 def test_shipped_configs_validate(path):
     cfg = load_config(path)
     assert cfg.name

@@ -78,3 +78,9 @@ def test_one_target_build_keeps_the_tables_as_they_were():
     rows = _variants_rows([_run("config recipe", 4.8, "local:aaaa", seed=0), _run("config recipe", 4.6, "local:aaaa", seed=1)])
     assert [r[0] for r in rows] == ["config recipe"] and rows[0][5] == 2 and rows[0][6] == "4.700"
     assert quality.setting(_run("config recipe", 4.8, None)).target == quality.UNRECORDED_TARGET
+
+
+def test_a_run_replaces_only_the_same_run_on_the_same_target_build():
+    old = [_run("config recipe", 4.8, None), _run("config recipe", 4.6, "local:aaaa")]
+    new = [_run("config recipe", 4.3, "local:aaaa")]
+    assert [r["acceptance_length"]["5"] for r in quality.merged(old, new)] == [4.8, 4.3]
