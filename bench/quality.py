@@ -291,6 +291,10 @@ class Setting(NamedTuple):
     def label(self, many_targets: bool) -> str:
         return f"{self.split}, target {self.target}" if many_targets else self.split
 
+    def tag(self, row_label: str, many_targets: bool) -> str:
+        """A table row's label, naming the target build where the file holds more than one."""
+        return f"{row_label} [target {self.target}]" if many_targets else row_label
+
 
 def setting(run: dict) -> Setting:
     return Setting(offline_kind(run), run.get("target_revision") or UNRECORDED_TARGET)
@@ -353,7 +357,7 @@ def add_tables(run: Run, meta: dict) -> None:
             if where.target != previous_target:  # each build's rows add to its own rows only
                 previous, previous_target = None, where.target
             delta = "" if previous is None or method != "peagle" else f"{v['al'][k5] - previous:+.3f}"
-            rows.append([label + (f" [target {where.target}]" if many else ""), method, f"{budget:g}",
+            rows.append([where.tag(label, many), method, f"{budget:g}",
                          f"{v['train_s']:.0f}", f"{v['steps']:.0f}",
                          *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])
             if method == "peagle":
@@ -405,7 +409,7 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
                      if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
                      and (b["optimizers"] != v["optimizers"]) == changes_optimizer), None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
-        rows.append([label + (f" [target {split.target}]" if many else ""), f"{budget:g}", v["trained"],
+        rows.append([split.tag(label, many), f"{budget:g}", v["trained"],
                      f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],
                      *[f"{v['al'][k]:.3f}" for k in ks], delta, " ".join(f"{p:.2f}" for p in v["pos"])])
     run.add_table("Variants: the config's P-EAGLE recipe with one change each, at one budget",
@@ -585,7 +589,7 @@ def main() -> None:
         bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s)
         results = Results(run, args.quick, {
             "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
-            "ks": ks, "base_overrides": base, "given_step_s": given_step_s})
+            "ks": ks, "base_overrides": base})
         for seed in seeds:
             if args.part in ("ablation", "all"):
                 recipe = dict(OLD_RECIPE)
