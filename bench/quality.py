@@ -397,6 +397,10 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
     variants = mean_by([r for r in meta["runs"] if r["part"] == "variants"], ("recipe", "budget_s", "trained_as"))
     if not variants:
         return
+    # Where the variants part did not train the config recipe at a budget, the budgets part's P-EAGLE
+    # runs at that budget are the same recipe: the delta compares against those.
+    config_runs = mean_by([r for r in meta["runs"] if r["part"] == "budgets" and r["method"] == "peagle"],
+                          ("recipe", "budget_s", "trained_as"))
     order = [RECIPE_LABEL] + [label for label, _ in VARIANTS]
     k5 = ks[min(len(ks), 5) - 1]
     many = several_targets(meta["runs"])
@@ -405,7 +409,7 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
             kv[0][3].target, kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
         # The config recipe it changed: trained with the same optimizer, unless the variant is the change of optimizer.
         changes_optimizer = "train.optimizer" in dict(VARIANTS).get(label, {})
-        base = next((b for (lb, bb, _, sb), b in variants.items()
+        base = next((b for group in (variants, config_runs) for (lb, bb, _, sb), b in group.items()
                      if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
                      and (b["optimizers"] != v["optimizers"]) == changes_optimizer), None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"

@@ -84,3 +84,12 @@ def test_a_run_replaces_only_the_same_run_on_the_same_target_build():
     old = [_run("config recipe", 4.8, None), _run("config recipe", 4.6, "local:aaaa")]
     new = [_run("config recipe", 4.3, "local:aaaa")]
     assert [r["acceptance_length"]["5"] for r in quality.merged(old, new)] == [4.8, 4.3]
+
+
+def test_a_variant_without_its_own_config_run_compares_with_the_budgets_part():
+    # The budgets part trained the config recipe at this budget; the variants part did not.
+    config = {**_run("config recipe", 4.6, "local:aaaa"), "part": "budgets"}
+    other_build = {**_run("config recipe", 4.0, "local:bbbb"), "part": "budgets"}
+    rows = {r[0]: r for r in _variants_rows([config, other_build, _run("lm_head trains", 4.7, "local:aaaa")])}
+    assert rows["lm_head trains [target local:aaaa]"][7] == "+0.100"
+    assert not any(label.startswith("config recipe") for label in rows)  # budgets runs keep their own table
