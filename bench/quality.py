@@ -36,6 +36,7 @@ run, so a stopped invocation keeps the rows it finished (its header says "runnin
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import statistics
@@ -92,6 +93,10 @@ VARIANTS = [
     # The mask slots' inputs are constant: all they learn of the context comes through attention,
     # and the embedded target (so the drafter by default) has one KV head for its 3 query heads.
     ("3 KV heads (one per query head)", {"drafter.num_kv_heads": 3}),
+    # More ways for a mask slot to read the context: twice the heads (each as wide as the target's).
+    ("6 query and KV heads", {"drafter.num_heads": 6, "drafter.num_kv_heads": 6}),
+    ("3 KV heads, MLP twice as wide", {"drafter.num_kv_heads": 3, "drafter.intermediate_size": 1024}),
+    ("3 KV heads, 4 layers", {"drafter.num_kv_heads": 3, "drafter.num_layers": 4}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -121,16 +126,19 @@ def calibrate(cfg_for, target, data_dir: Path) -> float:
 
 def measure(cfg, target, data_dir: Path) -> dict:
     from peagle.methods import get_method
+    from peagle.train.checkpoint import read_head_spec
 
     trained, wall = train_fresh(cfg, target, data_dir)
     seconds = step_seconds(trained.metrics_history)
     last = [r for r in trained.metrics_history if "loss" in r][-1]
     t = cfg.train
+    spec = read_head_spec(trained.last_checkpoint)  # the shape it really trained (drafter.* None: the target's)
     return {"steps": len(seconds), "train_seconds": sum(seconds), "wall_seconds": wall, "final_loss": last["loss"],
             "warm_start": trained.warm_start,
             "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
                       "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": get_method(t.method).num_layers(cfg),
-                      "optimizer": t.optimizer, "muon_lr": t.muon_learning_rate},
+                      "optimizer": t.optimizer, "muon_lr": t.muon_learning_rate,
+                      "heads": spec.num_heads, "kv_heads": spec.num_kv_heads},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
             "checkpoint": str(trained.last_checkpoint),
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
@@ -331,7 +339,10 @@ def trained_as(run: dict) -> str:
         return "?"
     depth = f"TTT {t['eagle3_ttt_steps']}" if run["method"] == "eagle3" else f"K_train {t['k_train']}"
     optimizer = f", Muon {t['muon_lr']:g}" if optimizer_of(run) == "muon" else ""
-    return f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}"
+    # Recorded since session 17 (runs before: the target's attention shape, 3 query heads sharing
+    # one KV head on the embedded target, unless the row's label says otherwise).
+    attention = f", {t['heads']}q/{t['kv_heads']}kv heads" if "kv_heads" in t else ""
+    return f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}{attention}"
 
 
 def add_tables(run: Run, meta: dict) -> None:
@@ -504,23 +515,33 @@ def render(run: Run, partial: bool = False) -> None:
 
 class Results:
     """The result files of one invocation: earlier invocations' runs (and online table) kept,
-    rewritten after every run, so a run stopped half way keeps the rows it finished."""
+    rewritten after every run, so a run stopped half way keeps the rows it finished.
+
+    The saved runs are read again, under a lock, at every write: two invocations on one dataset
+    (e.g. one per core, each with --step-seconds) both keep their runs."""
 
     def __init__(self, run: Run, quick: bool, meta: dict):
-        saved = None if quick or not result_path(run.name, ".json").exists() else Run.restore(run.name).meta
-        self.run, self.old, self.old_online = run, (saved or {}).get("runs", []), (saved or {}).get("online")
-        self.runs: list[dict] = []
+        self.run, self.quick, self.runs = run, quick, []
         run.meta.update(meta)
+
+    def saved(self) -> dict:
+        if self.quick or not result_path(self.run.name, ".json").exists():
+            return {}
+        return Run.restore(self.run.name).meta
 
     def add(self, row: dict) -> None:
         self.runs.append(row)
         self.write(partial=True)
 
     def write(self, online: list[dict] | None = None, partial: bool = False) -> None:
-        self.run.meta["runs"] = merged(self.old, self.runs)
-        if online is not None or self.old_online:
-            self.run.meta["online"] = online if online is not None else self.old_online
-        render(self.run, partial=partial)
+        with open(result_path(self.run.name, ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            saved = self.saved()
+            self.run.meta["runs"] = merged(saved.get("runs", []), self.runs)
+            old_online = saved.get("online")
+            if online is not None or old_online:
+                self.run.meta["online"] = online if online is not None else old_online
+            render(self.run, partial=partial)
 
 
 def result_name(config: str, quick: bool) -> str:

@@ -13,7 +13,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -179,11 +179,17 @@ class DataConfig(Strict):
         return v
 
 
+# drafter.num_kv_heads value: as many key/value heads as query heads (plain multi-head attention).
+KV_PER_QUERY_HEAD = "num_heads"
+
+
 class DrafterConfig(Strict):
     num_layers: int = Field(4, ge=1)
     hidden_size: int | None = Field(None, ge=16)  # None: the target's hidden size
     num_heads: int | None = Field(None, ge=1)
-    num_kv_heads: int | None = Field(None, ge=1)
+    # None: the target's; "num_heads": a KV head per query head, whatever the target's shape (a
+    # P-EAGLE mask slot reads the context only through attention: bench/README.md, session 16-17).
+    num_kv_heads: Annotated[int, Field(ge=1)] | Literal[KV_PER_QUERY_HEAD] | None = None
     intermediate_size: int | None = Field(None, ge=16)
 
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from peagle.config import ConfigError, PipelineConfig
+from peagle.config import KV_PER_QUERY_HEAD, ConfigError, PipelineConfig
 from peagle.fileio import write_json_atomic
 
 FACTS_VERSION = 1
@@ -212,7 +212,10 @@ def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
     hidden = d.hidden_size or ht
     same_width = hidden == ht
     heads = d.num_heads or (facts.target_num_heads if same_width else max(1, hidden // 64))
-    kv_heads = d.num_kv_heads or (facts.target_num_kv_heads if same_width else heads)
+    if d.num_kv_heads == KV_PER_QUERY_HEAD:
+        kv_heads = heads
+    else:
+        kv_heads = d.num_kv_heads or (facts.target_num_kv_heads if same_width else heads)
     if hidden % heads or heads % kv_heads:
         raise ConfigError(
             f"drafter: hidden_size {hidden} must divide by num_heads {heads}, "

@@ -192,3 +192,20 @@ def test_head_spec_defaults_follow_vllm():
     assert spec.hidden_size == 64 and spec.target_hidden_size == 64
     with pytest.raises(ConfigError):
         default_aux_layer_ids(5)
+
+
+@pytest.mark.parametrize("kv_heads, expected", [(None, 2), ("num_heads", 4), (1, 1)])
+def test_drafter_kv_heads_follow_the_target_or_the_query_heads(kv_heads, expected):
+    # The demo asks for a KV head per query head; a user's target keeps its own query heads.
+    data = demo_dict()
+    data["drafter"]["num_kv_heads"] = kv_heads
+    cfg = parse_config(data)
+    spec = head_spec_for(cfg, target_facts_from_target(cfg, _target(8), _Tok({"<|mask|>": 7})))
+    assert (spec.num_heads, spec.num_kv_heads) == (4, expected)
+
+
+def test_a_kv_head_count_that_is_not_a_number_or_num_heads_is_refused():
+    data = demo_dict()
+    data["drafter"]["num_kv_heads"] = "all"
+    with pytest.raises(ConfigError, match="drafter.num_kv_heads"):
+        parse_config(data)

@@ -93,3 +93,18 @@ def test_a_variant_without_its_own_config_run_compares_with_the_budgets_part():
     rows = {r[0]: r for r in _variants_rows([config, other_build, _run("lm_head trains", 4.7, "local:aaaa")])}
     assert rows["lm_head trains [target local:aaaa]"][7] == "+0.100"
     assert not any(label.startswith("config recipe") for label in rows)  # budgets runs keep their own table
+
+
+def test_two_invocations_writing_one_result_file_keep_each_others_runs(tmp_path, monkeypatch):
+    import result_files
+
+    monkeypatch.setattr(result_files, "RESULTS_DIR", tmp_path)
+    meta = {"data_dir": "data", "ks": [5], "base_overrides": {}}
+    first, second = (quality.Results(quality.Run("quality", {"config": "c.yaml", "threads": 1}), False, dict(meta))
+                     for _ in range(2))  # both started before either wrote, as two processes are
+    first.add(_run("config recipe", 4.6, "local:aaaa"))
+    second.add(_run("3 KV heads (one per query head)", 4.8, "local:aaaa"))
+    first.add(_run("config recipe", 4.5, "local:aaaa", seed=1))
+    saved = quality.Run.restore("quality").meta["runs"]
+    assert sorted((r["recipe"], r["seed"]) for r in saved) == [
+        ("3 KV heads (one per query head)", 0), ("config recipe", 0), ("config recipe", 1)]
