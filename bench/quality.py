@@ -97,6 +97,9 @@ VARIANTS = [
     ("6 query and KV heads", {"drafter.num_heads": 6, "drafter.num_kv_heads": 6}),
     ("3 KV heads, MLP twice as wide", {"drafter.num_kv_heads": 3, "drafter.intermediate_size": 1024}),
     ("3 KV heads, 4 layers", {"drafter.num_kv_heads": 3, "drafter.num_layers": 4}),
+    # The paper trains deeper than it serves (K_train 8, served at 5: +3-4%).
+    ("k_train 6 (one deeper than served)", {"train.k_train": 6}),
+    ("k_train 7 (two deeper than served)", {"train.k_train": 7}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
