@@ -93,11 +93,14 @@ def read_all_logs(client, flow_run_ids: list) -> list:
 def logs_of_finished_runs(client, flow_run_ids: list, wait_s: float = 120) -> list:
     """Every log record of these finished flow runs once each run's last line ("Finished in
     state ...", Prefect's own) is stored: a run's process ships its log batches in the
-    background, so they can reach the API after its final state does (the UI lags the same)."""
+    background, so they can reach the API after its final state does (the UI lags the same).
+    The flow run's own line, not a task's: a task run's records carry its flow run's id too,
+    and its "Finished in state" can be stored before the flow logs what it decided next."""
     deadline = time.monotonic() + wait_s
     while True:
         logs = read_all_logs(client, flow_run_ids)
-        finished = {r.flow_run_id for r in logs if r.message.startswith("Finished in state")}
+        finished = {r.flow_run_id for r in logs
+                    if r.task_run_id is None and r.message.startswith("Finished in state")}
         if finished >= set(flow_run_ids) or time.monotonic() > deadline:
             return logs
         time.sleep(2)

@@ -198,7 +198,7 @@ def test_a_scheduled_deployment_is_run_by_the_worker(deployed_run):
         scheduled = next((r for r in done if r.state.is_completed()), done[0])
         assert scheduled.auto_scheduled and scheduled.state.is_completed(), scheduled.state.message
         messages = [r.message for r in logs_of_finished_runs(client, [scheduled.id])]
-    assert any("nothing new" in m for m in messages), messages
+    assert any("nothing new" in m for m in messages), "\n".join(messages)
 
 
 def test_a_cli_run_afterwards_reuses_what_the_worker_cached(deployed_run):
