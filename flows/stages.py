@@ -141,7 +141,7 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
         data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
         ckpt_dir = stages.checkpoint_dir(cfg, method, Path(data_dir))
         refresh = not (ckpt_dir / BEST).exists()
-        key = training_key(cfg, Path(data_dir), method)
+        key = training_key(stages.method_config(cfg, method, Path(data_dir)), Path(data_dir), method)
         trained = train_task.with_options(refresh_cache=refresh, **limits(cfg, "train", cached=True))(
             cfg, target, data_dir, key, method, mlflow_run_id)
         offline = offline_task.with_options(**limits(cfg, "evaluate"))(

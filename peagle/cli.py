@@ -33,6 +33,17 @@ def _load(config: Path, overrides: list[str] | None = None):
         raise typer.Exit(2) from None
 
 
+def _method(method: str | None, cfg) -> str:
+    """``--method`` (default ``train.method``), checked before any work."""
+    from peagle.methods import get_method
+
+    try:
+        return get_method(method or cfg.train.method).name
+    except ValueError as err:
+        console.print(f"[red]--method: {err}[/red]")
+        raise typer.Exit(2) from None
+
+
 def _library_output(cfg):
     """vLLM's, DeepSpeed's, torch's and transformers' output of a stage command into the run's
     library log (``RunLayout.library_log``); our own lines and progress bars stay on the console."""
@@ -110,9 +121,16 @@ def train_cmd(
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
     from peagle import stages
 
-    cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
+    cfg = _load(config, set_ or [])
+    method = _method(method, cfg)
+    data_dir = RunLayout(cfg.run_dir).data.root
+    try:
+        stages.method_config(cfg, method, data_dir)  # a baseline timed by a head not trained yet: say so now
+    except FileNotFoundError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
     with _library_output(cfg):
-        result = stages.train_head(cfg, stages.prepare_target(cfg), RunLayout(cfg.run_dir).data.root)
+        result = stages.train_head(cfg, stages.prepare_target(cfg), data_dir, method=method)
     console.print(stages.summary_json(result))
 
 
@@ -130,19 +148,20 @@ def export_cmd(
     from peagle.export.head import ExportError
     from peagle.export.validate import validate_head
 
-    cfg = _load(config, (set_ or []) + ([f"train.method={method}"] if method else []))
+    cfg = _load(config, set_ or [])
+    method = _method(method, cfg)
     data_dir = RunLayout(cfg.run_dir).data.root
     with _library_output(cfg):
         target = stages.prepare_target(cfg)
         try:
-            ckpt = checkpoint or stages.trained_checkpoint(cfg, cfg.train.method, data_dir)
-            head = stages.export_head(cfg, target, data_dir, ckpt)
+            ckpt = checkpoint or stages.trained_checkpoint(cfg, method, data_dir)
+            head = stages.export_head(cfg, target, data_dir, ckpt, method=method)
         except (ExportError, FileNotFoundError) as err:
             error = err
         else:
             error = None
             if vllm_check:
-                validate_head(head, target.path, vllm_cfg=cfg.vllm, method=cfg.train.method)
+                validate_head(head, target.path, vllm_cfg=cfg.vllm, method=method)
     if error is not None:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(2)

@@ -216,6 +216,9 @@ class TrainConfig(Strict):
     segments: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
+    # Train for this many seconds of optimizer steps instead (as many epochs as it takes; still
+    # at most max_steps when set); warmup and decay run over the time (peagle.train.budget).
+    max_train_seconds: float | None = Field(None, gt=0)
     micro_batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
@@ -249,6 +252,9 @@ class TrainConfig(Strict):
     init_from: str | None = None
     # EAGLE-3 baseline trained on the same data (training-time-test steps).
     eagle3_baseline: bool = False
+    # How long the baseline trains: "same_steps" as the head, or "same_time" (the seconds the
+    # head's optimizer steps took, read from its checkpoint directory): the comparison #13 asks for.
+    eagle3_baseline_budget: Literal["same_steps", "same_time"] = "same_steps"
     eagle3_ttt_steps: int = Field(7, ge=1)
     # EAGLE-3 heads' decoder layers (None: drafter.num_layers). Each method at its best depth for
     # the same training time: P-EAGLE's parallel slots predict further ahead from the same

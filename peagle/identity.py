@@ -27,6 +27,9 @@ Bookkeeping, which never counts (``BOOKKEEPING``):
 - ``eval_every``: when checkpoints are scored offline; it decides which of them is
   "best", not what any of them holds, and can change on resume.
 - ``eagle3_baseline``: asks the pipeline for a second head beside this one.
+- ``eagle3_baseline_budget``: how long that head trains; ``same_time`` reaches its identity as
+  the ``max_train_seconds`` it resolves to (``peagle.stages.method_config``): the seconds the
+  head's own steps took, which a cached head keeps, so an unchanged run retrains neither.
 - ``init_from``: where training starts, not what it learns from: a warm start reaches a
   head for the same inputs, so a head already trained (or registered) on them is reused
   rather than retrained from another start; the start is recorded in
@@ -34,7 +37,8 @@ Bookkeeping, which never counts (``BOOKKEEPING``):
 - ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``: where the
   ranks run, not what they compute.
 ``optimizer`` and ``muon_learning_rate`` count only with ``optimizer: muon``: every head
-trained before the field existed trained with AdamW, and keeps its identity.
+trained before the field existed trained with AdamW, and keeps its identity; so
+``max_train_seconds`` counts only when set.
 ``world_size`` and ``grad_accum`` count as their product (``micro_batches_per_step``): with
 ``micro_batch_size`` it sets the global batch, and step s trains the same samples however
 it splits into ranks x accumulation (``peagle.train.data``), so a head trained on 2 ranks
@@ -49,7 +53,8 @@ from collections.abc import Mapping
 
 from peagle.methods import DraftingMethod, available_methods, get_method
 
-BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "init_from"})
+BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
+                         "init_from"})
 LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "hostfile"})
 SPLIT_OF_THE_BATCH = frozenset({"world_size", "grad_accum"})  # count as micro_batches_per_step
 
@@ -66,6 +71,8 @@ def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
     train = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in ignored}
     if cfg.train.optimizer == "adamw":
         del train["optimizer"], train["muon_learning_rate"]
+    if cfg.train.max_train_seconds is None:
+        del train["max_train_seconds"]
     train["micro_batches_per_step"] = cfg.train.micro_batches_per_step
     train["method"] = method.name
     return {"drafter": cfg.drafter.model_dump(mode="json"), "train": train}

@@ -19,7 +19,7 @@ from pathlib import Path
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
-from peagle.methods import DraftingMethod, get_method
+from peagle.methods import BASELINE, DraftingMethod, get_method
 
 Method = str | DraftingMethod  # a drafting method's name or object (peagle.methods)
 log = logging.getLogger(__name__)
@@ -92,6 +92,34 @@ def with_method(cfg: PipelineConfig, method: Method) -> PipelineConfig:
     return with_train(cfg, method=get_method(method).name)
 
 
+def method_config(cfg: PipelineConfig, method: Method, data_dir: Path) -> PipelineConfig:
+    """The config ``method``'s head trains with on ``data_dir``: ``with_method``, and for the
+    EAGLE-3 baseline beside another head with ``train.eagle3_baseline_budget: same_time`` a
+    time budget (``train.max_train_seconds``) of the seconds that head's optimizer steps took.
+    Everything that names a head (its checkpoint directory, training key, lineage) asks here."""
+    method = get_method(method)
+    resolved = with_method(cfg, method)
+    head = get_method(cfg.train.method)
+    if method is head or method is not get_method(BASELINE) or cfg.train.eagle3_baseline_budget != "same_time":
+        return resolved
+    return with_train(resolved, max_train_seconds=head_training_seconds(cfg, head, data_dir))
+
+
+def head_training_seconds(cfg: PipelineConfig, method: Method, data_dir: Path) -> float:
+    """Seconds the optimizer steps of ``method``'s head on these inputs took (its ``metrics.jsonl``;
+    checkpointing and evaluation not counted), to the millisecond."""
+    from peagle.layout import METRICS_FILE
+
+    metrics = checkpoint_dir(cfg, method, data_dir) / METRICS_FILE
+    if not metrics.is_file():
+        raise FileNotFoundError(
+            f"train.eagle3_baseline_budget is same_time: the EAGLE-3 baseline trains for as long as the "
+            f"{get_method(method).display_name} head did, and no such head has trained on these inputs ({metrics} "
+            "is missing): train it first (`peagle train`), or set train.eagle3_baseline_budget=same_steps")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return max(0.001, round(sum(r.get("step_time_s", 0.0) for r in records), 3))
+
+
 def checkpoint_dir(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
     """Where ``method``'s head for these inputs trains: one directory per head identity
     (``peagle.identity``: the dataset, the weight-changing config, the method), so the same
@@ -100,7 +128,8 @@ def checkpoint_dir(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
     from peagle.identity import dataset_manifests, head_identity
 
     method = get_method(method)
-    return RunLayout(cfg.run_dir).checkpoints(method.name, head_identity(cfg, dataset_manifests(data_dir), method))
+    identity = head_identity(method_config(cfg, method, data_dir), dataset_manifests(data_dir), method)
+    return RunLayout(cfg.run_dir).checkpoints(method.name, identity)
 
 
 def trained_checkpoint(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
@@ -163,7 +192,7 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
         on_metrics = stage_run(cfg.tracking, mlflow_run_id).log_step_records
     return launch_training(
-        with_method(resolve_init_from(cfg), method),
+        method_config(resolve_init_from(cfg), method, Path(data_dir)),
         Path(data_dir),
         target.path,
         checkpoint_dir(cfg, method, Path(data_dir)),
@@ -222,7 +251,7 @@ def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpo
     method = get_method(method or cfg.train.method)
     head = export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
                                   target_path=target.path, overwrite=True, method=method)
-    write_head_lineage(head, cfg, data_dir, checkpoint, method)
+    write_head_lineage(head, method_config(cfg, method, Path(data_dir)), data_dir, checkpoint, method)
     return head
 
 
@@ -234,7 +263,7 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
     ``heads/eagle3`` when ``train.eagle3_baseline``).
     """
-    from peagle.methods import BASELINE, trained_methods
+    from peagle.methods import trained_methods
 
     head, *baseline = trained_methods(cfg.train)
     if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:

@@ -53,6 +53,24 @@ def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_run
     assert "| K | EAGLE-3 | P-EAGLE |" in eagle3_card
 
 
+def test_the_eagle3_baseline_trained_as_long_as_the_head(pipeline_run):
+    """demo.yaml's train.eagle3_baseline_budget: same_time: the comparison at equal training time."""
+    from peagle.config import load_config
+    from peagle.stages import checkpoint_dir
+
+    cfg = load_config(pipeline_run.config, pipeline_run.overrides)
+    assert cfg.train.eagle3_baseline_budget == "same_time"
+    data_dir = Path(pipeline_run.result.data_dir)
+    seconds = {}
+    for method in ("peagle", "eagle3"):
+        lines = (checkpoint_dir(cfg, method, data_dir) / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines if '"loss"' in line]
+        seconds[method] = (sum(r["step_time_s"] for r in records), len(records), max(r["step_time_s"] for r in records))
+    print(f"seconds, steps, longest step: {seconds}")
+    (head_s, _, _), (base_s, _, longest) = seconds["peagle"], seconds["eagle3"]
+    assert abs(base_s - head_s) <= longest  # the step ending nearest the head's time
+
+
 def test_flow_tracks_and_registers_in_mlflow(pipeline_run):
     from mlflow import MlflowClient
 

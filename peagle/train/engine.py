@@ -168,10 +168,11 @@ def warmup_decay(total_steps: int, warmup: int):
     return factor
 
 
-def build_engine(model: nn.Module, train: TrainConfig, total_steps: int, world_size: int):
+def build_engine(model: nn.Module, train: TrainConfig, total_steps: int, world_size: int, clock=None):
     """Wrap ``model`` in a DeepSpeed engine (optimizer and LR schedule included).
 
-    The schedule is a torch ``LambdaLR`` stepped by DeepSpeed once per optimizer step;
+    The schedule is a torch ``LambdaLR`` stepped by DeepSpeed once per optimizer step, over
+    ``total_steps`` or, given a ``peagle.train.budget.TrainingClock``, over its time budget;
     its state rides in DeepSpeed's checkpoint. DeepSpeed's checkpoint loader is replaced
     by one that never unpickles (``checkpoint.install_safe_loader``).
     """
@@ -179,7 +180,12 @@ def build_engine(model: nn.Module, train: TrainConfig, total_steps: int, world_s
 
     from peagle.train.checkpoint import install_safe_loader
 
-    factor = warmup_decay(total_steps, warmup_steps(train, total_steps))
+    if clock is not None:
+        from peagle.train.budget import time_warmup_decay
+
+        factor = time_warmup_decay(clock, train.warmup_ratio)
+    else:
+        factor = warmup_decay(total_steps, warmup_steps(train, total_steps))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(model, train.weight_decay),

@@ -167,9 +167,12 @@ def launch_training(
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     total = planned_steps(cfg, Path(data_dir))
     progress_log = TrainingProgress(out_dir / METRICS_FILE, total, f"train {cfg.train.method}",
-                                    resumed_at=resume_step(out_dir), on_records=on_metrics)
+                                    resumed_at=resume_step(out_dir), on_records=on_metrics,
+                                    budget_s=cfg.train.max_train_seconds)
+    budget = f"{cfg.train.max_train_seconds:.0f} s of" if cfg.train.max_train_seconds else None
     log.info("training %s: %d rank(s) on %d node(s), %s optimizer steps; rank output in %s", cfg.train.method,
-             cfg.train.world_size, cfg.train.nodes, total if total is not None else "?", out_dir / RANK_OUTPUT)
+             cfg.train.world_size, cfg.train.nodes, budget or (total if total is not None else "?"),
+             out_dir / RANK_OUTPUT)
     run_streaming(cmd, child_env, output=out_dir / RANK_OUTPUT, on_poll=progress_log.poll)
     progress_log.poll(final=True)
     result_path = out_dir / RESULT_FILE
@@ -201,6 +204,8 @@ def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
     (the ranks then fail with the reason)."""
     if cfg.train.max_steps:
         return cfg.train.max_steps
+    if cfg.train.max_train_seconds:
+        return None  # as many as the time budget allows
     from peagle.data.store import ShardReader
     from peagle.train.data import BatchPlan
 
@@ -243,6 +248,7 @@ class TrainingProgress:
     label: str
     resumed_at: int = 0
     every_s: float = PROGRESS_EVERY_S
+    budget_s: float | None = None  # train.max_train_seconds: reported against the records' train_seconds
     on_records: Callable[[list[dict]], None] | None = None
     _offset: int = 0
     _inode: int | None = None
@@ -287,6 +293,8 @@ class TrainingProgress:
         if "acc" in record:
             parts.append(f"acc {record['acc']:.3f}")
         parts.append(f"{record.get('tokens_per_s', 0.0):,.0f} tokens/s")
+        if self.budget_s and "train_seconds" in record:
+            parts.append(f"{record['train_seconds']:.0f}/{self.budget_s:.0f} s of training")
         if self.total_steps and self._first is not None and step < self.total_steps:
             done = step - self._first[0]
             per_step = (now - self._first[1]) / done if done > 0 else float(record.get("step_time_s", 0.0))

@@ -37,6 +37,7 @@ from peagle.layout import METRICS_FILE, TRAIN_SPLIT
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
 from peagle.methods import Objective, get_method
 from peagle.train import checkpoint as ckpt
+from peagle.train.budget import TrainingClock
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
 
@@ -279,7 +280,8 @@ def train_drafter(
     the end) picks the best checkpoint; ``on_metrics(step, record)`` sees every record
     written to ``metrics.jsonl``. ``inputs`` overrides what is read from ``data_dir``.
     With ``train.max_steps`` set, training runs that many optimizer steps (as many epochs
-    as needed); otherwise ``train.epochs`` whole epochs.
+    as needed); with ``train.max_train_seconds``, until its steps have taken that long
+    (``peagle.train.budget``); otherwise ``train.epochs`` whole epochs.
     """
     from peagle.model import target_config
     from peagle.train.loss import TargetHead
@@ -305,7 +307,9 @@ def train_drafter(
         )
     plan = BatchPlan(len(inputs.samples), dist_info.world_size, train.micro_batch_size, train.grad_accum)
     plan.check()
-    total_steps = train.max_steps or plan.steps_per_epoch * train.epochs
+    # A time budget stops the loop by the clock (at most max_steps); total_steps 0 then means "no step count".
+    total_steps = train.max_steps or (0 if train.max_train_seconds else plan.steps_per_epoch * train.epochs)
+    clock = TrainingClock(train.max_train_seconds) if train.max_train_seconds else None
 
     drafter = build_drafter(train, inputs, target_path)  # what trains: before DeepSpeed sees it
     warm = None
@@ -318,7 +322,7 @@ def train_drafter(
                      if warm["kept_fresh"] else "")
             tqdm.write(f"warm start from {warm['head_dir']}: {warm['lm_head_rows_copied']} lm_head rows kept, "
                        f"{warm['lm_head_rows_new']} new draft tokens from the target{fresh}")
-    engine = build_engine(drafter, train, total_steps, dist_info.world_size)
+    engine = build_engine(drafter, train, total_steps, dist_info.world_size, clock)
     engine.train()
     target_head = TargetHead.from_target(target_path, spec, inputs.draft_ids).to(engine.device)
     objective = make_objective(train, spec, target_head)
@@ -339,6 +343,8 @@ def train_drafter(
         _check_resumable(state, plan, total_steps, identity, previous)
         step = state.step
         log.resume_at(step)
+        if clock is not None:
+            clock.elapsed_s, clock.steps = state.train_seconds, step
     elif dist_info.is_main and (out_dir / METRICS_FILE).exists():
         (out_dir / METRICS_FILE).unlink()
     if dist.is_initialized():
@@ -356,6 +362,7 @@ def train_drafter(
             grad_accum=plan.grad_accum,
             total_steps=total_steps,
             config_hash=identity,
+            train_seconds=clock.elapsed_s if clock is not None else 0.0,
             acceptance=acceptance,
             metrics=record,
             replica_checksums=checksums,
@@ -371,9 +378,10 @@ def train_drafter(
             engine, spec, state_at(step, acceptance, record, checksums), out_dir, train.keep_last, state_dict
         )
 
-    bar = tqdm(total=total_steps, initial=step, desc=f"train {objective.name}", disable=not (progress and dist_info.is_main))
+    bar = progress_bar(total_steps, step, clock, f"train {objective.name}", progress and dist_info.is_main)
     gas = micro_steps_per_step(train)
-    while step < total_steps:
+    finished = bool(total_steps and step >= total_steps) or (clock is not None and clock.done())
+    while not finished:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, list, in_epoch * plan.grad_accum))
         for _ in range(plan.steps_per_epoch - in_epoch):
@@ -391,18 +399,22 @@ def train_drafter(
             record = {"step": step, "epoch": epoch, "lr": current_lr(engine), **stats.reduced()}
             record["step_time_s"] = seconds
             record["tokens_per_s"] = record["tokens"] / seconds
+            if clock is not None:
+                clock.add(seconds, engine.device, dist_info.world_size)
+                record["train_seconds"] = clock.elapsed_s
             grad_norm = engine.get_global_grad_norm()
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
             log.write(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record.get('acc', 0.0):.3f}")
-            last = step == total_steps
+            bar.update(seconds if clock is not None else 1)
+            bar.set_postfix(step=step, loss=f"{record['loss']:.4f}", acc=f"{record.get('acc', 0.0):.3f}")
+            last = step == total_steps or (clock is not None and clock.done())
             eval_due = bool(train.eval_every) and step % train.eval_every == 0
             evaluate_now = eval_fn is not None and (last or eval_due)
             if last or eval_due or _save_due(train, step, plan):
                 checkpoint_now(step, record, evaluate_now)
             if last:
+                finished = True
                 break
     bar.close()
 
@@ -415,6 +427,14 @@ def train_drafter(
     if dist_info.is_main:
         write_text_atomic(out_dir / RESULT_FILE, result.to_json())
     return result
+
+
+def progress_bar(total_steps: int, step: int, clock: TrainingClock | None, desc: str, show: bool):
+    """Steps out of the step count; with a time budget, seconds out of the budget."""
+    if clock is None:
+        return tqdm(total=total_steps, initial=step, desc=desc, disable=not show)
+    return tqdm(total=round(clock.budget_s), initial=round(clock.elapsed_s), desc=desc, unit="s", disable=not show,
+                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
 
 
 def _save_due(train: TrainConfig, step: int, plan: BatchPlan) -> bool:

@@ -1,0 +1,69 @@
+"""Training for a time budget (``train.max_train_seconds``) instead of a number of steps.
+
+Users retraining on a schedule have a compute window, not a step count; and comparing two
+drafting methods fairly means giving each the same training time (issue #13: P-EAGLE takes
+cheaper steps than EAGLE-3, so equal steps hand EAGLE-3 ~1.75x the time). The clock sums the
+seconds of optimizer steps (checkpointing and evaluation excluded); ranks agree on it (the
+slowest rank counts), so they take the same learning rates and stop at the same step.
+
+The learning-rate schedule keeps the step schedule's shape (linear warmup over
+``train.warmup_ratio`` of the budget, then linear decay to 0) on the *fraction of the budget
+that will have passed at the end of the step* a rate is for, estimated from the mean step so
+far. Until one step has been timed nothing can be estimated: the first two steps (the rates
+for both are set before any step ends) run at rate 0 and only prime the optimizer's moments
+when there is a warmup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TrainingClock:
+    """Summed optimizer-step seconds, and how far into ``budget_s`` they are."""
+
+    budget_s: float
+    elapsed_s: float = 0.0
+    steps: int = 0  # optimizer steps timed
+
+    def add(self, seconds: float, device, world_size: int) -> None:
+        """Count one step: the slowest rank's seconds, so every rank holds the same clock."""
+        if world_size > 1 and dist.is_initialized():
+            value = torch.tensor([seconds], dtype=torch.float64, device=device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            seconds = float(value.cpu()[0])
+        self.elapsed_s += seconds
+        self.steps += 1
+
+    @property
+    def mean_step_s(self) -> float | None:
+        return self.elapsed_s / self.steps if self.steps else None
+
+    def fraction_at_end_of(self, step: int) -> float:
+        """The budget's fraction passed when 0-based optimizer step ``step`` ends (0 before a step is timed)."""
+        mean = self.mean_step_s
+        if mean is None:
+            return 0.0
+        return (self.elapsed_s + (step + 1 - self.steps) * mean) / self.budget_s
+
+    def done(self) -> bool:
+        """Another step would end nearer past the budget than the last one ended before it."""
+        mean = self.mean_step_s
+        return mean is not None and self.elapsed_s + mean / 2 >= self.budget_s
+
+
+def time_warmup_decay(clock: TrainingClock, warmup_ratio: float):
+    """LR factor for 0-based optimizer step s: linear warmup to 1 over ``warmup_ratio`` of the
+    budget, then linear decay to 0 at its end (``warmup_decay``'s shape, on time)."""
+
+    def factor(step: int) -> float:
+        fraction = clock.fraction_at_end_of(step)
+        if fraction < warmup_ratio:
+            return fraction / warmup_ratio
+        return min(1.0, max(0.0, (1.0 - fraction) / (1.0 - warmup_ratio)))
+
+    return factor

@@ -1,0 +1,138 @@
+"""Training for a time budget (``train.max_train_seconds``): the clock, its LR schedule, a real run, resume."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
+from test_deepspeed import child_env, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
+from test_trainer import CHILD_TRAIN_THEN_DIE
+
+from peagle.train import checkpoint as ckpt
+from peagle.train.budget import TrainingClock, time_warmup_decay
+
+
+def test_the_schedule_has_the_step_schedules_shape_on_time():
+    clock = TrainingClock(budget_s=10.0)
+    factor = time_warmup_decay(clock, warmup_ratio=0.2)
+    assert factor(0) == 0.0  # nothing timed yet: no estimate of where a step ends
+    seen = []
+    for step in range(1, 11):  # LambdaLR asks for step s's rate once s-1 steps are done
+        clock.add(1.0, device="cpu", world_size=1)
+        seen.append(round(factor(step), 4))
+    # step s (0-based) ends at s+1 seconds: warmup over the first 2 s, then linear decay to 0 at 10 s
+    assert seen == [1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
+    assert round(time_warmup_decay(TrainingClock(10.0, elapsed_s=1.0, steps=1), 0.2)(0), 4) == 0.5
+
+
+def test_the_clock_stops_at_the_step_ending_nearest_the_budget():
+    clock = TrainingClock(budget_s=10.0)
+    ends = []
+    while not clock.done():
+        clock.add(3.0, device="cpu", world_size=1)
+        ends.append(clock.elapsed_s)
+    assert ends == [3.0, 6.0, 9.0]  # a fourth step would end 2 s past the budget, the third ended 1 s before
+    assert TrainingClock(10.0, elapsed_s=10.5, steps=3).done() and not TrainingClock(10.0).done()
+
+
+def timed_records(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_run, tmp_path):
+    """A real DeepSpeed run: it stops when its steps have taken the budget (more than one epoch of
+    the tiny dataset), the learning rate warms up and decays to ~0 over the time, and a run killed
+    midway resumes with the time already spent counted."""
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    budget = 6.0
+    cfg = tiny_config(max_train_seconds=budget, grad_accum=2, save_every=3, keep_last=20, warmup_ratio=0.2)
+    result = train_drafter(cfg, data_dir, str(target), tmp_path / "whole", progress=False)
+    records = timed_records(tmp_path / "whole")
+    steps = [r["step_time_s"] for r in records]
+    mean = sum(steps) / len(steps)
+    print(f"{len(steps)} steps, {sum(steps):.2f} s, mean {mean:.3f} s")
+    assert abs(sum(steps) - budget) <= max(steps)  # stopped at the step ending nearest the budget
+    assert records[-1]["train_seconds"] == pytest.approx(sum(steps))
+    assert max(r["epoch"] for r in records) >= 1  # 8 steps per epoch: the budget, not the epochs, ends it
+    lrs = [r["lr"] for r in records]
+    peak = max(lrs)
+    assert peak == pytest.approx(cfg.train.learning_rate, rel=0.2)
+    assert lrs[0] == 0.0 and lrs.index(peak) > 1  # warmup on time
+    assert lrs[-1] < 0.25 * peak  # decayed with the budget (a step-count schedule would not know when)
+    assert result.last_checkpoint.name == f"step-{len(steps):06d}"
+    assert ckpt.read_trainer_state(result.last_checkpoint).train_seconds == pytest.approx(sum(steps))
+    again = train_drafter(cfg, data_dir, str(target), tmp_path / "whole", progress=False)
+    assert len(timed_records(tmp_path / "whole")) == len(steps) and again.last_checkpoint == result.last_checkpoint
+
+    out = tmp_path / "killed"
+    cfg_file, script = tmp_path / "cfg.json", tmp_path / "child.py"
+    cfg_file.write_text(cfg.model_dump_json(by_alias=True))
+    script.write_text(CHILD_TRAIN_THEN_DIE)
+    child = subprocess.run([sys.executable, str(script), str(cfg_file), str(data_dir), str(target), str(out), "7"],
+                           env=child_env(), capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr[-3000:]
+    saved = ckpt.read_trainer_state(out / "step-000006")
+    assert saved.train_seconds == pytest.approx(sum(r["step_time_s"] for r in timed_records(out)[:6]))
+    train_drafter(cfg, data_dir, str(target), out, progress=False)
+    resumed = timed_records(out)
+    assert [r["step"] for r in resumed] == list(range(1, len(resumed) + 1))
+    assert resumed[6]["train_seconds"] == pytest.approx(saved.train_seconds + resumed[6]["step_time_s"])
+    assert abs(resumed[-1]["train_seconds"] - budget) <= max(r["step_time_s"] for r in resumed)
+
+
+def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_path):
+    """``train.eagle3_baseline_budget: same_time``: the baseline's budget is the seconds the head's
+    steps took on these inputs; its checkpoint directory, the trainer's recorded identity and the
+    head's agree on it, and a baseline asked for before its head names the fix."""
+    from peagle.identity import dataset_manifests, head_identity
+    from peagle.stages import checkpoint_dir, method_config, with_train
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    cfg = with_train(tiny_config(max_steps=30, eagle3_baseline=True, eagle3_baseline_budget="same_time",
+                                 eagle3_ttt_steps=2), method="peagle").model_copy(update={"workdir": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match="train it first .*eagle3_baseline_budget=same_steps"):
+        method_config(cfg, "eagle3", data_dir)
+
+    head_dir = checkpoint_dir(cfg, "peagle", data_dir)
+    train_drafter(method_config(cfg, "peagle", data_dir), data_dir, str(target), head_dir, progress=False)
+    head_seconds = sum(r["step_time_s"] for r in timed_records(head_dir))
+    baseline_cfg = method_config(cfg, "eagle3", data_dir)
+    assert baseline_cfg.train.method == "eagle3"
+    assert baseline_cfg.train.max_train_seconds == pytest.approx(head_seconds, abs=0.001)
+    assert method_config(cfg, "peagle", data_dir).train.max_train_seconds is None  # the head keeps its steps
+    same_steps = with_train(cfg, eagle3_baseline_budget="same_steps")
+    assert checkpoint_dir(same_steps, "eagle3", data_dir) != checkpoint_dir(cfg, "eagle3", data_dir)
+    assert checkpoint_dir(same_steps, "peagle", data_dir) == head_dir
+
+    out = checkpoint_dir(cfg, "eagle3", data_dir)
+    result = train_drafter(baseline_cfg, data_dir, str(target), out, progress=False)
+    trained = ckpt.read_trainer_state(result.last_checkpoint)
+    assert trained.config_hash == head_identity(baseline_cfg, dataset_manifests(data_dir), "eagle3")
+    assert trained.config_hash.startswith(out.name)  # the directory named after the identity the trainer recorded
+    assert trained.train_seconds == pytest.approx(head_seconds, abs=max(r["step_time_s"] for r in timed_records(out)))
+
+
+@pytest.mark.slow  # torchrun with two DeepSpeed ranks: ~30 s on 2 cores
+def test_two_ranks_keep_one_clock(tiny_run, tmp_path):
+    """Each rank times its own steps; they must still take the same learning rates (ZeRO-0: every
+    rank updates all the weights, so replicas diverge otherwise: checkpoints compare them) and stop
+    at the same step (a rank left waiting in a collective would hang the run)."""
+    from test_deepspeed import ONE_THREAD
+
+    from peagle.train.launch import launch_training
+
+    data_dir, target = tiny_run
+    cfg = tiny_config(world_size=2, zero_stage=0, max_train_seconds=4.0, save_every=5, keep_last=50)
+    result = launch_training(cfg, data_dir, str(target), tmp_path / "out", progress=False, env=ONE_THREAD)
+    records = timed_records(tmp_path / "out")
+    assert abs(records[-1]["train_seconds"] - 4.0) <= max(r["step_time_s"] for r in records) + 0.5
+    states = [ckpt.read_trainer_state(p) for p in ckpt.list_checkpoints(tmp_path / "out")]
+    assert len(states) >= 2 and all(len(set(s.replica_checksums)) == 1 for s in states)
+    assert result.last_checkpoint.name == f"step-{len(records):06d}"
