@@ -233,7 +233,8 @@ def shared_data_copy(pipeline_run, dest: Path) -> dict:
 def test_stage_commands_one_at_a_time(pipeline_run, user_env, tmp_path):
     """`peagle data`, `peagle train [--method eagle3]`, `peagle export` one after another on a
     copy of the shared run's dataset, as a user runs the stages: data finds the dataset built,
-    training runs 2 steps (``train.max_steps``), export validates the head in vLLM."""
+    training runs 2 steps (``train.max_steps``; the EAGLE-3 baseline at most 2, for as long as
+    the P-EAGLE head's took: demo.yaml's ``same_time``), export validates the head in vLLM."""
     from peagle.identity import dataset_manifests
 
     overrides = {**shared_data_copy(pipeline_run, tmp_path / "run"), "train.max_steps": 2}
@@ -244,12 +245,19 @@ def test_stage_commands_one_at_a_time(pipeline_run, user_env, tmp_path):
     assert dataset_manifests(data_dir) == manifests  # the finished dataset is reused, not rebuilt
     assert printed_json(out)["num_train"] > 0
 
+    seconds = {}
     for command, method in ((".venv/bin/peagle train configs/demo.yaml", "peagle"),
                             (".venv/bin/peagle train configs/demo.yaml --method eagle3", "eagle3")):
         out, _ = run(readme_argv(command) + sets(overrides), user_env)
         result = printed_json(out)
-        assert result["last_checkpoint"].endswith("step-000002") and result["best_checkpoint"], result
+        steps = [json.loads(line) for line in
+                 (Path(result["last_checkpoint"]).parent / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        seconds[method] = sum(r["step_time_s"] for r in steps)
+        last = "step-000002" if method == "peagle" else ("step-000001", "step-000002")
+        assert result["last_checkpoint"].endswith(last) and result["best_checkpoint"], result
         assert list((tmp_path / "run" / "checkpoints" / method).glob("*/best")), f"{method}: no best checkpoint"
+    assert "train_seconds" in steps[-1]  # the baseline trained on a clock: the head's seconds
+    assert seconds["eagle3"] <= seconds["peagle"] + max(r["step_time_s"] for r in steps), seconds
 
     out, _ = run(readme_argv(".venv/bin/peagle export configs/demo.yaml") + sets(overrides), user_env)
     head = tmp_path / "run" / "heads" / "peagle"
