@@ -56,12 +56,13 @@ class TrainingClock:
         return mean is not None and self.elapsed_s + mean / 2 >= self.budget_s
 
 
-def time_warmup_decay(clock: TrainingClock, warmup_ratio: float):
+def time_warmup_decay(clock: TrainingClock, warmup_ratio: float, max_steps: int = 0):
     """LR factor for 0-based optimizer step s: linear warmup to 1 over ``warmup_ratio`` of the
-    budget, then linear decay to 0 at its end (``warmup_decay``'s shape, on time)."""
+    budget, then linear decay to 0 at its end (``warmup_decay``'s shape, on time). With
+    ``max_steps`` too, on whichever of the two the run is further through."""
 
     def factor(step: int) -> float:
-        fraction = clock.fraction_at_end_of(step)
+        fraction = max(clock.fraction_at_end_of(step), (step + 1) / max_steps if max_steps else 0.0)
         if fraction < warmup_ratio:
             return fraction / warmup_ratio
         return min(1.0, max(0.0, (1.0 - fraction) / (1.0 - warmup_ratio)))

@@ -183,7 +183,7 @@ def build_engine(model: nn.Module, train: TrainConfig, total_steps: int, world_s
     if clock is not None:
         from peagle.train.budget import time_warmup_decay
 
-        factor = time_warmup_decay(clock, train.warmup_ratio)
+        factor = time_warmup_decay(clock, train.warmup_ratio, total_steps)
     else:
         factor = warmup_decay(total_steps, warmup_steps(train, total_steps))
     engine, _, _, _ = deepspeed.initialize(

@@ -27,6 +27,12 @@ def test_the_schedule_has_the_step_schedules_shape_on_time():
     # step s (0-based) ends at s+1 seconds: warmup over the first 2 s, then linear decay to 0 at 10 s
     assert seen == [1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0, 0.0]
     assert round(time_warmup_decay(TrainingClock(10.0, elapsed_s=1.0, steps=1), 0.2)(0), 4) == 0.5
+    # with a step cap the run would reach first (4 steps of 1 s in 10 s), the schedule follows the steps
+    capped, clock = [], TrainingClock(budget_s=10.0)
+    for step in range(1, 5):
+        clock.add(1.0, device="cpu", world_size=1)
+        capped.append(round(time_warmup_decay(clock, warmup_ratio=0.2, max_steps=4)(step), 4))
+    assert capped == [0.625, 0.3125, 0.0, 0.0]  # step s ends at (s+1)/4 of the steps, ahead of the clock
 
 
 def test_the_clock_stops_at_the_step_ending_nearest_the_budget():
