@@ -217,7 +217,8 @@ class TrainConfig(Strict):
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     # Train for this many seconds of optimizer steps instead (as many epochs as it takes; still
-    # at most max_steps when set); warmup and decay run over the time (peagle.train.budget).
+    # at most max_steps when set); warmup and decay run over the time, or over the steps where
+    # the run is further through those (peagle.train.budget).
     max_train_seconds: float | None = Field(None, gt=0)
     micro_batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
