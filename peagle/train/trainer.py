@@ -380,7 +380,11 @@ def train_drafter(
 
     bar = progress_bar(total_steps, step, clock, f"train {objective.name}", progress and dist_info.is_main)
     gas = micro_steps_per_step(train)
-    finished = bool(total_steps and step >= total_steps) or (clock is not None and clock.done())
+    def run_over(step: int) -> bool:
+        """The step count reached, or the time budget spent: at the start (a finished run resumed) and after each step."""
+        return bool(total_steps and step >= total_steps) or (clock is not None and clock.done())
+
+    finished = run_over(step)
     while not finished:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, list, in_epoch * plan.grad_accum))
@@ -408,7 +412,7 @@ def train_drafter(
             log.write(record)
             bar.update(seconds if clock is not None else 1)
             bar.set_postfix(step=step, loss=f"{record['loss']:.4f}", acc=f"{record.get('acc', 0.0):.3f}")
-            last = step == total_steps or (clock is not None and clock.done())
+            last = run_over(step)
             eval_due = bool(train.eval_every) and step % train.eval_every == 0
             evaluate_now = eval_fn is not None and (last or eval_due)
             if last or eval_due or _save_due(train, step, plan):
