@@ -107,7 +107,8 @@ def method_config(cfg: PipelineConfig, method: Method, data_dir: Path) -> Pipeli
 
 def head_training_seconds(cfg: PipelineConfig, method: Method, data_dir: Path) -> float:
     """Seconds the optimizer steps of ``method``'s head on these inputs took (its ``metrics.jsonl``;
-    checkpointing and evaluation not counted), to the millisecond."""
+    checkpointing, evaluation and each process's first step not counted, as on a time budget's
+    clock: ``peagle.train.budget``), to the millisecond."""
     from peagle.layout import METRICS_FILE
 
     metrics = checkpoint_dir(cfg, method, data_dir) / METRICS_FILE
@@ -116,8 +117,10 @@ def head_training_seconds(cfg: PipelineConfig, method: Method, data_dir: Path) -
             f"train.eagle3_baseline_budget is same_time: the EAGLE-3 baseline trains for as long as the "
             f"{get_method(method).display_name} head did, and no such head has trained on these inputs ({metrics} "
             "is missing): train it first (`peagle train`), or set train.eagle3_baseline_budget=same_steps")
+    from peagle.train.budget import counted_seconds
+
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return max(0.001, round(sum(r.get("step_time_s", 0.0) for r in records), 3))
+    return max(0.001, round(counted_seconds(records), 3))
 
 
 def checkpoint_dir(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:

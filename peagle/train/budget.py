@@ -6,12 +6,19 @@ cheaper steps than EAGLE-3, so equal steps hand EAGLE-3 ~1.75x the time). The cl
 seconds of optimizer steps (checkpointing and evaluation excluded); ranks agree on it (the
 slowest rank counts), so they take the same learning rates and stop at the same step.
 
+A process's first optimizer step is not counted (its record says ``first_in_process``): it
+compiles (DeepSpeed's Muon update is torch.compiled) and allocates, 4-22 s on 2 CPU cores by
+how warm inductor's cache is, against ~0.2-0.5 s for the steps after it. Counted, it charged
+whichever head trained first on a fresh machine for the compilation the other then found
+cached (the demo's P-EAGLE: 22 s of its 136 s). ``counted_seconds`` applies the same rule to a
+finished run's records (the EAGLE-3 baseline's budget), as the benchmarks' calibration does.
+
 The learning-rate schedule keeps the step schedule's shape (linear warmup over
 ``train.warmup_ratio`` of the budget, then linear decay to 0) on the *fraction of the budget
-that will have passed at the end of the step* a rate is for, estimated from the mean step so
-far. Until one step has been timed nothing can be estimated: the first two steps (the rates
-for both are set before any step ends) run at rate 0 and only prime the optimizer's moments
-when there is a warmup.
+that will have passed at the end of the step* a rate is for, estimated from the mean counted
+step so far. Until one step has been counted nothing can be estimated: the first three steps
+(their rates are set before the second step ends) run at rate 0 and only prime the optimizer's
+moments when there is a warmup.
 """
 
 from __future__ import annotations
@@ -22,13 +29,26 @@ import torch
 import torch.distributed as dist
 
 
+FIRST_IN_PROCESS = "first_in_process"  # the metrics record of a step the clock leaves out
+
+
+def counted_seconds(records: list[dict]) -> float:
+    """The seconds a run's steps count on the clock: every step's but each process's first."""
+    return sum(r.get("step_time_s", 0.0) for r in records if not r.get(FIRST_IN_PROCESS))
+
+
 @dataclass
 class TrainingClock:
     """Summed optimizer-step seconds, and how far into ``budget_s`` they are."""
 
     budget_s: float
     elapsed_s: float = 0.0
-    steps: int = 0  # optimizer steps timed
+    steps: int = 0  # optimizer steps done, counted or not
+    counted: int | None = None  # of which counted (None: all of them)
+
+    def __post_init__(self):
+        if self.counted is None:
+            self.counted = self.steps
 
     def add(self, seconds: float, device, world_size: int) -> None:
         """Count one step: the slowest rank's seconds, so every rank holds the same clock."""
@@ -38,10 +58,15 @@ class TrainingClock:
             seconds = float(value.cpu()[0])
         self.elapsed_s += seconds
         self.steps += 1
+        self.counted += 1
+
+    def skip(self) -> None:
+        """A step done but not counted: a process's first (every rank skips the same one)."""
+        self.steps += 1
 
     @property
     def mean_step_s(self) -> float | None:
-        return self.elapsed_s / self.steps if self.steps else None
+        return self.elapsed_s / self.counted if self.counted else None
 
     def fraction_at_end_of(self, step: int) -> float:
         """The budget's fraction passed when 0-based optimizer step ``step`` ends (0 before a step is timed)."""

@@ -134,6 +134,7 @@ class TrainerState:
     total_steps: int
     config_hash: str = ""
     train_seconds: float = 0.0  # summed optimizer-step seconds so far (a time budget's clock)
+    counted_steps: int | None = None  # of the steps, those train_seconds counts (None: written before the rule)
     acceptance: float | None = None  # offline acceptance of this checkpoint, when evaluated
     metrics: dict = field(default_factory=dict)  # the last step's logged metrics
     replica_checksums: list[float] = field(default_factory=list)  # per rank: all must agree

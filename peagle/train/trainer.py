@@ -37,7 +37,7 @@ from peagle.layout import METRICS_FILE, TRAIN_SPLIT
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
 from peagle.methods import Objective, get_method
 from peagle.train import checkpoint as ckpt
-from peagle.train.budget import TrainingClock
+from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
 
@@ -344,7 +344,9 @@ def train_drafter(
         step = state.step
         log.resume_at(step)
         if clock is not None:
+            # in place: the LR schedule holds this clock
             clock.elapsed_s, clock.steps = state.train_seconds, step
+            clock.counted = step if state.counted_steps is None else state.counted_steps
     elif dist_info.is_main and (out_dir / METRICS_FILE).exists():
         (out_dir / METRICS_FILE).unlink()
     if dist.is_initialized():
@@ -363,6 +365,7 @@ def train_drafter(
             total_steps=total_steps,
             config_hash=identity,
             train_seconds=clock.elapsed_s if clock is not None else 0.0,
+            counted_steps=clock.counted if clock is not None else None,
             acceptance=acceptance,
             metrics=record,
             replica_checksums=checksums,
@@ -385,6 +388,7 @@ def train_drafter(
         return bool(total_steps and step >= total_steps) or (clock is not None and clock.done())
 
     finished = run_over(step)
+    first_in_process = True  # compiles and allocates: left off the clock (peagle.train.budget)
     while not finished:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         batches = iter(epoch_loader(dataset, plan, epoch, dist_info.rank, list, in_epoch * plan.grad_accum))
@@ -403,9 +407,15 @@ def train_drafter(
             record = {"step": step, "epoch": epoch, "lr": current_lr(engine), **stats.reduced()}
             record["step_time_s"] = seconds
             record["tokens_per_s"] = record["tokens"] / seconds
+            if first_in_process:
+                record[FIRST_IN_PROCESS] = True
             if clock is not None:
-                clock.add(seconds, engine.device, dist_info.world_size)
+                if first_in_process:
+                    clock.skip()
+                else:
+                    clock.add(seconds, engine.device, dist_info.world_size)
                 record["train_seconds"] = clock.elapsed_s
+            first_in_process = False
             grad_norm = engine.get_global_grad_norm()
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)

@@ -13,7 +13,7 @@ from test_deepspeed import child_env, read_metrics, tiny_config, tiny_run  # noq
 from test_trainer import CHILD_TRAIN_THEN_DIE
 
 from peagle.train import checkpoint as ckpt
-from peagle.train.budget import TrainingClock, time_warmup_decay
+from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock, counted_seconds, time_warmup_decay
 
 
 def test_the_schedule_has_the_step_schedules_shape_on_time():
@@ -45,6 +45,22 @@ def test_the_clock_stops_at_the_step_ending_nearest_the_budget():
     assert TrainingClock(10.0, elapsed_s=10.5, steps=3).done() and not TrainingClock(10.0).done()
 
 
+def test_a_skipped_step_counts_as_done_but_not_in_the_mean():
+    """A process's first step (compilation) is done but not timed: the schedule still knows it was
+    taken, and the mean step - hence where later steps end and when the budget is spent - leaves it out."""
+    clock = TrainingClock(budget_s=10.0)
+    clock.skip()
+    assert clock.mean_step_s is None and time_warmup_decay(clock, 0.2)(1) == 0.0 and not clock.done()
+    clock.add(1.0, device="cpu", world_size=1)
+    assert clock.mean_step_s == 1.0 and clock.elapsed_s == 1.0
+    assert clock.fraction_at_end_of(2) == pytest.approx(0.2)  # steps 0 (skipped) and 1 (1 s) done: step 2 ends at 2 s
+    resumed = TrainingClock(10.0, elapsed_s=4.0, steps=5, counted=4)  # as a checkpoint restores it
+    assert resumed.mean_step_s == 1.0 and resumed.fraction_at_end_of(5) == pytest.approx(0.5)
+    assert TrainingClock(10.0, elapsed_s=4.0, steps=4).counted == 4  # a state written before the rule: all counted
+    records = [{"step_time_s": 9.0, FIRST_IN_PROCESS: True}, {"step_time_s": 1.0}, {"step_time_s": 2.0}, {"eval": 1}]
+    assert counted_seconds(records) == 3.0
+
+
 def timed_records(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "loss" in r]
 
@@ -61,10 +77,12 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
     result = train_drafter(cfg, data_dir, str(target), tmp_path / "whole", progress=False)
     records = timed_records(tmp_path / "whole")
     steps = [r["step_time_s"] for r in records]
-    mean = sum(steps) / len(steps)
-    print(f"{len(steps)} steps, {sum(steps):.2f} s, mean {mean:.3f} s")
-    assert abs(sum(steps) - budget) <= max(steps)  # stopped at the step ending nearest the budget
-    assert records[-1]["train_seconds"] == pytest.approx(sum(steps))
+    counted = counted_seconds(records)
+    print(f"{len(steps)} steps, {sum(steps):.2f} s ({counted:.2f} s counted), first {steps[0]:.3f} s")
+    assert [bool(r.get(FIRST_IN_PROCESS)) for r in records] == [True] + [False] * (len(records) - 1)
+    assert counted == pytest.approx(sum(steps[1:]))
+    assert abs(counted - budget) <= max(steps[1:])  # stopped at the step ending nearest the budget
+    assert records[-1]["train_seconds"] == pytest.approx(counted)
     assert max(r["epoch"] for r in records) >= 1  # 8 steps per epoch: the budget, not the epochs, ends it
     lrs = [r["lr"] for r in records]
     peak = max(lrs)
@@ -72,7 +90,7 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
     assert lrs[0] == 0.0 and lrs.index(peak) > 1  # warmup on time
     assert lrs[-1] < 0.25 * peak  # decayed with the budget (a step-count schedule would not know when)
     assert result.last_checkpoint.name == f"step-{len(steps):06d}"
-    assert ckpt.read_trainer_state(result.last_checkpoint).train_seconds == pytest.approx(sum(steps))
+    assert ckpt.read_trainer_state(result.last_checkpoint).train_seconds == pytest.approx(counted)
     again = train_drafter(cfg, data_dir, str(target), tmp_path / "whole", progress=False)
     assert len(timed_records(tmp_path / "whole")) == len(steps) and again.last_checkpoint == result.last_checkpoint
 
@@ -84,12 +102,15 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
                            env=child_env(), capture_output=True, text=True, timeout=300)
     assert child.returncode == -9, child.stderr[-3000:]
     saved = ckpt.read_trainer_state(out / "step-000006")
-    assert saved.train_seconds == pytest.approx(sum(r["step_time_s"] for r in timed_records(out)[:6]))
+    assert saved.train_seconds == pytest.approx(counted_seconds(timed_records(out)[:6]))
+    assert saved.counted_steps == 5
     train_drafter(cfg, data_dir, str(target), out, progress=False)
     resumed = timed_records(out)
     assert [r["step"] for r in resumed] == list(range(1, len(resumed) + 1))
-    assert resumed[6]["train_seconds"] == pytest.approx(saved.train_seconds + resumed[6]["step_time_s"])
-    assert abs(resumed[-1]["train_seconds"] - budget) <= max(r["step_time_s"] for r in resumed)
+    # the resumed process's first step compiles again: not counted; the one after it is
+    assert resumed[6][FIRST_IN_PROCESS] and resumed[6]["train_seconds"] == pytest.approx(saved.train_seconds)
+    assert resumed[7]["train_seconds"] == pytest.approx(saved.train_seconds + resumed[7]["step_time_s"])
+    assert abs(resumed[-1]["train_seconds"] - budget) <= max(r["step_time_s"] for r in resumed[7:])
 
 
 def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_path):
@@ -108,7 +129,8 @@ def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_pat
 
     head_dir = checkpoint_dir(cfg, "peagle", data_dir)
     train_drafter(method_config(cfg, "peagle", data_dir), data_dir, str(target), head_dir, progress=False)
-    head_seconds = sum(r["step_time_s"] for r in timed_records(head_dir))
+    head_seconds = counted_seconds(timed_records(head_dir))
+    assert head_seconds < sum(r["step_time_s"] for r in timed_records(head_dir))  # its first step left out
     baseline_cfg = method_config(cfg, "eagle3", data_dir)
     assert baseline_cfg.train.method == "eagle3"
     assert baseline_cfg.train.max_train_seconds == pytest.approx(head_seconds, abs=0.001)
