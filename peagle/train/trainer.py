@@ -420,7 +420,7 @@ def train_drafter(
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
             log.write(record)
-            bar.update(seconds if clock is not None else 1)
+            advance(bar, clock)
             bar.set_postfix(step=step, loss=f"{record['loss']:.4f}", acc=f"{record.get('acc', 0.0):.3f}")
             last = run_over(step)
             eval_due = bool(train.eval_every) and step % train.eval_every == 0
@@ -447,8 +447,19 @@ def progress_bar(total_steps: int, step: int, clock: TrainingClock | None, desc:
     """Steps out of the step count; with a time budget, seconds out of the budget."""
     if clock is None:
         return tqdm(total=total_steps, initial=step, desc=desc, disable=not show)
-    return tqdm(total=round(clock.budget_s), initial=round(clock.elapsed_s), desc=desc, unit="s", disable=not show,
+    return tqdm(total=clock.budget_s, initial=clock.elapsed_s, desc=desc, unit="s", disable=not show,
                 bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}{postfix}]")
+
+
+def advance(bar, clock: TrainingClock | None) -> None:
+    """One step on a step bar; on a time bar, to the clock (a step it leaves out adds nothing).
+    A last step may end past the budget: the total grows with it (tqdm would otherwise drop the
+    total and fail to format the bar)."""
+    if clock is None:
+        bar.update(1)
+        return
+    bar.total = max(bar.total, clock.elapsed_s)
+    bar.update(clock.elapsed_s - bar.n)
 
 
 def _save_due(train: TrainConfig, step: int, plan: BatchPlan) -> bool:

@@ -61,6 +61,26 @@ def test_a_skipped_step_counts_as_done_but_not_in_the_mean():
     assert counted_seconds(records) == 3.0
 
 
+def test_the_time_bar_follows_the_clock_past_the_budget():
+    """A skipped first step adds nothing to the bar, and a last step ending seconds past the budget
+    still renders (tqdm drops a total it has passed: the bar's format then failed and killed a run)."""
+    import io
+
+    from peagle.train.trainer import advance, progress_bar
+
+    clock = TrainingClock(budget_s=10.0)
+    bar = progress_bar(0, 0, clock, "train peagle", show=True)
+    bar.fp = io.StringIO()
+    clock.skip()
+    advance(bar, clock)
+    assert bar.n == 0.0
+    for seconds in (4.0, 4.0, 4.5):
+        clock.add(seconds, device="cpu", world_size=1)
+        advance(bar, clock)
+    assert "12/12 s" in str(bar)
+    bar.close()
+
+
 def timed_records(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "loss" in r]
 
