@@ -47,8 +47,13 @@ class TrainingClock:
     counted: int | None = None  # of which counted (None: all of them)
 
     def __post_init__(self):
-        if self.counted is None:
-            self.counted = self.steps
+        self.restore(self.elapsed_s, self.steps, self.counted)
+
+    def restore(self, elapsed_s: float, steps: int, counted: int | None) -> None:
+        """Set the clock in place (a resumed run: the LR schedule holds this object); ``counted``
+        None, as in a state written before first steps were left out, counts every step."""
+        self.elapsed_s, self.steps = elapsed_s, steps
+        self.counted = steps if counted is None else counted
 
     def add(self, seconds: float, device, world_size: int) -> None:
         """Count one step: the slowest rank's seconds, so every rank holds the same clock."""

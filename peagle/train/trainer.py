@@ -344,9 +344,7 @@ def train_drafter(
         step = state.step
         log.resume_at(step)
         if clock is not None:
-            # in place: the LR schedule holds this clock
-            clock.elapsed_s, clock.steps = state.train_seconds, step
-            clock.counted = step if state.counted_steps is None else state.counted_steps
+            clock.restore(state.train_seconds, step, state.counted_steps)
     elif dist_info.is_main and (out_dir / METRICS_FILE).exists():
         (out_dir / METRICS_FILE).unlink()
     if dist.is_initialized():
