@@ -49,6 +49,10 @@ def test_bench_quick_writes_results(name, tmp_path):
         assert "partial" not in result["meta"]  # rewritten after every run, finished at the end
         # every run names the target build and CPU it measured (machines build the embedded target differently)
         assert all(r["target_revision"].startswith("local:") and r["cpu"] for r in result["meta"]["runs"])
+        # "train s" as the pipeline's clock counts: the first step (Muon's compilation) is not in it
+        assert all(0 < r["train_seconds"] < r["wall_seconds"] and r["first_step_seconds"] > 0
+                   for r in result["meta"]["runs"] if "first_step_seconds" in r)
+        assert sum("first_step_seconds" in r for r in result["meta"]["runs"]) >= 4
         ablation = result["tables"][1]["rows"]
         assert [r[1] for r in ablation] == ["peagle", "peagle", "eagle3"]
         variants = result["tables"][2]["rows"]
