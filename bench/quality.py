@@ -100,6 +100,10 @@ VARIANTS = [
     # The paper trains deeper than it serves (K_train 8, served at 5: +3-4%).
     ("k_train 6 (one deeper than served)", {"train.k_train": 6}),
     ("k_train 7 (two deeper than served)", {"train.k_train": 7}),
+    # Greedy verification reads a depth's draft only where every shallower one was right: the
+    # parallel depths' loss elsewhere trains slots for drafts nobody checks.
+    ("parallel depths: no loss where a shallower draft misses", {"train.unaccepted_weight": 0.0}),
+    ("parallel depths: a quarter of the loss where a shallower draft misses", {"train.unaccepted_weight": 0.25}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -145,7 +149,8 @@ def measure(cfg, target, data_dir: Path) -> dict:
             "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
                       "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": get_method(t.method).num_layers(cfg),
                       "optimizer": t.optimizer, "muon_lr": t.muon_learning_rate,
-                      "heads": spec.num_heads, "kv_heads": spec.num_kv_heads},
+                      "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
+                      "unaccepted_weight": t.unaccepted_weight},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
             "checkpoint": str(trained.last_checkpoint),
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
@@ -349,7 +354,11 @@ def trained_as(run: dict) -> str:
     # Recorded since session 17 (runs before: the target's attention shape, 3 query heads sharing
     # one KV head on the embedded target, unless the row's label says otherwise).
     attention = f", {t['heads']}q/{t['kv_heads']}kv heads" if "kv_heads" in t else ""
-    return f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}{attention}"
+    # Recorded since session 22 (runs before: every supervised element weighed alike).
+    weight = t.get("unaccepted_weight", (run.get("overrides") or {}).get("train.unaccepted_weight", 1.0))
+    off_chain = f", off-chain loss x{weight:g}" if weight < 1.0 else ""
+    return (f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}{attention}"
+            f"{off_chain}")
 
 
 def add_tables(run: Run, meta: dict) -> None:
@@ -428,9 +437,12 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
             kv[0][3].target, kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
         # The config recipe it changed: trained with the same optimizer, unless the variant is the change of optimizer.
         changes_optimizer = "train.optimizer" in dict(VARIANTS).get(label, {})
-        base = next((b for group in (variants, config_runs) for (lb, bb, _, sb), b in group.items()
-                     if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
-                     and (b["optimizers"] != v["optimizers"]) == changes_optimizer), None)
+        bases = [b for group in (variants, config_runs) for (lb, bb, _, sb), b in group.items()
+                 if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
+                 and (b["optimizers"] != v["optimizers"]) == changes_optimizer]
+        # Rows of one budget from other sessions trained other step counts (and recipes): the
+        # config recipe run for the variant's own steps, where there is one, is its base.
+        base = next((b for b in bases if round(b["steps"]) == round(v["steps"])), bases[0] if bases else None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
         rows.append([split.tag(label, many), f"{budget:g}", v["trained"],
                      f"{v['train_s']:.0f}", f"{v['steps']:.0f}", v["seeds"],

@@ -212,6 +212,11 @@ class TrainConfig(Strict):
     # With loss_depth_weighting "uniform": the next-token depth's share of the loss, the parallel
     # depths' mean the rest (None: plain uniform, where depth 0 is only ~27% at K_train 6, COD 0.8).
     depth0_loss_share: float | None = Field(0.5, gt=0, lt=1)
+    # The loss weight of a draft that greedy verification never reads: a shallower draft of the
+    # same anchor misses the target's token (1: every element alike). 0 trains each depth for
+    # the drafts that are checked: P-EAGLE 4.90 against 4.64, EAGLE-3 5.12 against 5.08 on the
+    # demo at equal steps (bench/results/quality.md, 2 seeds).
+    unaccepted_weight: float = Field(0.0, ge=0, le=1)
     max_len: int = Field(768, ge=16)
     segments: int = Field(1, ge=1)
     epochs: int = Field(1, ge=1)

@@ -41,7 +41,7 @@ from peagle.facts import HeadSpec
 from peagle.methods.base import DraftingMethod, Objective, starts_from_trained_rows
 from peagle.model.drafter import DrafterOutput
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
-from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss
+from peagle.train.loss import LossOutput, TargetHead, Weighting, acceptance_weights, kl_loss, supervised_rows
 from peagle.train.masks import PrecomputedMask
 from peagle.train.partition import select_elements
 
@@ -188,19 +188,25 @@ def eagle3_loss(
     weighting: Weighting = "uniform",
     denominator: float | torch.Tensor | None = None,
     k: int | None = None,
+    unaccepted_weight: float = 1.0,
 ) -> LossOutput:
     """TTT loss over a batch of ``build_eagle3_example`` examples (same ``LossOutput`` as P-EAGLE).
 
     Step j charges the supervised depth-j elements; ``denominator`` / ``weighting`` as in
-    ``kl_loss`` (pass the whole batch's normaliser when the batch is a segment).
+    ``kl_loss`` (pass the whole batch's normaliser when the batch is a segment);
+    ``unaccepted_weight`` as in ``peagle_loss``.
     """
-    logits, target_logits, depths = [], [], []
+    logits, target_logits, depths, rows, anchors = [], [], [], [], []
     for st in ttt_passes(drafter, batch, ttt_steps):
         logits.append(st.output.logits)
         with torch.no_grad():
             target_logits.append(target_head(st.batch.target_hidden[st.logits_mask]))
         depths.append(st.batch.depth[st.logits_mask])
-    return kl_loss(torch.cat(logits), torch.cat(target_logits), torch.cat(depths), k or ttt_steps, weighting, denominator)
+        rows.append(supervised_rows(st.logits_mask))
+        anchors.append(st.batch.anchor[st.logits_mask])
+    logits, target_logits, depth = torch.cat(logits), torch.cat(target_logits), torch.cat(depths)
+    weights = acceptance_weights(logits, target_logits, torch.cat(rows), torch.cat(anchors), depth, unaccepted_weight)
+    return kl_loss(logits, target_logits, depth, k or ttt_steps, weighting, denominator, weights)
 
 
 # ----------------------------------------------------------------------------- the method
@@ -227,7 +233,8 @@ class Eagle3(DraftingMethod):
             return build_eagle3_example(sample, spec, steps, train.max_len)
 
         def loss(model, batch: Batch, denominator) -> LossOutput:
-            return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denominator, k=steps)
+            return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denominator, k=steps,
+                               unaccepted_weight=train.unaccepted_weight)
 
         return Objective(
             name=self.name,

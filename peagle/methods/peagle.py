@@ -42,7 +42,8 @@ class PEagle(DraftingMethod):
             )
 
         def loss(model, batch, denominator):
-            return peagle_loss(model, target_head, batch, weighting, denominator, k=train.k_train)
+            return peagle_loss(model, target_head, batch, weighting, denominator, k=train.k_train,
+                               unaccepted_weight=train.unaccepted_weight)
 
         return Objective(
             name=self.name,

@@ -115,8 +115,11 @@ def kl_loss(
     k: int,
     weighting: Weighting = "uniform",
     denominator: float | torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """Loss over M supervised elements ([M, Vd] logits, Long [M] depths).
+
+    ``weights`` (Float [M], optional) scale each element's KL in the loss (not in the statistics).
 
     ``denominator`` (for sequence partitioning / gradient accumulation): "uniform" divides
     the KL sum by it instead of M; "per_depth_mean" and ``Depth0Share`` take a Float [K] of
@@ -125,14 +128,15 @@ def kl_loss(
     kl = forward_kl(draft_logits, target_logits)
     correct = draft_logits.argmax(-1) == target_logits.argmax(-1)
     stats = depth_statistics(kl, correct, depth, k)
+    weighted = kl if weights is None else kl * weights
     if weighting == "uniform":
         denom = float(kl.numel()) if denominator is None else float(denominator)
-        loss = kl.sum() / max(denom, 1.0)
+        loss = weighted.sum() / max(denom, 1.0)
     elif weighting == "per_depth_mean" or isinstance(weighting, Depth0Share):
         counts = stats["count"] if denominator is None else torch.as_tensor(denominator, dtype=torch.float, device=kl.device)
         if counts.shape != (k,):
             raise ValueError(f"{weighting} needs per-depth counts of shape [{k}], got {tuple(counts.shape)}")
-        per_depth_sum = kl.new_zeros(k).index_add(0, depth, kl)
+        per_depth_sum = kl.new_zeros(k).index_add(0, depth, weighted)
         if isinstance(weighting, Depth0Share):
             next_token = per_depth_sum[0] / counts[0].clamp_min(1)
             parallel = per_depth_sum[1:].sum() / counts[1:].sum().clamp_min(1)
@@ -153,6 +157,36 @@ def kl_loss(
     )
 
 
+def chain_accepted(correct: torch.Tensor, row: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Bool [M]: every shallower supervised element of the same (row, anchor) drafts the target's
+    token, i.e. greedy verification reaches this element's draft."""
+    missed = torch.zeros(int(row.max()) + 1, int(anchor.max()) + 1, int(depth.max()) + 1, dtype=torch.long,
+                         device=correct.device)
+    missed[row, anchor, depth] = (~correct).long()
+    before = missed.cumsum(-1) - missed  # misses at the depths shallower than each element
+    return before[row, anchor, depth] == 0
+
+
+@torch.no_grad()
+def acceptance_weights(draft_logits: torch.Tensor, target_logits: torch.Tensor, row: torch.Tensor,
+                       anchor: torch.Tensor, depth: torch.Tensor, unaccepted_weight: float) -> torch.Tensor | None:
+    """Float [M] loss weights: 1 where greedy verification reaches the element's draft,
+    ``unaccepted_weight`` where a shallower draft of its anchor misses (None: 1 everywhere).
+
+    A deeper draft is only read when every shallower one was right, so its loss elsewhere
+    trains the slot for drafts nobody checks (bench/README.md, session 22)."""
+    if unaccepted_weight >= 1.0 or depth.numel() == 0:
+        return None
+    correct = draft_logits.argmax(-1) == target_logits.argmax(-1)
+    ok = chain_accepted(correct, row, anchor, depth)
+    return torch.where(ok, 1.0, unaccepted_weight).to(torch.float32)
+
+
+def supervised_rows(supervised: torch.Tensor) -> torch.Tensor:
+    """Long [M]: the batch row of each supervised element (``supervised`` Bool [B, N])."""
+    return torch.arange(supervised.shape[0], device=supervised.device)[:, None].expand_as(supervised)[supervised]
+
+
 def peagle_loss(
     drafter: nn.Module,
     target_head: TargetHead,
@@ -160,6 +194,7 @@ def peagle_loss(
     weighting: Weighting = "uniform",
     denominator: float | torch.Tensor | None = None,
     k: int | None = None,
+    unaccepted_weight: float = 1.0,
 ) -> LossOutput:
     """Run the drafter over a batch and score its supervised elements against the target.
 
@@ -180,4 +215,6 @@ def peagle_loss(
     depth = batch.depth[supervised]
     if k is None:
         k = int(batch.depth.max()) + 1 if batch.depth.numel() else 1
-    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator)
+    weights = acceptance_weights(out.logits, target_logits, supervised_rows(supervised), batch.anchor[supervised],
+                                 depth, unaccepted_weight)
+    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator, weights)

@@ -1,11 +1,11 @@
 """Sequence partitioning (P-EAGLE paper, Algorithm 1): one long sequence, S forward+backward passes.
 
 A training example of L anchors is cut at B_s = floor(s * L / S). Each element is owned by
-(charged in) exactly one segment:
-
-    depth 0 at anchor p      -> the segment holding p
-    depth 1 at anchor p      -> the segment holding p + 1   (its RoPE position)
-    depth g >= 2 at anchor p -> its parent's segment (depth g-1, same anchor) = that of p + 1
+(charged in) exactly one segment, the one holding its anchor: an anchor's whole chain of
+depths trains together. (Algorithm 1 charges depth 1 in the segment of its RoPE position
+p + 1, and deeper depths with their parent; keeping depth 0 with them lets the loss see
+whether the chain's shallower drafts were right, ``train.unaccepted_weight``, and moves
+one anchor's chain per boundary, nothing else.)
 
 Segment s also carries, as context, every depth-0 element with anchor < B_{s+1}; those are
 recomputed there but not charged. Every key an owned element may attend to (depth-0
@@ -52,15 +52,12 @@ def segment_boundaries(num_anchors: int, segments: int) -> list[int]:
 
 
 def owner_segment(anchor: torch.Tensor, depth: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
-    """Long [N]: the segment each element is charged in (Algorithm 1, steps 2-3).
-
-    Depth >= 2 elements inherit their parent's segment; following the chain down to
-    depth 1 gives the segment of anchor + 1 for every depth >= 1.
-    """
-    last = boundaries[-1] - 1
-    owner_anchor = torch.where(depth == 0, anchor, (anchor + 1).clamp_max(max(last, 0)))
-    inner = torch.as_tensor(boundaries[1:-1], dtype=owner_anchor.dtype, device=owner_anchor.device)
-    return torch.bucketize(owner_anchor, inner, right=True)
+    """Long [N]: the segment each element is charged in: the one holding its anchor, whatever
+    its depth (the module doc says why; ``depth`` is there to check shapes)."""
+    if anchor.shape != depth.shape:
+        raise ValueError(f"anchor {tuple(anchor.shape)} and depth {tuple(depth.shape)} differ in shape")
+    inner = torch.as_tensor(boundaries[1:-1], dtype=anchor.dtype, device=anchor.device)
+    return torch.bucketize(anchor, inner, right=True)
 
 
 def segment_indices(anchor: torch.Tensor, depth: torch.Tensor, segments: int) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
@@ -204,6 +201,7 @@ def partitioned_loss_backward(
     weighting: Weighting = "uniform",
     mask: PrecomputedMask | None = None,
     k: int | None = None,
+    unaccepted_weight: float = 1.0,
 ) -> LossOutput:
     """Forward+backward ``data`` as ``segments`` segments; gradients = the single-pass gradients.
 
@@ -226,7 +224,7 @@ def partitioned_loss_backward(
         parts = iter(partition_batch(data, segments))
     total = None
     for part in parts:
-        out = peagle_loss(drafter, target_head, part, weighting, denominator, k=k)
+        out = peagle_loss(drafter, target_head, part, weighting, denominator, k=k, unaccepted_weight=unaccepted_weight)
         out.loss.backward()
         total = _accumulate(total, out)
         del out, part

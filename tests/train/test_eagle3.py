@@ -183,3 +183,31 @@ def test_objective_plugs_into_the_trainer():
     assert max_rel_error(grads(drafter), ref) < 1e-5
     # same loss definition as P-EAGLE: uniform KL mean over the charged elements
     assert whole.num_supervised == denom
+
+
+def test_unaccepted_weight_leaves_out_the_steps_after_a_miss():
+    """As for P-EAGLE (tests/train/test_loss.py): a TTT step's loss where an earlier step of the
+    same anchor drafted wrong is weighted by ``unaccepted_weight``; the statistics count it."""
+    from test_loss import reached_by_verification
+
+    from peagle.train.loss import forward_kl
+
+    spec, steps = tiny_spec(draft_vocab=2), 3  # two draft tokens: about half the drafts miss
+    drafter, head = make_models(spec, seed=7)
+    examples = [build_eagle3_example(random_sample(spec, n, n), spec, steps, 64) for n in (40, 33)]
+    batch = collate(examples, PrecomputedMask(64, steps))
+    logits, target, row, anchor, depth = [], [], [], [], []
+    with torch.no_grad():
+        for st in ttt_passes(drafter, batch, steps):
+            logits.append(st.output.logits)
+            target.append(head(st.batch.target_hidden[st.logits_mask]))
+            row.append(torch.nonzero(st.logits_mask)[:, 0])
+            anchor.append(st.batch.anchor[st.logits_mask])
+            depth.append(st.batch.depth[st.logits_mask])
+    logits, target, depth = torch.cat(logits), torch.cat(target), torch.cat(depth)
+    reached = reached_by_verification(logits.argmax(-1) == target.argmax(-1), torch.cat(row), torch.cat(anchor), depth)
+    assert reached[depth == 0].all() and 0 < int(reached[depth > 0].sum()) < int((depth > 0).sum())
+    kl = forward_kl(logits, target)
+    got = eagle3_loss(drafter, head, batch, steps, unaccepted_weight=0.0)
+    torch.testing.assert_close(got.loss, (kl * reached).sum() / kl.numel())
+    assert got.metrics == eagle3_loss(drafter, head, batch, steps).metrics

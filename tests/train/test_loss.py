@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from peagle.facts import HeadSpec
 from peagle.model import PEagleDrafter
 from peagle.train import PrecomputedMask, TargetHead, build_peagle_example, collate, forward_kl, kl_loss, peagle_loss
-from peagle.train.loss import Depth0Share
+from peagle.train.loss import Depth0Share, chain_accepted
 
 HT = 16
 SPEC = HeadSpec(
@@ -149,3 +150,48 @@ def test_target_head_reproduces_the_target_logits(tmp_path, tie):
         got = head(captured["prenorm"][0])  # the stored final layer is the pre-norm residual stream
     torch.testing.assert_close(got, logits[:, draft_ids], rtol=1e-5, atol=1e-5)
     assert not any(p.requires_grad for p in head.parameters())
+
+
+def reached_by_verification(correct, row, anchor, depth) -> torch.Tensor:
+    """Reference: greedy verification reads a draft iff no shallower draft of its anchor missed."""
+    first_miss: dict[tuple[int, int], int] = {}
+    for c, r, a, d in zip(correct.tolist(), row.tolist(), anchor.tolist(), depth.tolist()):
+        if not c:
+            first_miss[(r, a)] = min(first_miss.get((r, a), d), d)
+    return torch.tensor([d <= first_miss.get((r, a), d) for r, a, d in zip(row.tolist(), anchor.tolist(), depth.tolist())])
+
+
+def test_chain_accepted_follows_each_anchors_shallower_drafts():
+    correct = torch.tensor([True, False, True, True, True, False, True])
+    row = torch.tensor([0, 0, 0, 0, 0, 1, 1])
+    anchor = torch.tensor([3, 3, 3, 4, 4, 3, 3])
+    depth = torch.tensor([0, 1, 2, 0, 1, 0, 1])
+    want = [True, True, False, True, True, True, False]  # a miss blocks the deeper drafts of its own anchor and row only
+    assert chain_accepted(correct, row, anchor, depth).tolist() == want
+    assert reached_by_verification(correct, row, anchor, depth).tolist() == want
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25])
+def test_unaccepted_weight_charges_the_drafts_verification_never_reads_less(weight):
+    spec = replace(SPEC, draft_vocab_size=2)  # two draft tokens: about half the drafts miss
+    torch.manual_seed(0)
+    drafter = PEagleDrafter(spec)
+    head = TargetHead(HT, 2, SPEC.rms_norm_eps)
+    with torch.no_grad():
+        head.lm_head.weight.normal_(0.0, 1.0)
+    batch = make_batch(seed=5)
+    sup = batch.supervised
+    with torch.no_grad():
+        out = drafter(batch.input_ids, batch.aux_hidden, batch.position_ids, batch.attention_mask, batch.is_mask,
+                      logits_mask=sup)
+        target = head(batch.target_hidden[sup])
+    depth = batch.depth[sup]
+    reached = reached_by_verification(out.logits.argmax(-1) == target.argmax(-1), torch.nonzero(sup)[:, 0],
+                                      batch.anchor[sup], depth)
+    assert reached[depth == 0].all() and 0 < int(reached[depth > 0].sum()) < int((depth > 0).sum())
+    kl = forward_kl(out.logits, target)
+    got = peagle_loss(drafter, head, batch, "uniform", k=4, unaccepted_weight=weight)
+    torch.testing.assert_close(got.loss, (kl * torch.where(reached, 1.0, weight)).sum() / kl.numel())
+    plain = peagle_loss(drafter, head, batch, "uniform", k=4)
+    torch.testing.assert_close(plain.loss, kl.mean())
+    assert got.metrics == plain.metrics  # the statistics still count every element

@@ -99,12 +99,12 @@ def max_rel_error(a: dict, b: dict) -> float:
 # ----------------------------------------------------------------------------- structure
 
 
-def test_boundaries_and_owners_follow_algorithm_1():
+def test_boundaries_follow_algorithm_1_and_an_anchors_chain_stays_together():
     assert segment_boundaries(10, 3) == [0, 3, 6, 10]
     anchor = torch.tensor([0, 2, 3, 9, 2, 5, 8, 2])
     depth = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
-    # depth 0 -> segment of the anchor; depth >= 1 -> segment of anchor + 1 (clamped to the last)
-    assert owner_segment(anchor, depth, [0, 3, 6, 10]).tolist() == [0, 0, 1, 2, 1, 2, 2, 1]
+    # every depth -> the segment of its anchor (Algorithm 1 would send anchor 2's depths 1, 2 to segment 1)
+    assert owner_segment(anchor, depth, [0, 3, 6, 10]).tolist() == [0, 0, 1, 2, 0, 1, 2, 0]
 
 
 @pytest.mark.parametrize("segments", [1, 2, 3, 5])
@@ -131,8 +131,8 @@ def test_every_element_is_charged_once_and_sees_its_whole_context(segments):
 # ----------------------------------------------------------------------------- gradients
 
 
-def reference_grads(drafter, head, batch, weighting, k):
-    out = peagle_loss(drafter, head, batch, weighting, k=k)
+def reference_grads(drafter, head, batch, weighting, k, unaccepted_weight=1.0):
+    out = peagle_loss(drafter, head, batch, weighting, k=k, unaccepted_weight=unaccepted_weight)
     out.loss.backward()
     return out, grads(drafter)
 
@@ -161,6 +161,26 @@ def test_partitioned_gradients_equal_single_pass(segments, weighting):
 
     partitioned_loss_backward(drafter, head, batch, segments, weighting, k=k)
     assert max_rel_error(grads(drafter), ref) < 1e-5
+
+
+@pytest.mark.parametrize("segments", [2, 3, 5])
+def test_partitioned_gradients_equal_single_pass_where_a_miss_ends_the_chain(segments):
+    """``train.unaccepted_weight`` reads whether an anchor's shallower drafts were right: each
+    anchor's chain is charged in one segment, so the segments still sum to the single pass."""
+    spec, k = tiny_spec(draft_vocab=2), 5  # two draft tokens: about half the drafts miss
+    drafter, head = make_models(spec, seed=segments)
+    g = torch.Generator().manual_seed(20 + segments)
+    examples = [build_peagle_example(random_sample(spec, n, n, 6), spec, k, 0.8, 0.2, 96, g) for n in (90, 61)]
+    mask = PrecomputedMask(96, k)
+    batch = collate(examples, mask)
+    for weight in (0.0, 0.3):
+        ref_out, ref = reference_grads(drafter, head, batch, Depth0Share(0.5), k, unaccepted_weight=weight)
+        out = partitioned_loss_backward(drafter, head, examples, segments, Depth0Share(0.5), mask=mask, k=k,
+                                        unaccepted_weight=weight)
+        assert max_rel_error(grads(drafter), ref) < 1e-5
+        assert abs(out.loss.item() - ref_out.loss.item()) < 1e-5 * abs(ref_out.loss.item())
+    _, plain = reference_grads(drafter, head, batch, Depth0Share(0.5), k)
+    assert max_rel_error(plain, ref) > 1e-2  # the weight changed the gradient: misses happened
 
 
 def test_partition_batch_matches_trainer_contract():

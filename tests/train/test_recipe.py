@@ -33,8 +33,10 @@ def trained_steps(tiny_run, out: Path, **train) -> tuple[dict, dict, dict]:
 
 
 def test_frozen_weights_stay_the_targets_and_the_mask_row_learns(tiny_run, tmp_path):
+    # Every element charged: the tiny random target's next-token drafts all miss in 3 steps, so
+    # under the default (train.unaccepted_weight 0) no mask slot would be charged at all.
     first, last, target = trained_steps(tiny_run, tmp_path / "recipe", freeze_lm_head=True,
-                                        train_embeddings="mask_row", mask_hidden_init_std=1.0)
+                                        train_embeddings="mask_row", mask_hidden_init_std=1.0, unaccepted_weight=1.0)
     assert torch.equal(last["lm_head.weight"], target["lm_head"])  # bit for bit, after 3 AdamW steps
     others = torch.arange(last["embed_tokens.weight"].shape[0]) != MASK_ID
     assert torch.equal(last["embed_tokens.weight"][others], target["embed_tokens"][others])
