@@ -55,7 +55,8 @@ from train_common import (  # noqa: E402
 NAME = "quality"
 # The P-EAGLE recipe fields (peagle.methods.peagle's own train fields) of the old default.
 OLD_RECIPE = {"train.freeze_lm_head": False, "train.train_embeddings": "all", "train.mask_hidden_init_std": 0.02,
-              "train.k_train": 6, "train.depth0_loss_share": None, "train.grad_accum": 4, "train.learning_rate": 1e-3}
+              "train.k_train": 6, "train.depth0_loss_share": None, "train.grad_accum": 4, "train.learning_rate": 1e-3,
+              "train.unaccepted_weight": 1.0}
 # Each ablation row adds one choice to the row before it.
 ABLATION = [
     ("old default (all trainable, mask_hidden std 0.02)", {}),
@@ -66,6 +67,7 @@ ABLATION = [
     ("+ depth 0 half the loss", {"train.depth0_loss_share": 0.5}),
     ("+ grad_accum 1 (4x the optimizer steps)", {"train.grad_accum": 1}),
     ("+ lr 3e-3", {"train.learning_rate": 3e-3}),
+    ("+ no loss on drafts verification never reads", {"train.unaccepted_weight": 0.0}),
 ]
 # A variant key, not a config field: that share of the budget trains an EAGLE-3 head first, and
 # the P-EAGLE run warm starts from it (train.init_from) for the rest (staged training).

@@ -111,7 +111,8 @@ def test_a_registered_method_trains_evaluates_and_exports(decayed, tiny_run, tmp
     assert decayed.name in available_methods()
     runs = {}
     for method in ("peagle", decayed.name):
-        cfg = tiny_config(method=method, max_steps=3, depth0_loss_share=None)  # "uniform": its loss divides by the count
+        # "uniform": its loss divides by the count; every element charged, as the toy's loss charges them
+        cfg = tiny_config(method=method, max_steps=3, depth0_loss_share=None, unaccepted_weight=1.0)
         runs[method] = train_drafter(cfg, data_dir, str(target), tmp_path / method, progress=False)
     plain, toy = runs["peagle"].metrics_history[0], runs[decayed.name].metrics_history[0]
     # the same examples and initial weights (same seed), scored by its own weighting:
