@@ -41,7 +41,7 @@ from peagle.facts import HeadSpec
 from peagle.methods.base import DraftingMethod, Objective, starts_from_trained_rows
 from peagle.model.drafter import DrafterOutput
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
-from peagle.train.loss import LossOutput, TargetHead, Weighting, acceptance_weights, kl_loss, supervised_rows
+from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
 from peagle.train.masks import PrecomputedMask
 from peagle.train.partition import select_elements
 
@@ -204,9 +204,8 @@ def eagle3_loss(
         depths.append(st.batch.depth[st.logits_mask])
         rows.append(supervised_rows(st.logits_mask))
         anchors.append(st.batch.anchor[st.logits_mask])
-    logits, target_logits, depth = torch.cat(logits), torch.cat(target_logits), torch.cat(depths)
-    weights = acceptance_weights(logits, target_logits, torch.cat(rows), torch.cat(anchors), depth, unaccepted_weight)
-    return kl_loss(logits, target_logits, depth, k or ttt_steps, weighting, denominator, weights)
+    return kl_loss(torch.cat(logits), torch.cat(target_logits), torch.cat(depths), k or ttt_steps, weighting,
+                   denominator, (torch.cat(rows), torch.cat(anchors)), unaccepted_weight)
 
 
 # ----------------------------------------------------------------------------- the method

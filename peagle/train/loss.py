@@ -115,11 +115,14 @@ def kl_loss(
     k: int,
     weighting: Weighting = "uniform",
     denominator: float | torch.Tensor | None = None,
-    weights: torch.Tensor | None = None,
+    chain: tuple[torch.Tensor, torch.Tensor] | None = None,
+    unaccepted_weight: float = 1.0,
 ) -> LossOutput:
     """Loss over M supervised elements ([M, Vd] logits, Long [M] depths).
 
-    ``weights`` (Float [M], optional) scale each element's KL in the loss (not in the statistics).
+    ``chain`` (each element's batch row and anchor, Long [M] each) with ``unaccepted_weight`` < 1
+    weighs the KL of drafts greedy verification never reads (``acceptance_weights``; the
+    statistics still count every element).
 
     ``denominator`` (for sequence partitioning / gradient accumulation): "uniform" divides
     the KL sum by it instead of M; "per_depth_mean" and ``Depth0Share`` take a Float [K] of
@@ -128,6 +131,7 @@ def kl_loss(
     kl = forward_kl(draft_logits, target_logits)
     correct = draft_logits.argmax(-1) == target_logits.argmax(-1)
     stats = depth_statistics(kl, correct, depth, k)
+    weights = None if chain is None else acceptance_weights(correct, *chain, depth, unaccepted_weight)
     weighted = kl if weights is None else kl * weights
     if weighting == "uniform":
         denom = float(kl.numel()) if denominator is None else float(denominator)
@@ -167,9 +171,8 @@ def chain_accepted(correct: torch.Tensor, row: torch.Tensor, anchor: torch.Tenso
     return before[row, anchor, depth] == 0
 
 
-@torch.no_grad()
-def acceptance_weights(draft_logits: torch.Tensor, target_logits: torch.Tensor, row: torch.Tensor,
-                       anchor: torch.Tensor, depth: torch.Tensor, unaccepted_weight: float) -> torch.Tensor | None:
+def acceptance_weights(correct: torch.Tensor, row: torch.Tensor, anchor: torch.Tensor, depth: torch.Tensor,
+                       unaccepted_weight: float) -> torch.Tensor | None:
     """Float [M] loss weights: 1 where greedy verification reaches the element's draft,
     ``unaccepted_weight`` where a shallower draft of its anchor misses (None: 1 everywhere).
 
@@ -177,7 +180,6 @@ def acceptance_weights(draft_logits: torch.Tensor, target_logits: torch.Tensor, 
     trains the slot for drafts nobody checks (bench/README.md, session 22)."""
     if unaccepted_weight >= 1.0 or depth.numel() == 0:
         return None
-    correct = draft_logits.argmax(-1) == target_logits.argmax(-1)
     ok = chain_accepted(correct, row, anchor, depth)
     return torch.where(ok, 1.0, unaccepted_weight).to(torch.float32)
 
@@ -215,6 +217,5 @@ def peagle_loss(
     depth = batch.depth[supervised]
     if k is None:
         k = int(batch.depth.max()) + 1 if batch.depth.numel() else 1
-    weights = acceptance_weights(out.logits, target_logits, supervised_rows(supervised), batch.anchor[supervised],
-                                 depth, unaccepted_weight)
-    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator, weights)
+    chain = (supervised_rows(supervised), batch.anchor[supervised])
+    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator, chain, unaccepted_weight)

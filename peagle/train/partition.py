@@ -51,11 +51,9 @@ def segment_boundaries(num_anchors: int, segments: int) -> list[int]:
     return [s * num_anchors // segments for s in range(segments + 1)]
 
 
-def owner_segment(anchor: torch.Tensor, depth: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
+def owner_segment(anchor: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
     """Long [N]: the segment each element is charged in: the one holding its anchor, whatever
-    its depth (the module doc says why; ``depth`` is there to check shapes)."""
-    if anchor.shape != depth.shape:
-        raise ValueError(f"anchor {tuple(anchor.shape)} and depth {tuple(depth.shape)} differ in shape")
+    its depth (the module doc says why)."""
     inner = torch.as_tensor(boundaries[1:-1], dtype=anchor.dtype, device=anchor.device)
     return torch.bucketize(anchor, inner, right=True)
 
@@ -64,7 +62,7 @@ def segment_indices(anchor: torch.Tensor, depth: torch.Tensor, segments: int) ->
     """Per segment: (element index [M] in original order, owned Bool [M], start, end)."""
     num_anchors = int(anchor.max()) + 1 if anchor.numel() else 0
     bounds = segment_boundaries(num_anchors, segments)
-    owner = owner_segment(anchor, depth, bounds)
+    owner = owner_segment(anchor, bounds)
     parts = []
     for s in range(segments):
         owned = owner == s

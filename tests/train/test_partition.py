@@ -101,10 +101,9 @@ def max_rel_error(a: dict, b: dict) -> float:
 
 def test_boundaries_follow_algorithm_1_and_an_anchors_chain_stays_together():
     assert segment_boundaries(10, 3) == [0, 3, 6, 10]
-    anchor = torch.tensor([0, 2, 3, 9, 2, 5, 8, 2])
-    depth = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
+    anchor = torch.tensor([0, 2, 3, 9, 2, 5, 8, 2])  # the elements' depths: 0, 0, 0, 0, 1, 1, 1, 2
     # every depth -> the segment of its anchor (Algorithm 1 would send anchor 2's depths 1, 2 to segment 1)
-    assert owner_segment(anchor, depth, [0, 3, 6, 10]).tolist() == [0, 0, 1, 2, 0, 1, 2, 0]
+    assert owner_segment(anchor, [0, 3, 6, 10]).tolist() == [0, 0, 1, 2, 0, 1, 2, 0]
 
 
 @pytest.mark.parametrize("segments", [1, 2, 3, 5])
