@@ -106,6 +106,13 @@ VARIANTS = [
     # parallel depths' loss elsewhere trains slots for drafts nobody checks.
     ("parallel depths: no loss where a shallower draft misses", {"train.unaccepted_weight": 0.0}),
     ("parallel depths: a quarter of the loss where a shallower draft misses", {"train.unaccepted_weight": 0.25}),
+    # With no loss off the chain, the parallel depths' mean still divides by all their elements,
+    # so their share of the gradient grows only as the chain is accepted: re-weigh depth 0.
+    ("depth 0 at 0.35 of the loss", {"train.depth0_loss_share": 0.35}),
+    ("depth 0 at 0.65 of the loss", {"train.depth0_loss_share": 0.65}),
+    # Under Muon the AdamW lr moves only what the mask slots start from (mask row, mask_hidden) and the norms.
+    ("AdamW lr 3e-3 (mask row, mask_hidden, norms)", {"train.learning_rate": 3e-3}),
+    ("Muon lr 0.04 (the config's Muon, twice its lr)", {"train.muon_learning_rate": 0.04}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -272,6 +279,17 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
     return records
 
 
+def saved_heads(runs: list[dict], budget: float, seed: int) -> list[dict]:
+    """The saved budgets runs of one budget and seed whose checkpoints are still here (in the
+    order they ran, so ``confirm_online`` serves each method's latest)."""
+    found = [r for r in runs if r["part"] == "budgets" and r["budget_s"] == budget and r["seed"] == seed
+             and Path(r["checkpoint"]).is_dir()]
+    if not found:
+        raise SystemExit(f"--online-saved: no saved budgets run at {budget:g} s, seed {seed} with its checkpoint "
+                         "on this machine; train one with --part budgets first")
+    return found
+
+
 def run_key(r: dict) -> tuple:
     """A later run replaces an earlier one of the same key: "config recipe" runs of another recipe,
     and runs on another build of the target, stay."""
@@ -337,13 +355,21 @@ def mean_by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
                 "train_s": statistics.fmean(r["train_seconds"] for r in rs),
                 "steps": statistics.fmean(r["steps"] for r in rs), "seeds": len(rs),
                 "trained": " / ".join(dict.fromkeys(trained_as(r) for r in rs)),
-                "optimizers": {optimizer_of(r) for r in rs}}
+                "optimizers": {optimizer_of(r) for r in rs},
+                "off_chain": {off_chain_weight(r) for r in rs}}
             for g, rs in groups.items()}
 
 
 def optimizer_of(run: dict) -> str:
     """The optimizer a run recorded (runs from before Muon existed trained with AdamW)."""
     return (run.get("train") or {}).get("optimizer", "adamw")
+
+
+def off_chain_weight(run: dict) -> float:
+    """The loss weight of drafts verification never reads (recorded since session 22; runs
+    before weighed every supervised element alike, unless their overrides said otherwise)."""
+    t = run.get("train") or {}
+    return t.get("unaccepted_weight", (run.get("overrides") or {}).get("train.unaccepted_weight", 1.0))
 
 
 def trained_as(run: dict) -> str:
@@ -356,8 +382,7 @@ def trained_as(run: dict) -> str:
     # Recorded since session 17 (runs before: the target's attention shape, 3 query heads sharing
     # one KV head on the embedded target, unless the row's label says otherwise).
     attention = f", {t['heads']}q/{t['kv_heads']}kv heads" if "kv_heads" in t else ""
-    # Recorded since session 22 (runs before: every supervised element weighed alike).
-    weight = t.get("unaccepted_weight", (run.get("overrides") or {}).get("train.unaccepted_weight", 1.0))
+    weight = off_chain_weight(run)
     off_chain = f", off-chain loss x{weight:g}" if weight < 1.0 else ""
     return (f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}{attention}"
             f"{off_chain}")
@@ -437,11 +462,13 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
     rows = []
     for (label, budget, _, split), v in sorted(variants.items(), key=lambda kv: (
             kv[0][3].target, kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
-        # The config recipe it changed: trained with the same optimizer, unless the variant is the change of optimizer.
-        changes_optimizer = "train.optimizer" in dict(VARIANTS).get(label, {})
+        # The config recipe it changed: trained with the same optimizer and off-chain weight (the
+        # default of its session), unless the variant is the change of that.
+        change = dict(VARIANTS).get(label, {})
         bases = [b for group in (variants, config_runs) for (lb, bb, _, sb), b in group.items()
                  if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
-                 and (b["optimizers"] != v["optimizers"]) == changes_optimizer]
+                 and (b["optimizers"] != v["optimizers"]) == ("train.optimizer" in change)
+                 and (b["off_chain"] != v["off_chain"]) == ("train.unaccepted_weight" in change)]
         # Rows of one budget from other sessions trained other step counts (and recipes): the
         # config recipe run for the variant's own steps, where there is one, is its base.
         base = next((b for b in bases if round(b["steps"]) == round(v["steps"])), bases[0] if bases else None)
@@ -585,6 +612,9 @@ def main() -> None:
     parser.add_argument("--online", action="store_true",
                         help="after the budgets part, serve each method's largest-budget head in vLLM "
                              f"(K={ONLINE_K}, concurrency {ONLINE_CONCURRENCY}) against no speculation")
+    parser.add_argument("--online-saved", action="store_true",
+                        help="train nothing: serve the heads of the saved budgets runs (each method's latest at "
+                             "the largest --budgets and the first --seeds) in vLLM, as --online does")
     parser.add_argument("--quick", action="store_true", help="a tiny random target and dataset, tiny budgets")
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -599,7 +629,7 @@ def main() -> None:
         given_step_s = parse_step_seconds(args.step_seconds)
     except ValueError as err:
         parser.error(str(err))
-    if args.online and args.quick:
+    if (args.online or args.online_saved) and args.quick:
         parser.error("--online serves the heads in vLLM, which cannot run --quick's tiny target (head_dim 16); "
                      "run --online on a built dataset (the demo's, or --config another)")
     name = result_name(args.config, args.quick)
@@ -637,6 +667,9 @@ def main() -> None:
         results = Results(run, args.quick, {
             "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
             "ks": ks, "base_overrides": base})
+        if args.online_saved:
+            results.write(confirm_online(bench, saved_heads(results.saved().get("runs", []), max(budgets), seeds[0])))
+            return
         for seed in seeds:
             if args.part in ("ablation", "all"):
                 recipe = dict(OLD_RECIPE)

@@ -108,3 +108,30 @@ def test_two_invocations_writing_one_result_file_keep_each_others_runs(tmp_path,
     saved = quality.Run.restore("quality").meta["runs"]
     assert sorted((r["recipe"], r["seed"]) for r in saved) == [
         ("3 KV heads (one per query head)", 0), ("config recipe", 0), ("config recipe", 1)]
+
+
+def _with_weight(run: dict, weight: float) -> dict:
+    return {**run, "train": {**run["train"], "unaccepted_weight": weight}}
+
+
+def test_a_variant_compares_with_the_config_recipe_of_its_own_off_chain_weight():
+    # Two sessions' config recipes at the same steps: every element charged (1.0), and the default since (0).
+    before = _with_weight({**_run("config recipe", 4.6, "local:aaaa"), "part": "budgets"}, 1.0)
+    now = _with_weight({**_run("config recipe", 4.9, "local:aaaa"), "part": "budgets"}, 0.0)
+    share = _with_weight(_run("depth 0 at 0.35 of the loss", 5.0, "local:aaaa"), 0.0)
+    weight = _with_weight(_run("parallel depths: no loss where a shallower draft misses", 4.9, "local:aaaa"), 0.0)
+    rows = {r[0].split(" [")[0]: r for r in _variants_rows([before, now, share, weight])}
+    assert rows["depth 0 at 0.35 of the loss"][7] == "+0.100"  # against the recipe it changed (x0)
+    assert rows["parallel depths: no loss where a shallower draft misses"][7] == "+0.300"  # the change of weight
+
+
+def test_saved_heads_are_the_budget_and_seed_asked_for_with_their_checkpoints(tmp_path):
+    here, gone = tmp_path / "here", tmp_path / "gone"
+    here.mkdir()
+    runs = [{"part": "budgets", "budget_s": 360.0, "seed": 0, "method": "peagle", "checkpoint": str(here)},
+            {"part": "budgets", "budget_s": 360.0, "seed": 0, "method": "eagle3", "checkpoint": str(gone)},
+            {"part": "budgets", "budget_s": 180.0, "seed": 0, "method": "eagle3", "checkpoint": str(here)},
+            {"part": "variants", "budget_s": 360.0, "seed": 0, "method": "peagle", "checkpoint": str(here)}]
+    assert quality.saved_heads(runs, 360.0, 0) == runs[:1]
+    with pytest.raises(SystemExit, match="no saved budgets run at 360 s, seed 1"):
+        quality.saved_heads(runs, 360.0, 1)
