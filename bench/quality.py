@@ -30,6 +30,7 @@ run, so a stopped invocation keeps the rows it finished (its header says "runnin
                                                        # -> results/quality_smollm2-135m-instruct.*
     .venv/bin/python bench/quality.py --part budgets --budgets 300 --online   # + the heads in vLLM
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json
+    .venv/bin/python bench/quality.py --part budgets --budgets 360 --online-saved   # serve heads trained before
     .venv/bin/python bench/quality.py --config my.yaml --part budgets --step-seconds peagle=0.28 eagle3=0.53
                                                        # budgets as an idle run's steps, whatever the load
 """
@@ -262,7 +263,10 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
 
     last = {r["method"]: r for r in runs if r["part"] == "budgets"}  # dict order: the last run wins
     k = min(ONLINE_K, max(bench.ks))
-    cfg = bench.cfg("peagle", {}, {"eval.ks": [k], "eval.concurrency": ONLINE_CONCURRENCY}, "online")
+    # Each head's steps were the bench's (its budget), not the pipeline's same_time rule, which would
+    # look for a P-EAGLE head trained in this config's own run directory to time the EAGLE-3 one.
+    cfg = bench.cfg("peagle", {}, {"eval.ks": [k], "eval.concurrency": ONLINE_CONCURRENCY,
+                                   "train.eagle3_baseline_budget": "same_steps"}, "online")
     heads = {m: export_head(cfg, bench.target, bench.data_dir, Path(r["checkpoint"]), method=m)
              for m, r in last.items()}
     result = evaluate_online(cfg, bench.target, heads)
