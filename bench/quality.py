@@ -220,7 +220,11 @@ class Bench:
     def cfg(self, method: str, recipe: dict, extra: dict, tag: str):
         from peagle.config import load_config
 
+        # Every head trains the steps of its own budget: no pipeline baseline beside it, and no
+        # same_time rule (which would look for a P-EAGLE head in this config's run directory to
+        # time an EAGLE-3 head, e.g. when the online step exports one).
         overrides = {**self.base, **recipe, "train.method": method, "train.eagle3_baseline": False,
+                     "train.eagle3_baseline_budget": "same_steps",
                      "eval.ks": self.ks, **extra, "workdir": str(self.work / tag)}
         return load_config(self.config, overrides)
 
@@ -263,10 +267,7 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
 
     last = {r["method"]: r for r in runs if r["part"] == "budgets"}  # dict order: the last run wins
     k = min(ONLINE_K, max(bench.ks))
-    # Each head's steps were the bench's (its budget), not the pipeline's same_time rule, which would
-    # look for a P-EAGLE head trained in this config's own run directory to time the EAGLE-3 one.
-    cfg = bench.cfg("peagle", {}, {"eval.ks": [k], "eval.concurrency": ONLINE_CONCURRENCY,
-                                   "train.eagle3_baseline_budget": "same_steps"}, "online")
+    cfg = bench.cfg("peagle", {}, {"eval.ks": [k], "eval.concurrency": ONLINE_CONCURRENCY}, "online")
     heads = {m: export_head(cfg, bench.target, bench.data_dir, Path(r["checkpoint"]), method=m)
              for m, r in last.items()}
     result = evaluate_online(cfg, bench.target, heads)
