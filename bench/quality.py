@@ -114,6 +114,10 @@ VARIANTS = [
     # Under Muon the AdamW lr moves only what the mask slots start from (mask row, mask_hidden) and the norms.
     ("AdamW lr 3e-3 (mask row, mask_hidden, norms)", {"train.learning_rate": 3e-3}),
     ("Muon lr 0.04 (the config's Muon, twice its lr)", {"train.muon_learning_rate": 0.04}),
+    # P-EAGLE stops gaining at ~1300 steps of one answer each (session 23): fewer, larger steps in
+    # the same time (a given --step-seconds scales with the answers a step trains on).
+    ("grad_accum 2 (2 answers a step, half the steps)", {"train.grad_accum": 2}),
+    ("grad_accum 4 (4 answers a step, a quarter of the steps)", {"train.grad_accum": 4}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -186,16 +190,22 @@ def parse_step_seconds(pairs: list[str] | None) -> dict[str, float]:
     return given
 
 
+def answers_per_step(train) -> int:
+    """Answers (samples) one optimizer step trains on, on one rank: what a step's time grows with."""
+    return train.micro_batch_size * train.grad_accum
+
+
 class Bench:
     """Runs keyed by (part, recipe, method, budget, seed); step-time calibration per recipe, unless
     a method's seconds per step are given (``--step-seconds``): then a budget is the same number of
     steps whatever else the machine is running, e.g. an idle run's steps on a second dataset."""
 
     def __init__(self, config: str, base: dict, target, data_dir: Path, work: Path, ks: list[int],
-                 given_step_s: dict[str, float] | None = None):
+                 given_step_s: dict[str, float] | None = None, clock: bool = False):
         self.config, self.base, self.target, self.data_dir, self.work, self.ks = config, base, target, data_dir, work, ks
         self.step_s: dict[str, float] = {}
         self.given_step_s = dict(given_step_s or {})
+        self.clock = clock
         self.recorded = {"target_revision": self.target_revision(), "cpu": cpu_model()}
 
     def target_revision(self) -> str:
@@ -207,9 +217,13 @@ class Bench:
         return target_revision(load_config(self.config).target, str(self.target.path)).value
 
     def seconds_per_step(self, method: str, recipe: dict) -> tuple[float, str]:
-        """The step time a budget is divided by, and where it came from ("given" or "calibration")."""
+        """The step time a budget is divided by, and where it came from ("given" or "calibration").
+
+        A given time is the config recipe's step; a recipe that trains more answers per optimizer
+        step (``train.grad_accum``, ``train.micro_batch_size``) takes that many times as long a step."""
         if method in self.given_step_s:
-            return self.given_step_s[method], "given"
+            answers = answers_per_step(self.cfg(method, recipe, {}, "key").train)
+            return self.given_step_s[method] * answers / answers_per_step(self.cfg(method, {}, {}, "key").train), "given"
         keyed = self.cfg(method, recipe, {}, "key")
         key = keyed.train.model_dump_json() + keyed.drafter.model_dump_json()  # the recipe and shape as trained
         if key not in self.step_s:
@@ -243,10 +257,18 @@ class Bench:
                 "train_seconds": first["train_seconds"] + second["train_seconds"],
                 "wall_seconds": first["wall_seconds"] + second["wall_seconds"]}
 
-    def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
+    def budget_overrides(self, method: str, recipe: dict, budget: float) -> tuple[dict, float | None, str]:
+        """How a run is held to ``budget`` seconds: a step count (budget / step time), or with
+        ``--clock`` the pipeline's own clock (``train.max_train_seconds``); the step time used and
+        its source ("calibration", "given" or "clock")."""
+        if self.clock:
+            return {"train.max_train_seconds": budget}, None, "clock"
         step_s, source = self.seconds_per_step(method, recipe)
-        steps = max(2, math.ceil(budget / step_s))
-        cfg = self.cfg(method, recipe, {"train.max_steps": steps, "train.seed": seed}, f"{part}-{method}-{seed}")
+        return {"train.max_steps": max(2, math.ceil(budget / step_s))}, step_s, source
+
+    def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
+        held, step_s, source = self.budget_overrides(method, recipe, budget)
+        cfg = self.cfg(method, recipe, {**held, "train.seed": seed}, f"{part}-{method}-{seed}")
         row = {"part": part, "recipe": label, "overrides": recipe, "method": method, "budget_s": budget, "seed": seed,
                "calibrated_step_s": step_s, "step_s_source": source, **self.recorded,
                **measure(cfg, self.target, self.data_dir)}
@@ -541,12 +563,21 @@ def given_step_note(runs: list[dict]) -> str:
             + ", ".join(f"{m} {s:g} s" for m, s in given) + "; their train s ran under whatever load there was)")
 
 
+def clock_note(runs: list[dict]) -> str:
+    """Whether some runs trained their budget on the pipeline's clock (``--clock``) instead."""
+    clocked = sum(r.get("step_s_source") == "clock" for r in runs)
+    if not clocked:
+        return ""
+    return (f"; {clocked} run(s) by --clock: train.max_train_seconds = the budget, the pipeline's own clock "
+            "(summed step seconds, each process's first step left out)")
+
+
 def notes(meta: dict) -> list[str]:
     runs = meta["runs"]
     return [
         f"data: {meta['data_dir']}" + (" (tiny random target, --quick)" if meta["args"].get("quick") else ""),
         f"budget -> train.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe"
-        + given_step_note(runs) + "; "
+        + given_step_note(runs) + clock_note(runs) + "; "
         f"config {meta['args']['config']}; the last invocation's overrides {json.dumps(meta['base_overrides'])} "
         "(each run's own recipe: its 'trained as'); "
         f"OMP_NUM_THREADS={meta['args']['threads']}; {len(runs)} runs",
@@ -629,11 +660,18 @@ def main() -> None:
     parser.add_argument("--step-seconds", nargs="+", metavar="METHOD=S",
                         help="seconds per step of a method instead of its calibration run (budget -> steps "
                              "independent of the machine's load), e.g. an idle run's: peagle=0.28 eagle3=0.53")
+    parser.add_argument("--clock", action="store_true",
+                        help="train each run for its budget on the pipeline's own clock (train.max_train_seconds) "
+                             "instead of budget / step time: on a machine of its own, such as a GPU, where a "
+                             "25-step calibration misjudged steady steps by 5-25%% (session 24); not "
+                             "reproducible step for step, and wrong under another job's load")
     args = parser.parse_args()
     try:
         given_step_s = parse_step_seconds(args.step_seconds)
     except ValueError as err:
         parser.error(str(err))
+    if args.clock and given_step_s:
+        parser.error("--clock trains each budget by the clock; --step-seconds turns budgets into steps: give one")
     if (args.online or args.online_saved) and args.quick:
         parser.error("--online serves the heads in vLLM, which cannot run --quick's tiny target (head_dim 16); "
                      "run --online on a built dataset (the demo's, or --config another)")
@@ -668,7 +706,7 @@ def main() -> None:
             variant_rows = args.variants
         train = load_config(args.config, base).train
         ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
-        bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s)
+        bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s, args.clock)
         results = Results(run, args.quick, {
             "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
             "ks": ks, "base_overrides": base})

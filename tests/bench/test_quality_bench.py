@@ -1,5 +1,7 @@
 """bench/quality.py's budget -> steps rule: a calibration run per recipe, or a given step time."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +32,8 @@ def test_a_given_step_time_replaces_the_calibration(monkeypatch):
 
     monkeypatch.setattr(quality, "calibrate", no_calibration)
     monkeypatch.setattr(quality.Bench, "target_revision", lambda self: "local:aaaa")
-    bench = quality.Bench("unused.yaml", {}, None, Path("data"), Path("work"), [1], {"peagle": 0.25})
+    bench = quality.Bench(str(ROOT / "configs" / "demo.yaml"), {}, None, Path("data"), Path("work"), [1],
+                          {"peagle": 0.25})
     assert bench.seconds_per_step("peagle", {}) == (0.25, "given")
     runs = [{"method": "peagle", "calibrated_step_s": 0.25, "step_s_source": "given"},
             {"method": "eagle3", "calibrated_step_s": 0.5, "step_s_source": "calibration"}]
@@ -38,6 +41,20 @@ def test_a_given_step_time_replaces_the_calibration(monkeypatch):
         ", or by the seconds per step given with --step-seconds (peagle 0.25 s; their train s ran under "
         "whatever load there was)")
     assert quality.given_step_note(runs[1:]) == ""
+
+
+def test_a_given_step_time_grows_with_the_answers_a_step_trains_on(monkeypatch):
+    """--step-seconds is the config recipe's step: a variant of 4 answers a step gets a quarter of
+    the steps in the same budget, not 4x the time."""
+    monkeypatch.setattr(quality.Bench, "target_revision", lambda self: "local:aaaa")
+    demo = str(ROOT / "configs" / "demo.yaml")
+    bench = quality.Bench(demo, {}, None, Path("data"), Path("work"), [1], {"peagle": 0.25})
+    assert bench.seconds_per_step("peagle", {"train.grad_accum": 4}) == (1.0, "given")
+    assert bench.seconds_per_step("peagle", {"train.micro_batch_size": 2, "train.grad_accum": 2}) == (1.0, "given")
+    # Where the config itself accumulates, the given time is already its step's.
+    accumulating = quality.Bench(demo, {"train.grad_accum": 2}, None, Path("data"), Path("work"), [1], {"peagle": 0.5})
+    assert accumulating.seconds_per_step("peagle", {}) == (0.5, "given")
+    assert accumulating.seconds_per_step("peagle", {"train.grad_accum": 4}) == (1.0, "given")
 
 
 def test_the_command_refuses_a_bad_pair_before_training():
@@ -135,3 +152,26 @@ def test_saved_heads_are_the_budget_and_seed_asked_for_with_their_checkpoints(tm
     assert quality.saved_heads(runs, 360.0, 0) == runs[:1]
     with pytest.raises(SystemExit, match="no saved budgets run at 360 s, seed 1"):
         quality.saved_heads(runs, 360.0, 1)
+
+
+def test_clock_and_step_seconds_are_refused_together():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--clock", "--step-seconds", "peagle=0.3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--clock trains each budget by the clock; --step-seconds turns budgets into steps" in proc.stderr
+
+
+@pytest.mark.slow
+def test_clock_trains_each_budget_on_the_pipelines_clock(tmp_path):
+    """--clock: no calibration, train.max_train_seconds = the budget (--quick's 3 s), and the
+    result says so."""
+    env = {**os.environ, "PEAGLE_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--quick", "--clock", "--part", "budgets",
+                           "--methods", "peagle"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = json.loads((tmp_path / "quality.json").read_text())["meta"]
+    [run] = meta["runs"]
+    assert (run["step_s_source"], run["calibrated_step_s"], run["budget_s"]) == ("clock", None, 3.0)
+    # the clock stops at the step that ends nearest the budget (tiny steps: tens of ms)
+    assert abs(run["train_seconds"] - 3.0) < 1.0 and run["steps"] > 2
+    assert "1 run(s) by --clock: train.max_train_seconds = the budget" in (tmp_path / "quality.md").read_text()
