@@ -33,6 +33,8 @@ run, so a stopped invocation keeps the rows it finished (its header says "runnin
     .venv/bin/python bench/quality.py --part budgets --budgets 360 --online-saved   # serve heads trained before
     .venv/bin/python bench/quality.py --config my.yaml --part budgets --step-seconds peagle=0.28 eagle3=0.53
                                                        # budgets as an idle run's steps, whatever the load
+    .venv/bin/python bench/quality.py --part budgets --budgets 20 60 --clock --set train.precision=bf16
+                                                       # a GPU of its own: each budget on the pipeline's clock
 """
 
 from __future__ import annotations
@@ -221,10 +223,10 @@ class Bench:
 
         A given time is the config recipe's step; a recipe that trains more answers per optimizer
         step (``train.grad_accum``, ``train.micro_batch_size``) takes that many times as long a step."""
-        if method in self.given_step_s:
-            answers = answers_per_step(self.cfg(method, recipe, {}, "key").train)
-            return self.given_step_s[method] * answers / answers_per_step(self.cfg(method, {}, {}, "key").train), "given"
         keyed = self.cfg(method, recipe, {}, "key")
+        if method in self.given_step_s:
+            config_step = self.cfg(method, {}, {}, "key").train
+            return self.given_step_s[method] * answers_per_step(keyed.train) / answers_per_step(config_step), "given"
         key = keyed.train.model_dump_json() + keyed.drafter.model_dump_json()  # the recipe and shape as trained
         if key not in self.step_s:
             self.step_s[key] = calibrate(lambda extra: self.cfg(method, recipe, extra, "calibration"),
