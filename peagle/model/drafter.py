@@ -190,6 +190,20 @@ def _unfold_mask_row(module: PEagleDrafter, state_dict: dict, prefix: str, *args
         state_dict[prefix + "mask_embedding"] = table[module.spec.mask_token_id].clone()
 
 
+def _mask_hidden_as_head(module: PEagleDrafter, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook: ``mask_hidden`` in the head's [1, 1, 3Ht] (checkpoints are heads)."""
+    name = prefix + "mask_hidden"
+    if name in state_dict:
+        state_dict[name] = state_dict[name].reshape(1, 1, -1)
+
+
+def _mask_hidden_as_vector(module: PEagleDrafter, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: a head's [1, 1, 3Ht] ``mask_hidden`` loads into the vector."""
+    name = prefix + "mask_hidden"
+    if name in state_dict:
+        state_dict[name] = state_dict[name].reshape(-1)
+
+
 class PEagleDrafter(nn.Module):
     """P-EAGLE / EAGLE-3 drafter with vLLM's weight names (``state_dict()`` = head weights)."""
 
@@ -207,8 +221,13 @@ class PEagleDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
-        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * ht) * MASK_HIDDEN_INIT_STD)
+        # A vector here, vLLM's [1, 1, 3Ht] in state_dict(): DeepSpeed's Muon takes every
+        # parameter of two or more dimensions, and Muon's fixed-size orthogonal step would
+        # barely move a 1 x 3Ht row; AdamW trains it as the recipe says.
+        self.mask_hidden = nn.Parameter(torch.randn(3 * ht) * MASK_HIDDEN_INIT_STD)
         self.register_parameter("mask_embedding", None)  # the mask row's own, once train_mask_row_only
+        self.register_state_dict_post_hook(_mask_hidden_as_head)
+        self.register_load_state_dict_pre_hook(_mask_hidden_as_vector)
         self.rotary = Rotary(spec)
         self.apply(self._init_weights)
 

@@ -133,7 +133,7 @@ def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
 
 def optimizer_config(train: TrainConfig) -> dict:
     """AdamW, or Muon: DeepSpeed tags the >= 2-D parameters outside the embeddings and lm_head
-    for Muon (fc, attention, MLP; ``mask_hidden`` too, a 1 x N matrix: a normalized step)
+    for Muon (fc, attention, MLP; ``mask_hidden`` is a vector, so AdamW steps it)
     and steps the rest with AdamW at ``learning_rate``."""
     adamw = {"lr": train.learning_rate, "weight_decay": train.weight_decay, "torch_adam": True}
     if train.optimizer == "adamw":

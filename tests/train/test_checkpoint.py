@@ -155,6 +155,14 @@ def test_muon_steps_the_decoder_matrices_by_orthogonal_updates(tiny_run):
             # near 1) times the lr and sqrt(max(1, rows / cols)). Clipped, it was a tenth of that.
             top = singular[:4] / (lr * max(1.0, rows / cols) ** 0.5)
             assert 0.6 < top.min() and top.max() < 1.5, f"{name}: not a Muon step of size lr ({top})"
+    # mask_hidden (h_shared) is AdamW's: its first step moves each element by about the AdamW
+    # lr (sign of the gradient), where Muon's would be one unit-norm row times muon_lr.
+    assert "mask_hidden" not in muon
+    step = (engine.module.mask_hidden.detach() - before["mask_hidden"]).abs()
+    moved = step[step > 0]
+    assert moved.numel() > 0.9 * step.numel(), "AdamW moves every element of mask_hidden"
+    assert torch.allclose(moved.median(), torch.tensor(cfg.train.learning_rate), rtol=0.2), \
+        f"mask_hidden's step {moved.median():.2e} is not AdamW's lr {cfg.train.learning_rate:.2e}"
 
 
 CHILD_SAVE = r"""
