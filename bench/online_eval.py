@@ -204,7 +204,7 @@ def main() -> None:
     from rich.console import Console
 
     from peagle import stages
-    from peagle.eval.online import evaluate_online
+    from peagle.eval.online import evaluate_online, prompt_set_name
     from peagle.eval.plots import plot_online
     from peagle.methods import get_method
 
@@ -231,7 +231,7 @@ def main() -> None:
             update={"eval": cfg.eval.model_copy(update={"num_prompts": args.num_prompts})})),
         ks=args.ks, concurrency=args.concurrency, max_tokens=args.max_tokens,
         methods=methods, include_baseline=not args.no_baseline,
-        prompt_set=Path(cfg.eval.prompts).stem,
+        prompt_set=prompt_set_name(cfg.eval.prompts[0]),
         on_row=lambda r: console.print(f"  measured {r.method} K={r.k} c={r.concurrency}: "
                                        f"AL={r.acceptance_length} {r.output_tokens_per_s:.1f} tok/s"),
     )

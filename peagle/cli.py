@@ -183,9 +183,7 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
         raise typer.Exit(2)
     with _library_output(cfg):
         online = stages.evaluate_online(cfg, stages.prepare_target(cfg), heads)
-    console.print(online.to_table())
-    if online.completion:
-        console.print(online.completion.to_table(title=f"On completion traffic ({online.completion.prompt_set})"))
+    print_online(online)
     from peagle.eval.plots import plot_online
 
     run.eval.mkdir(parents=True, exist_ok=True)
@@ -304,11 +302,17 @@ def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
         print_summary(result.pipeline)
 
 
+def print_online(online) -> None:
+    """One table per prompt set: acceptance and output tokens/s in vLLM, against no speculation
+    and n-gram lookup."""
+    for measured in online.prompt_sets():
+        traffic = "completion traffic, no chat template" if measured is online.completion else "chat"
+        console.print(measured.to_table(title=f"Acceptance length and output tokens/s in vLLM: "
+                                              f"{measured.prompt_set} ({traffic})"))
+
+
 def print_summary(result) -> None:
-    console.print(result.online.to_table(title="Acceptance length and output tokens/s in vLLM"))
-    if result.online.completion:
-        console.print(result.online.completion.to_table(
-            title=f"... on completion traffic ({result.online.completion.prompt_set}, no chat template)"))
+    print_online(result.online)
     offline = result.offline.acceptance_length
     where = "eval prompts, decoded as vLLM does" if getattr(result.offline, "split", "") == "served" else "held-out"
     console.print(f"offline acceptance ({where}): " + ", ".join(f"K={k}: {v:.2f}" for k, v in offline.items()))

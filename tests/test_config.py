@@ -23,7 +23,7 @@ BENCH_CONFIGS = sorted((REPO / "bench" / "configs").glob("*.yaml"))
 
 
 def demo_dict() -> dict:
-    return yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    return yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
 
 
 @pytest.mark.parametrize("path", CONFIGS + BENCH_CONFIGS, ids=[p.stem for p in CONFIGS + BENCH_CONFIGS])
@@ -94,10 +94,10 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_overrides_apply_and_are_validated():
-    cfg = load_config(REPO / "configs" / "demo.yaml", {"train.epochs": 5})
+    cfg = load_config(REPO / "configs" / "tiny.yaml", {"train.epochs": 5})
     assert cfg.train.epochs == 5
     with pytest.raises(ConfigError, match="train.epochs"):
-        load_config(REPO / "configs" / "demo.yaml", {"train.epochs": 0})
+        load_config(REPO / "configs" / "tiny.yaml", {"train.epochs": 0})
 
 
 def test_set_values_are_yaml_scalars():
@@ -105,7 +105,7 @@ def test_set_values_are_yaml_scalars():
                             "workdir=null", "name=demo=2", " tracking.wandb.project = p "]) == {
         "train.epochs": 3, "train.learning_rate": "3e-4", "train.eagle3_baseline": False, "workdir": None,
         "name": "demo=2", "tracking.wandb.project": "p"}
-    cfg = load_config(REPO / "configs" / "demo.yaml", parse_overrides(["train.learning_rate=3.0e-4", "train.epochs=3"]))
+    cfg = load_config(REPO / "configs" / "tiny.yaml", parse_overrides(["train.learning_rate=3.0e-4", "train.epochs=3"]))
     assert cfg.train.learning_rate == 3.0e-4 and cfg.train.epochs == 3
 
 
@@ -123,11 +123,11 @@ def test_a_malformed_set_names_itself(pair):
 ])
 def test_a_bad_key_path_names_the_key(key, named):
     with pytest.raises(ConfigError, match=named):
-        load_config(REPO / "configs" / "demo.yaml", {key: 3})
+        load_config(REPO / "configs" / "tiny.yaml", {key: 3})
 
 
 def test_overrides_on_a_loaded_config_and_on_a_mapping():
-    base = load_config(REPO / "configs" / "demo.yaml")
+    base = load_config(REPO / "configs" / "tiny.yaml")
     cfg = with_overrides(base, {"train.epochs": 4, "tracking.wandb": {"enabled": False}})
     assert cfg.train.epochs == 4 and base.train.epochs != 4 and cfg.drafter == base.drafter
     with pytest.raises(ConfigError, match="train.k_train"):
@@ -149,7 +149,7 @@ class _Tok:
 
 def test_a_run_reads_back_exactly_its_resolved_config(tmp_path):
     """Subflows get this file's path, never the config (Prefect stores parameters)."""
-    cfg = load_config(REPO / "configs" / "demo.yaml", {
+    cfg = load_config(REPO / "configs" / "tiny.yaml", {
         "workdir": str(tmp_path / "run"), "tracking.tracking_uri": "postgresql://peagle:s3cret@db/mlflow",
         "train.learning_rate": 1e-5})
     path = write_resolved_config(cfg)

@@ -22,7 +22,7 @@ class _Tok:
 
 
 def demo(**overrides):
-    return load_config(REPO / "configs" / "demo.yaml", overrides)
+    return load_config(REPO / "configs" / "tiny.yaml", overrides)
 
 
 def facts_of_a_target(cfg) -> TargetFacts:

@@ -54,7 +54,7 @@ def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_run
 
 
 def test_the_eagle3_baseline_trained_as_long_as_the_head(pipeline_run):
-    """demo.yaml's train.eagle3_baseline_budget: same_time: the comparison at equal training time.
+    """tiny.yaml's train.eagle3_baseline_budget: same_time: the comparison at equal training time.
     The shared run's head directory is its own (later tests grow the shared dataset, so this
     config's identity now names another); the baseline is the one launched with its seconds."""
     from peagle.config import parse_config

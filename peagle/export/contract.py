@@ -142,6 +142,17 @@ def speculative_config(head_ref: str, k: int, *, parallel_drafting: bool = True)
             "parallel_drafting": parallel_drafting}
 
 
+NGRAM = "ngram"  # the label of vLLM's n-gram lookup rows, beside the heads' labels
+# vLLM's prompt lookup: the longest n-gram (4 down to 2 tokens) that recurs in the context
+# proposes the K tokens that followed it. No head, no training: the floor a head must beat.
+NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def ngram_speculative_config(k: int) -> dict:
+    """vLLM's ``--speculative-config`` for training-free n-gram lookup at K draft tokens."""
+    return {"method": "ngram", "num_speculative_tokens": k, **NGRAM_LOOKUP}
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     for dtype, dname in DTYPE_NAMES.items():
         if dname == name:

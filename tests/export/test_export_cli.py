@@ -1,4 +1,4 @@
-"""`peagle export configs/demo.yaml` in the README's form, on a run directory laid out as
+"""`peagle export configs/tiny.yaml` in the README's form, on a run directory laid out as
 training leaves it: the default checkpoint `best` is the trainer's JSON pointer file."""
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ def trained_run(cfg, facts, spec) -> Path:
 def test_readme_export_command_follows_the_best_pointer(embedded_target, tmp_path):
     from peagle import stages
 
-    cfg = load_config("configs/demo.yaml", {"workdir": str(tmp_path / "run")})
+    cfg = load_config("configs/tiny.yaml", {"workdir": str(tmp_path / "run")})
     facts = stages.prepare_target(cfg).facts.with_draft_vocab(DRAFT_VOCAB)
     trained_run(cfg, facts, head_spec_for(cfg, facts))
 
-    done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/demo.yaml",
+    done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/tiny.yaml",
                            "--set", f"workdir={tmp_path / 'run'}", "--no-vllm-check"],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=600)
@@ -60,7 +60,7 @@ def test_readme_export_command_follows_the_best_pointer(embedded_target, tmp_pat
 
 
 def test_export_without_a_best_checkpoint_says_what_to_do(embedded_target, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/demo.yaml",
+    done = subprocess.run([sys.executable, "-m", "peagle.cli", "export", "configs/tiny.yaml",
                            "--set", f"workdir={tmp_path / 'run'}", "--no-vllm-check"],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=600)

@@ -97,7 +97,7 @@ def test_a_bookkeeping_change_does_not_make_retraining_retrain(prefect_server, e
     from peagle.config import load_config
     from tests.champions import register_champion_trained_on
 
-    config = "configs/demo.yaml"
+    config = "configs/tiny.yaml"
     overrides = {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     register_champion_trained_on(load_config(config, overrides), overrides["tracking.tracking_uri"], tmp_path)
 
@@ -112,7 +112,7 @@ def test_a_bookkeeping_change_does_not_make_retraining_retrain(prefect_server, e
 def demo_config(tmp_path, **overrides):
     from peagle.config import load_config
 
-    return load_config(REPO / "configs" / "demo.yaml", {"workdir": str(tmp_path / "run"), **overrides})
+    return load_config(REPO / "configs" / "tiny.yaml", {"workdir": str(tmp_path / "run"), **overrides})
 
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ PROMPTS, HELDOUT, TRAIN_STEPS = 24, 4, 4
 
 
 def shrunk_overrides(tmp: Path) -> dict:
-    """demo.yaml at its smallest: a few training steps, one K, 4 eval prompts."""
+    """tiny.yaml at its smallest: a few training steps, one K, 4 eval prompts."""
     return {
         "name": "deployed",
         "workdir": str(tmp / "run"),
@@ -74,7 +74,7 @@ def deployed_run(tmp_path_factory, embedded_target, prefect_server):
         with prefect_worker(POOL, env, tmp / "worker.log", cwd=REPO) as worker:
             start = time.perf_counter()
             run_id = start_deployment_run("peagle-pipeline/pipeline-demo",
-                                          {"config_path": "configs/demo.yaml", "overrides": shrunk_overrides(tmp)}, env)
+                                          {"config_path": "configs/tiny.yaml", "overrides": shrunk_overrides(tmp)}, env)
             run = wait_for_flow_run(run_id, timeout_s=2400, worker=worker)
             print(f"\npipeline deployment run {run.name} ({run_id}): {run.state_name} "
                   f"after {time.perf_counter() - start:.0f} s")
@@ -178,7 +178,7 @@ def test_a_scheduled_deployment_is_run_by_the_worker(deployed_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, DeploymentFilterName
 
-    params = {"config_path": "configs/demo.yaml", "overrides": shrunk_overrides(tmp), "force": False,
+    params = {"config_path": "configs/tiny.yaml", "overrides": shrunk_overrides(tmp), "force": False,
               "warm_start": False}
     prefect_cli(["--no-prompt", "deploy", "--name", "retrain-demo", "--interval", "20",
                  "--params", json.dumps(params)], env, cwd=REPO)
@@ -217,7 +217,7 @@ def test_a_cli_run_afterwards_reuses_what_the_worker_cached(deployed_run):
     cli_env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "300"  # 2 loaded cores
     sets = [f"--set={k}={json.dumps(v)}" for k, v in shrunk_overrides(tmp).items()]
     start = time.perf_counter()
-    proc = subprocess.run([str(Path(sys.executable).with_name("peagle")), "run", "configs/demo.yaml", *sets],
+    proc = subprocess.run([str(Path(sys.executable).with_name("peagle")), "run", "configs/tiny.yaml", *sets],
                           env={**cli_env, "COLUMNS": "200"}, cwd=REPO, capture_output=True, text=True, timeout=1200)
     seconds = time.perf_counter() - start
     output = proc.stdout + proc.stderr

@@ -1,5 +1,5 @@
 """A real pretrained chat model from a GGUF file: `peagle target import-gguf` writes a directory
-that transformers and vLLM load as the same model, and configs/smollm2-135m-instruct.yaml fits it."""
+that transformers and vLLM load as the same model, and configs/demo.yaml fits it."""
 
 import json
 import subprocess
@@ -92,8 +92,34 @@ def test_vllm_serves_it_as_transformers_runs_it(imported):
 
 
 def test_the_shipped_config_points_at_the_made_directory():
-    cfg = load_config(REPO / "configs" / "smollm2-135m-instruct.yaml")
-    made = subprocess.run(["make", "-s", "-n", "smollm2"], cwd=REPO, capture_output=True, text=True).stdout
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    made = subprocess.run(["make", "-s", "-n", "-B", "smollm2"], cwd=REPO, capture_output=True, text=True).stdout
     assert Path(cfg.target.model) == Path("./.peagle/targets/smollm2-135m-instruct")
     assert f"import-gguf package:{PACKAGE} .peagle/targets/smollm2-135m-instruct" in made
     assert cfg.target.mask_token == "<empty_output>" and cfg.data.draft_vocab_size == 8192
+
+
+@pytest.mark.slow
+def test_magpie_requests_are_sampled_from_the_targets_own_chat_template(imported, tmp_path):
+    """A kind: magpie source: the target writes its own requests (after the opening of a user
+    turn), once; a second data run reads the file without starting an engine."""
+    from transformers import AutoTokenizer
+
+    from peagle.data.prompts import load_prompts
+    from peagle.data.synthesize import stale_sources, synthesize_prompts, user_turn_opening
+
+    tokenizer = AutoTokenizer.from_pretrained(imported)
+    head, closing = user_turn_opening(tokenizer)
+    assert head.endswith("<|im_start|>user\n") and closing == "<|im_end|>"
+    path = tmp_path / "self.jsonl"
+    cfg = load_config(REPO / "configs" / "demo.yaml", {
+        "target.model": str(imported), "vllm.max_num_seqs": 16, "vllm.cpu_kvcache_space_gib": 1,
+        "data.sources": [{"kind": "magpie", "path": str(path), "max_samples": 6}], "data.max_samples": None})
+    assert stale_sources(cfg) == list(cfg.data.sources)
+    synthesize_prompts(cfg, str(imported), tokenizer)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    requests = [r["messages"][0]["content"] for r in rows]
+    assert len(rows) == 6 and len({q.casefold() for q in requests}) == 6
+    assert all(r["target"] == str(imported) and len(q) >= 12 and "<|im_" not in q for r, q in zip(rows, requests))
+    assert stale_sources(cfg) == []  # written once
+    assert [c.messages for c in load_prompts(cfg.data)] and len(load_prompts(cfg.data)) == 6

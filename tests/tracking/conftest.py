@@ -26,7 +26,7 @@ def tracking(mlflow_uri) -> TrackingConfig:
 
 @pytest.fixture()
 def pipeline_cfg(mlflow_uri):
-    return load_config("configs/demo.yaml", {"tracking.tracking_uri": mlflow_uri})
+    return load_config("configs/tiny.yaml", {"tracking.tracking_uri": mlflow_uri})
 
 
 @pytest.fixture(scope="session")

@@ -90,7 +90,7 @@ def test_run_records_config_metrics_artifacts_and_stages(tracking, pipeline_cfg,
 
 def test_secrets_never_reach_the_store(tracking, mlflow_uri, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", FAKE_HF_TOKEN)
-    cfg = load_config("configs/demo.yaml", {
+    cfg = load_config("configs/tiny.yaml", {
         "tracking.tracking_uri": mlflow_uri,
         "target.revision": FAKE_HF_TOKEN,  # pasted into the wrong field
         "data.sources": [{"kind": "jsonl", "path": f"s3://peagle:{DB_PASSWORD}@bucket/prompts.jsonl"}],

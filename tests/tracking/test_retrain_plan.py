@@ -43,7 +43,7 @@ class World:
         return self.tmp / "prompts.jsonl"
 
     def cfg(self, **more):
-        return load_config(REPO / "configs" / "demo.yaml", {**self.overrides, **more})
+        return load_config(REPO / "configs" / "tiny.yaml", {**self.overrides, **more})
 
     def register(self, cfg, target, *, promote: bool, champion_score: float | None = None) -> str:
         """A head trained on ``cfg``'s current inputs, registered; promoted when asked, else

@@ -35,7 +35,7 @@ def read_transaction_log(run_dir, expect: bytes = b"acceptance_k3", timeout_s: f
 
 
 def test_offline_mirror_writes_a_run_dir(mlflow_uri, wandb_home):
-    cfg = load_config("configs/demo.yaml", {
+    cfg = load_config("configs/tiny.yaml", {
         "tracking.tracking_uri": mlflow_uri,
         "tracking.wandb": {"enabled": True, "mode": "offline", "project": "peagle-tests"},
         "target.revision": FAKE_HF_TOKEN,
