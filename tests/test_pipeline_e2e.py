@@ -33,6 +33,10 @@ def test_flow_exports_a_head_vllm_serves(pipeline_run):
     assert baseline and baseline[0].output_tokens_per_s > 0
     assert "vllm serve" in (head / "README.md").read_text()
     assert Path(result.plot).stat().st_size > 0
+    # vLLM's n-gram lookup served at every K beside the heads, and the card weighs the head against it
+    ngram = [r for r in result.online.rows if r.method == "ngram"]
+    assert sorted({r.k for r in ngram}) == sorted({r.k for r in rows}) and all(r.parallel_drafting is None for r in ngram)
+    assert "n-gram lookup" in (head / "README.md").read_text()
 
 
 def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_run):

@@ -9,7 +9,10 @@ Substitutions, the only differences from what a user types in the checkout:
 - ``.venv/bin/`` is the bin directory of the Python running the tests (``.venv/bin`` itself
   after ``make test``), with this checkout first on PYTHONPATH;
 - ``[...]`` (an optional part) runs both without it and with it;
-- ``TARGET`` (``peagle pull --target``) is the embedded target's directory, and ``8000``
+- ``configs/demo.yaml`` runs as ``configs/tiny.yaml``, the same pipeline on the tiny test target
+  the suite's shared run was built with (the demo's real model takes the demo's minutes), and
+  the demo head's registry name is the tiny target's;
+- ``TARGET`` (``peagle pull --target``) is the tiny target's directory, and ``8000``
   (``peagle serve --port``) a free port;
 - ``--set`` overrides are appended where a command takes them: the shared pipeline run's own
   (tests/conftest.py) to work on its outputs, and a few that shrink the work (train steps,
@@ -65,7 +68,7 @@ COVERAGE = {
     ".venv/bin/peagle retrain configs/demo.yaml": f"{THIS}::test_retrain_with_nothing_new",
     ".venv/bin/peagle retrain configs/demo.yaml --warm-start": f"{THIS}::test_retrain_with_nothing_new",
     ".venv/bin/peagle deploy": f"{THIS}::test_deploy",
-    ".venv/bin/peagle pull models:/peagle-embedded@champion heads/champion --target TARGET":
+    ".venv/bin/peagle pull models:/peagle-smollm2-135m@champion heads/champion --target TARGET":
         f"{THIS}::test_pull_and_serve_the_shared_runs_champion",
     ".venv/bin/peagle serve heads/champion --port 8000": f"{THIS}::test_pull_and_serve_the_shared_runs_champion",
 }
@@ -117,11 +120,16 @@ def looks_like_a_command(line: str) -> bool:
     return bool(words) and words[0].removeprefix(".venv/bin/") in COMMAND_WORDS
 
 
+# The README's demo, as the suite runs it on the tiny test target (see the module docstring).
+ON_THE_TINY_TARGET = {"configs/demo.yaml": "configs/tiny.yaml",
+                      "models:/peagle-smollm2-135m@champion": "models:/peagle-embedded@champion"}
+
+
 def readme_argv(command: str, **placeholders: str) -> list[str]:
     """The argv of a README command, read from README.md (so a changed README runs as changed)."""
     assert command in readme_commands(), f"README.md no longer shows `{command}`: update {THIS}"
     argv = [str(BIN / a.removeprefix(".venv/bin/")) if a.startswith(".venv/bin/") else a for a in shlex.split(command)]
-    return [placeholders.get(a, a) for a in argv]
+    return [placeholders.get(a, ON_THE_TINY_TARGET.get(a, a)) for a in argv]
 
 
 def sets(overrides: dict) -> list[str]:
@@ -296,7 +304,7 @@ def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, 
     from tests.tracking.test_pull_and_serve import http_json, spec_decode_counters, stop_tree
 
     env = {**user_env, "MLFLOW_TRACKING_URI": pipeline_mlflow}
-    argv = readme_argv(".venv/bin/peagle pull models:/peagle-embedded@champion heads/champion --target TARGET",
+    argv = readme_argv(".venv/bin/peagle pull models:/peagle-smollm2-135m@champion heads/champion --target TARGET",
                        TARGET=str(embedded_target))
     out, _ = run(argv, env, cwd=tmp_path)
     head = tmp_path / "heads" / "champion"
@@ -348,7 +356,7 @@ def test_retrain_with_nothing_new(prefect_server, user_env, embedded_target, tmp
     from tests.champions import register_champion_trained_on
 
     overrides = {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    register_champion_trained_on(load_config(REPO / "configs" / "demo.yaml", overrides),
+    register_champion_trained_on(load_config(REPO / "configs" / "tiny.yaml", overrides),
                                  overrides["tracking.tracking_uri"], tmp_path)
     client = MlflowClient(tracking_uri=overrides["tracking.tracking_uri"])
 

@@ -78,8 +78,10 @@ class HealthReport:
 
 
 def opening_of(text: str) -> str:
-    """An answer's first non-empty line, as the report compares openings."""
-    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:80]
+    """An answer's first line of content (a code fence is markup, not content), as the report
+    compares openings."""
+    lines = (line.strip() for line in text.splitlines())
+    return next((line for line in lines if line and not line.startswith("```")), "")[:80]
 
 
 def repeated_tokens(ids: Sequence[int], mask: Sequence[bool], n: int = REPEAT_N) -> int:

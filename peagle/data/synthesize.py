@@ -22,7 +22,7 @@ from peagle.fileio import atomic_open
 log = logging.getLogger(__name__)
 
 TEMPERATURE, TOP_P = 1.0, 0.99  # varied requests, not the single most likely one
-MAX_REQUEST_TOKENS = 128
+MAX_REQUEST_TOKENS = 64  # a request, not an essay: longer samples are dropped
 MIN_REQUEST_CHARS = 12  # shorter is a greeting or a fragment, not a request
 OVERSAMPLE = 1.5  # some samples are empty, cut or repeated
 _MARKER = "PEAGLEREQUESTMARKER"
@@ -54,26 +54,33 @@ def existing_requests(path: Path, target: str) -> list[dict]:
     return rows if rows and all(r.get("target") == target for r in rows) else []
 
 
-def sample_requests(llm, tokenizer, count: int, seed: int) -> list[str]:
-    """``count`` distinct requests sampled from the target after the opening of a user turn."""
+def sample_requests(llm, tokenizer, count: int, seed: int, batch: int = 64, progress: bool = True) -> list[str]:
+    """``count`` distinct requests sampled from the target after the opening of a user turn,
+    ``batch`` samples per engine call."""
+    from tqdm.auto import tqdm
+
+    from peagle.logs import console_stream
     from peagle.serving.generation import generate_from_token_ids
 
     head, closing = user_turn_opening(tokenizer)
     ids = tokenizer(head, add_special_tokens=False)["input_ids"]
     requests: list[str] = []
     seen: set[str] = set()
-    round_ = 0
-    while len(requests) < count and round_ < 4:
-        n = max(8, int((count - len(requests)) * OVERSAMPLE))
-        seeds = [seed * 1_000_003 + round_ * 100_003 + i for i in range(n)]
+    drawn = 0
+    bar = tqdm(total=count, desc="magpie requests", unit="req", disable=not progress, file=console_stream())
+    while len(requests) < count and drawn < count * OVERSAMPLE * 3:
+        n = max(8, min(batch, int((count - len(requests)) * OVERSAMPLE)))
+        seeds = [seed * 1_000_003 + drawn + i for i in range(n)]
         outputs = generate_from_token_ids(llm, [ids] * n, max_tokens=[MAX_REQUEST_TOKENS] * n,
                                           temperature=TEMPERATURE, top_p=TOP_P, seeds=seeds)
+        drawn += n
         for out in outputs:
             request = clean_request(out.text, closing)
-            if out.finish_reason == "stop" and request and request.casefold() not in seen:
+            if out.finish_reason == "stop" and request and request.casefold() not in seen and len(requests) < count:
                 seen.add(request.casefold())
                 requests.append(request)
-        round_ += 1
+                bar.update(1)
+    bar.close()
     if len(requests) < count:
         log.warning("magpie: the target wrote %d distinct requests of the %d asked for", len(requests), count)
     return requests[:count]
@@ -109,6 +116,6 @@ def synthesize_prompts(cfg: PipelineConfig, target_path: str, tokenizer) -> None
                       dtype=t.dtype) as llm:
         for k, src in enumerate(stale):
             path = resolve_repo_path(src.path)
-            requests = sample_requests(llm, tokenizer, src.max_samples, cfg.data.seed + k)
+            requests = sample_requests(llm, tokenizer, src.max_samples, cfg.data.seed + k, cfg.vllm.max_num_seqs)
             write_requests(path, requests, cfg.target.model)
             log.info("data: wrote %d Magpie requests to %s", len(requests), path)

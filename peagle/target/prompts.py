@@ -22,7 +22,7 @@ from peagle.paths import REPO_ROOT
 from peagle.target.corpus import _hash_unit, chat_examples, load_corpus
 
 PROMPTS_DIR = REPO_ROOT / "data" / "prompts"
-DEFAULT_COUNTS = {"train": 400, "eval": 64}
+DEFAULT_COUNTS = {"train": 2000, "eval": 64}
 FILE_NAMES = {"train": "code_train.jsonl", "eval": "code_eval.jsonl"}
 COMPLETION_FILE_NAMES = {"train": "code_completion_train.jsonl", "eval": "code_completion_eval.jsonl"}
 GENERATED_WITH_PYTHON = "3.11.7"  # the stdlib the committed files were made from

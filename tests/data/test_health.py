@@ -52,6 +52,11 @@ def test_looping_answers_that_open_alike_are_flagged_with_their_causes():
         check_health(report, strict=True)
 
 
+def test_an_opening_is_the_first_line_of_content_not_a_code_fence():
+    assert opening_of("```python\ndef add(a, b):\n    return a + b\n```") == "def add(a, b):"
+    assert opening_of("\n\n  Sure! Here is how.\nMore.") == "Sure! Here is how."
+
+
 def test_diverse_answers_are_healthy():
     answers = [answer(list(range(1000 + 50 * i, 1040 + 50 * i)), f"Answer number {i}.") for i in range(10)]
     report = measure_health(answers)

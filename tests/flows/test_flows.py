@@ -17,6 +17,7 @@ import pytest
 
 from flows.common import artifact_key
 from peagle.config import load_config
+from peagle.export.contract import NGRAM
 from peagle.lineage import read_head_lineage, recorded_lineage
 from peagle.tracking.gate import head_score
 
@@ -188,8 +189,8 @@ def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two
     champion_before = client.get_model_version("peagle-embedded", result.champion_before)
     new = client.get_model_version("peagle-embedded", result.pipeline.model_version)
     online, label = result.pipeline.online, f"champion-v{champion_before.version}"
-    assert online.methods() == ["p-eagle", label]
-    rows = {m: [(r.k, r.concurrency, r.requests) for r in online.rows if r.method == m] for m in online.methods()}
+    assert online.heads() == ["p-eagle", label] and NGRAM in online.methods()  # n-gram lookup: the floor
+    rows = {m: [(r.k, r.concurrency, r.requests) for r in online.rows if r.method == m] for m in online.heads()}
     cfg = load_config(pipeline_run.config, retrain_overrides(pipeline_run))
     assert [k for k, _, _ in rows["p-eagle"]] == cfg.eval.ks == [1, 3]
     # the champion on one engine, at the K the gate compares (the largest), on the same prompts
