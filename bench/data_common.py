@@ -12,6 +12,7 @@ import platform
 import time
 
 import torch
+
 from result_files import load_average, load_results, markdown_table, write_results
 
 Table = tuple[str, list[str], list[list[str]]]

@@ -189,7 +189,8 @@ def tables(result: dict) -> list:
          f"({r['storage_dtype']}), page cache warm, median of {result['repeats']} (paths interleaved)",
          ["path", "s", "samples/s", "tokens/s", "MiB/s", "x raw read"], read_rows),
         ("Bytes per token on disk: the same samples stored in each dtype",
-         ["dtype", "on disk B/tok", "raw hidden B/tok", "disk / raw", "x bfloat16", "estimate B/tok", f"reader tok/s ({result['torch_threads']} thr)",
+         ["dtype", "on disk B/tok", "raw hidden B/tok", "disk / raw", "x bfloat16", "estimate B/tok",
+          f"reader tok/s ({result['torch_threads']} thr)",
           "reader tok/s (1 thr)"],
          size_rows),
     ]

@@ -25,12 +25,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_files import result_path, write_results  # noqa: E402
 from peagle.layout import LAUNCH_CONFIG_FILE, TRAIN_RESULT_FILE, CheckpointLayout, RunLayout  # noqa: E402
 from peagle.methods import BASELINE as BASELINE_METHOD  # noqa: E402
 from peagle.methods import DEFAULT_METHOD  # noqa: E402
-
 from peagle.paths import configure_environment  # noqa: E402
+
+from result_files import result_path, write_results  # noqa: E402
 
 NAME = "online_eval"
 CONFIG = "configs/demo.yaml"

@@ -51,7 +51,14 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from result_files import per_target_name, result_path  # noqa: E402
 from train_common import (  # noqa: E402
-    OFFLINE_NOTE, Run, cpu_model, head_parser, offline_acceptance, setup_head_bench, target_info, tiny_head_dataset,
+    OFFLINE_NOTE,
+    Run,
+    cpu_model,
+    head_parser,
+    offline_acceptance,
+    setup_head_bench,
+    target_info,
+    tiny_head_dataset,
     train_fresh,
 )
 
@@ -123,7 +130,8 @@ VARIANTS = [
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
-QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3_num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3, "train.max_len": 64,
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3_num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3,
+                   "train.max_len": 64,
                    "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "train.grad_accum": 1,
                    "data.max_seq_len": 256, "vllm.max_model_len": 512, "eval.num_prompts": 4, "eval.max_tokens": 32}
 

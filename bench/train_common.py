@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from result_files import load_average, load_results, markdown_table, write_results
-
 from peagle.facts import HeadSpec
+
+from result_files import load_average, load_results, markdown_table, write_results
 
 MASK_TOKEN_ID = 3
 

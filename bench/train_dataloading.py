@@ -31,15 +31,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from peagle.train.batch import build_peagle_example, collate  # noqa: E402
 from peagle.methods.eagle3 import build_eagle3_example  # noqa: E402
+from peagle.train.batch import build_peagle_example, collate  # noqa: E402
 from peagle.train.masks import PrecomputedMask, brute_force_mask, element_mask  # noqa: E402
+
 from train_common import Run, bench_spec, synthetic_sample  # noqa: E402
 
 K, COD_RATIO, COD_FLOOR, TTT_STEPS = 8, 0.8, 0.2, 8
@@ -154,8 +156,8 @@ def time_step_side(samples, spec, max_len) -> dict[str, float]:
     mask = PrecomputedMask(max_len, K)
     for i, sample in enumerate(samples):
         batch = collate([peagle_example(sample, spec, max_len, i)], mask)
-        for name, job in zip(STEP_PARTS, (lambda: batch.aux_hidden, lambda: batch.target_hidden,
-                                          lambda: batch.attention_mask)):
+        jobs = [partial(getattr, batch, field) for field in ("aux_hidden", "target_hidden", "attention_mask")]
+        for name, job in zip(STEP_PARTS, jobs):
             start = time.perf_counter()
             job()
             seconds[name] += time.perf_counter() - start
@@ -171,6 +173,11 @@ MASK_VARIANTS = [
 ]
 
 
+def causal_tril(n: int) -> torch.Tensor:
+    """The classic EAGLE-3 loader's one causal [n, n] mask."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
 def time_masks(samples, spec, max_len) -> dict[str, float]:
     """Seconds over the epoch for a dense attention mask alone (examples built untimed beforehand)."""
     pre = PrecomputedMask(max_len, K)
@@ -180,11 +187,11 @@ def time_masks(samples, spec, max_len) -> dict[str, float]:
         ex3 = build_eagle3_example(sample, spec, TTT_STEPS, max_len)
         n = min(sample.token_ids.numel(), max_len)
         jobs = [
-            lambda: element_mask(ex.anchor, ex.depth, ex.doc),
-            lambda: pre.mask_for(ex.anchor, ex.depth, ex.doc),
-            lambda: brute_force_mask(ex.anchor, ex.depth, ex.doc),
-            lambda: element_mask(ex3.anchor, ex3.depth, ex3.doc),
-            lambda: torch.ones(n, n, dtype=torch.bool).tril(),
+            partial(element_mask, ex.anchor, ex.depth, ex.doc),
+            partial(pre.mask_for, ex.anchor, ex.depth, ex.doc),
+            partial(brute_force_mask, ex.anchor, ex.depth, ex.doc),
+            partial(element_mask, ex3.anchor, ex3.depth, ex3.doc),
+            partial(causal_tril, n),
         ]
         for name, job in zip(MASK_VARIANTS, jobs):
             start = time.perf_counter()
@@ -258,11 +265,13 @@ def main() -> None:
         [[name, sec, 1000 * sec / n_samples, sec / mask_ref] for name, sec in masks.items()],
     )
     run.finish([
-        "synthetic samples (10% prompt, 90% response), hidden [n, 4, 192] fp32; the demo data set (288 train samples, 45,990 tokens: 160 tokens on average) is far shorter than 2048",
+        "synthetic samples (10% prompt, 90% response), hidden [n, 4, 192] fp32; the demo data set's samples "
+        "are far shorter than 2048 tokens",
         f"EAGLE-3 rows use ttt_steps={TTT_STEPS} (= K) so both objectives supervise the same depths",
         "compact batches hold no dense mask and no per-element features: the step evaluates them where it runs "
         "(second table); 'before' rebuilds the previous trainer's per-element batch in this run for the ratio",
-        f"best of {repeats} epoch(s) per variant; variants interleaved sample by sample (same machine load); one process, no DataLoader workers",
+        f"best of {repeats} epoch(s) per variant; variants interleaved sample by sample (same machine load); "
+        "one process, no DataLoader workers",
     ])
 
 

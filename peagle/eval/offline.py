@@ -39,9 +39,10 @@ context up to its last anchor) to bound memory on long sequences.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -102,7 +103,8 @@ def reference_tokens(
     return out
 
 
-def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
     """Long [A]: leading drafts (of [A, K]) that match the reference at positions p+2..p+K+1."""
     a, k = drafts.shape
     positions = anchors[:, None] + 1 + torch.arange(1, k + 1)[None, :]

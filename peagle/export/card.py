@@ -132,7 +132,8 @@ def localize_card(card_text: str, *, target_ref: str, head_ref: str, served_name
         raise ValueError("the card has no `vllm serve` line to rewrite; re-export the head")
     lines = [line for line in lines if line != PLACEHOLDER_NOTE]
     base = hub_id(target_ref)
-    if base and lines and lines[0] == "---" and not any(line.startswith("base_model:") for line in lines[: lines.index("---", 1)]):
+    front_matter = lines[: lines.index("---", 1)] if lines and lines[0] == "---" else None
+    if base and front_matter and not any(line.startswith("base_model:") for line in front_matter):
         lines.insert(1, f"base_model: {base}")
     return "\n".join(lines) + ("\n" if card_text.endswith("\n") else "")
 

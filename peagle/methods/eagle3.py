@@ -30,9 +30,9 @@ was wrong. Such a head logs acc/depth_1 ~0.16 yet accepts ~0.01 at position 2.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,7 +44,6 @@ from peagle.train.batch import Batch, Example, build_peagle_example, collate
 from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
 from peagle.train.masks import PrecomputedMask
 from peagle.train.partition import select_elements
-
 
 # ----------------------------------------------------------------------------- examples
 

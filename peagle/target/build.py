@@ -349,5 +349,6 @@ def sample_completion(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFas
     ids = data.heldout_chat[0]
     assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
     cut = (ids == assistant).nonzero()[0, 0].item() + 2  # through "<|assistant|>\n"
-    out = model.generate(input_ids=ids[None, :cut], attention_mask=torch.ones(1, cut, dtype=torch.long), max_new_tokens=96, do_sample=False)
+    out = model.generate(input_ids=ids[None, :cut], attention_mask=torch.ones(1, cut, dtype=torch.long),
+                         max_new_tokens=96, do_sample=False)
     return tokenizer.decode(out[0])

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
 FIRST_IN_PROCESS = "first_in_process"  # the metrics record of a step the clock leaves out
 
 

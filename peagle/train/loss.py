@@ -22,7 +22,6 @@ from peagle.model.target_weights import load_target_tensors, target_config
 from peagle.train.batch import Batch
 
 
-
 @dataclass(frozen=True)
 class Depth0Share:
     """Depth 0 (the next token, every anchor) gets ``share`` of the loss and the parallel
