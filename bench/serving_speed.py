@@ -1,9 +1,8 @@
 """Output tokens/s of the demo's two heads in vLLM, over several rounds: how sure a speed ratio is.
 
-One `make demo` evaluation measures each engine once (16 requests). On 2 CPU cores such a
-single measurement varies a lot between runs: the no-speculation engine served 133.9 tokens/s
-in one demo run and 197.3 in the next. So a ratio of two single measurements (P-EAGLE's
-output tokens/s over EAGLE-3's, the issue's 1.3x goal) says little. Here each round serves
+One `make demo` evaluation measures each engine once (16 requests). On a small, shared CPU
+host such a single measurement varies a lot between runs, so a ratio of two single
+measurements (P-EAGLE's output tokens/s over EAGLE-3's) says little. Here each round serves
 no speculation, P-EAGLE and EAGLE-3 at one K through the pipeline's own evaluation
 (``peagle.stages.evaluate_online``: a fresh engine each, a warm-up request, then the eval
 prompts), and the ratios are taken within a round, then summarised over rounds.

@@ -11,11 +11,9 @@ K tokens; draft k is accepted while it equals the reference token at p+1+k and e
 earlier draft was accepted; the target then adds one token of its own, so the next draft
 starts at anchor p + accepted + 1. Acceptance length = 1 + accepted per draft, averaged
 over DRAFTS, not over every position: an average over every anchor counts an easy stretch
-once per token where vLLM drafts it once per accepted run. Measured on the test suite's
-heads at the demo's eval settings (16 prompts, 128 tokens): the old per-anchor average on
-the held-out split said +10.9% (P-EAGLE) and +8.4% (EAGLE-3) over vLLM at K = 5, the walk
-on the held-out split -3%, the walk on the served split -0.3% / -0.2% (every K within
-0.6%, drafts and per-position rates matching vLLM's counters). Drafting stops once the request has ``max_tokens``
+once per token where vLLM drafts it once per accepted run, and overestimates vLLM's; the
+walk on the served split matches vLLM's counters (``tests/eval/test_offline_predicts_vllm.py``
+holds it to them). Drafting stops once the request has ``max_tokens``
 tokens (the served split's budget), but an accepted draft may match tokens past it, as in
 vLLM, which counts what it verified before truncating the output. Per-position rates are
 vLLM's "accepted per position": P(draft k accepted) per draft.
