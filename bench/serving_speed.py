@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_files import load_average, markdown_table, write_results  # noqa: E402
+from result_files import cpu_line, git_commit, load_average, markdown_table, write_results  # noqa: E402
 
 NAME = "serving_speed"
 CONFIG = "configs/demo.yaml"
@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     head, other = (get_method(m).label for m in heads)
     ratios = summarise(rounds, head, other, BASELINE)
     acceptance = {r.method: r.acceptance_length for r in online.rows if r.acceptance_length is not None}
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "concurrency": args.concurrency,
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_line(), "commit": git_commit(),
+            "k": args.k, "concurrency": args.concurrency,
             "num_prompts": cfg.eval.num_prompts, "max_tokens": cfg.eval.max_tokens, "load_average": load_average(),
             "heads": {m: str(d) for m, d in heads.items()}}
     text = markdown(rounds, acceptance, ratios, meta)
