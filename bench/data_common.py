@@ -12,7 +12,8 @@ import platform
 import time
 
 import torch
-from result_files import load_average, load_results, markdown_table, write_results
+
+from result_files import git_commit, load_average, load_results, markdown_table, write_results
 
 Table = tuple[str, list[str], list[list[str]]]
 
@@ -24,7 +25,8 @@ def machine() -> str:
 
 def started() -> dict:
     """Stamp taken before measuring (the cores are shared: the load average says how busy)."""
-    return {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "load_avg_start": load_average()}
+    return {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "commit": git_commit(),
+            "load_avg_start": load_average()}
 
 
 def print_tables(tables: list[Table]) -> None:

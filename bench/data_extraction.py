@@ -152,7 +152,8 @@ def run_extraction(target: str, cfg, layer_ids, work_dir: Path, sequences, warm,
 def same_scheduler(plain: dict, extraction: dict) -> str:
     """The engines' scheduler settings, refused when they differ (the ratio would compare two budgets)."""
     if plain["scheduler"] != extraction["scheduler"]:
-        raise RuntimeError(f"the engines batch prefill differently: plain {plain['scheduler']}, extraction {extraction['scheduler']}")
+        raise RuntimeError(f"the engines batch prefill differently: plain {plain['scheduler']}, "
+                           f"extraction {extraction['scheduler']}")
     return plain["scheduler"]
 
 
@@ -172,7 +173,8 @@ def notes(result: dict) -> list[str]:
         f"extraction pass split: {e['engine_generate_s']:.2f} s inside the engine's generate, "
         f"{e['file_read_check_s']:.2f} s waiting for / loading / checking / deleting the connector's files",
         "start-up: LLM() construction (model load, KV cache, profiling); one warm-up pass per engine on random "
-        f"sequences of the same lengths before the timed pass; both engines: {result.get('scheduler', 'scheduler as configured')}",
+        f"sequences of the same lengths before the timed pass; "
+        f"both engines: {result.get('scheduler', 'scheduler as configured')}",
     ]
 
 

@@ -26,7 +26,13 @@ from peagle.layout import SPLITS, TARGET_FACTS_FILE, VOCAB_FILE, DataLayout, Run
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
 from train_common import (  # noqa: E402
-    OFFLINE_NOTE, head_parser, offline_acceptance, setup_head_bench, target_info, train_fresh, train_note,
+    OFFLINE_NOTE,
+    head_parser,
+    offline_acceptance,
+    setup_head_bench,
+    target_info,
+    train_fresh,
+    train_note,
     train_settings,
 )
 

@@ -3,9 +3,8 @@
 1. Read throughput of one split (page cache warm for all, so this is the decode cost,
    not the disk): a raw sequential read of the shard files' bytes vs ``ShardReader``
    turning every sample into tensors (float32 hidden states): without any check; with a
-   full sha256 of every shard (``verify="full"``: what every fresh reader did before
-   identities were recorded, and still what a reader does the first time it sees a
-   shard); and verified once per file identity (``verify=True``, the default: a shard
+   full sha256 of every shard (``verify="full"``: what a reader does the first time it
+   sees a shard); and verified once per file identity (``verify=True``, the default: a shard
    whose size/mtime/ctime/inode match a passing check is not re-hashed).
 2. The same samples re-stored with ``ShardWriter`` as float32 / bfloat16 / float16 /
    float8: bytes per token on disk against the raw hidden-state tensor bytes per token
@@ -36,8 +35,8 @@ NAME = "data_loader"
 DTYPES = ("float32", "bfloat16", "float16", "float8")
 VERIFY_MODES = {  # ShardReader(verify=...) -> row label
     False: "no sha256",
-    "full": "full sha256 every open (before)",
-    True: "sha256 once per file identity (after)",
+    "full": "full sha256 every open",
+    True: "sha256 once per file identity",
 }
 
 
@@ -189,7 +188,8 @@ def tables(result: dict) -> list:
          f"({r['storage_dtype']}), page cache warm, median of {result['repeats']} (paths interleaved)",
          ["path", "s", "samples/s", "tokens/s", "MiB/s", "x raw read"], read_rows),
         ("Bytes per token on disk: the same samples stored in each dtype",
-         ["dtype", "on disk B/tok", "raw hidden B/tok", "disk / raw", "x bfloat16", "estimate B/tok", f"reader tok/s ({result['torch_threads']} thr)",
+         ["dtype", "on disk B/tok", "raw hidden B/tok", "disk / raw", "x bfloat16", "estimate B/tok",
+          f"reader tok/s ({result['torch_threads']} thr)",
           "reader tok/s (1 thr)"],
          size_rows),
     ]

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_files import result_path, write_results  # noqa: E402
 from peagle.layout import LAUNCH_CONFIG_FILE, TRAIN_RESULT_FILE, CheckpointLayout, RunLayout  # noqa: E402
 from peagle.methods import BASELINE as BASELINE_METHOD  # noqa: E402
 from peagle.methods import DEFAULT_METHOD  # noqa: E402
-
 from peagle.paths import configure_environment  # noqa: E402
+
+from result_files import cpu_line, git_commit, result_path, write_results  # noqa: E402
 
 NAME = "online_eval"
 CONFIG = "configs/demo.yaml"
@@ -244,7 +242,7 @@ def main() -> None:
     console.print(offline_rich_table(offline, online, args.ks))
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "target": target.path,
-            "cpu": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
+            "cpu": cpu_line(), "commit": git_commit(),
             "num_prompts": args.num_prompts, "k_train": cfg.train.k_train, "heads": {k: str(v) for k, v in heads.items()},
             "setup_s": round(setup_s, 1),
             "training": {label: training_budget(checkpoints[label], methods[label]) for label in checkpoints},

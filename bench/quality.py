@@ -12,9 +12,9 @@ would in a real run of that length. "train s" is the sum of the run's own step t
 Two parts, both written to ``bench/results/quality.{md,json,png}``:
 
 - ``ablation``: P-EAGLE recipes at one budget, each adding one choice to the one before
-  (from the old default to the recipe), so each row's delta is what that choice bought.
+  (from a plain starting recipe to the config's), so each row's delta is what that choice buys.
 - ``variants``: the config's P-EAGLE recipe and recipes that each change one thing of it, at
-  one budget (``--ablation-budget``), so each row's delta is what that one change buys now.
+  one budget (``--ablation-budget``), so each row's delta is what that one change buys.
 - ``budgets``: the config's P-EAGLE recipe and its EAGLE-3 baseline at several budgets.
   With ``--online``, each method's head of the largest budget is then served in vLLM (the
   pipeline's ``evaluate_online``: K = 5, concurrency 1 and 4, against no speculation), so the
@@ -51,18 +51,25 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from result_files import per_target_name, result_path  # noqa: E402
 from train_common import (  # noqa: E402
-    OFFLINE_NOTE, Run, cpu_model, head_parser, offline_acceptance, setup_head_bench, target_info, tiny_head_dataset,
+    OFFLINE_NOTE,
+    Run,
+    cpu_model,
+    head_parser,
+    offline_acceptance,
+    setup_head_bench,
+    target_info,
+    tiny_head_dataset,
     train_fresh,
 )
 
 NAME = "quality"
-# The P-EAGLE recipe fields (peagle.methods.peagle's own train fields) of the old default.
+# The P-EAGLE recipe fields (peagle.methods.peagle's own train fields) the ablation starts from.
 OLD_RECIPE = {"train.freeze_lm_head": False, "train.train_embeddings": "all", "train.mask_hidden_init_std": 0.02,
               "train.k_train": 6, "train.depth0_loss_share": None, "train.grad_accum": 4, "train.learning_rate": 1e-3,
               "train.unaccepted_weight": 1.0}
 # Each ablation row adds one choice to the row before it.
 ABLATION = [
-    ("old default (all trainable, mask_hidden std 0.02)", {}),
+    ("starting recipe (all trainable, mask_hidden std 0.02)", {}),
     ("+ lm_head frozen", {"train.freeze_lm_head": True}),
     ("+ embeddings: mask row only", {"train.train_embeddings": "mask_row"}),
     ("+ mask_hidden std 1", {"train.mask_hidden_init_std": 1.0}),
@@ -77,7 +84,7 @@ ABLATION = [
 STAGED = "staged_eagle3_share"
 # Each variant changes ONE thing of the config's P-EAGLE recipe (the combined row: the two best
 # single changes; the staged row: a stage before it); its row's delta is against the config
-# recipe at the same budget and seed (candidates for the next default).
+# recipe at the same budget and seed (candidates for the config's default).
 VARIANTS = [
     ("lr 6e-3", {"train.learning_rate": 6e-3}),
     ("lr 1.5e-3", {"train.learning_rate": 1.5e-3}),
@@ -116,14 +123,15 @@ VARIANTS = [
     # Under Muon the AdamW lr moves only what the mask slots start from (mask row, mask_hidden) and the norms.
     ("AdamW lr 3e-3 (mask row, mask_hidden, norms)", {"train.learning_rate": 3e-3}),
     ("Muon lr 0.04 (the config's Muon, twice its lr)", {"train.muon_learning_rate": 0.04}),
-    # P-EAGLE stops gaining at ~1300 steps of one answer each (session 23): fewer, larger steps in
-    # the same time (a given --step-seconds scales with the answers a step trains on).
+    # Past some number of one-answer steps P-EAGLE stops gaining: fewer, larger steps in the same
+    # time (a given --step-seconds scales with the answers a step trains on).
     ("grad_accum 2 (2 answers a step, half the steps)", {"train.grad_accum": 2}),
     ("grad_accum 4 (4 answers a step, a quarter of the steps)", {"train.grad_accum": 4}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
-QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3_num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3, "train.max_len": 64,
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3_num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3,
+                   "train.max_len": 64,
                    "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "train.grad_accum": 1,
                    "data.max_seq_len": 256, "vllm.max_model_len": 512, "eval.num_prompts": 4, "eval.max_tokens": 32}
 
@@ -139,8 +147,8 @@ def calibrate(cfg_for, target, data_dir: Path) -> float:
     """Mean seconds per optimizer step of a short run (its first step, which warms up, left out).
 
     The mean, over a couple of dozen samples: a step's time follows its sample's length (and,
-    for P-EAGLE, how many COD elements it draws), so the median of a few steps set budgets that
-    real runs overshot by up to 1.7x (session 10: bench/README.md)."""
+    for P-EAGLE, how many COD elements it draws), so the median of a few steps sets budgets
+    that real runs overshoot."""
     from peagle.config import load_config  # noqa: F401 (cfg_for builds configs)
 
     trained, _ = train_fresh(cfg_for({"train.max_steps": CALIBRATION_STEPS, "train.epochs": 1}), target, data_dir)
@@ -157,8 +165,9 @@ def measure(cfg, target, data_dir: Path) -> dict:
     last = [r for r in trained.metrics_history if "loss" in r][-1]
     t = cfg.train
     spec = read_head_spec(trained.last_checkpoint)  # the shape it really trained (drafter.* None: the target's)
-    # "train s" as the pipeline's clock counts it (session 21): the first step compiles Muon's update
-    # (4-24 s, by whether the inductor cache is warm), which is not training; rows before kept it.
+    # "train s" as the pipeline's clock counts it: the first step compiles Muon's update (longer or
+    # shorter by whether the inductor cache is warm), which is not training. Runs that record no
+    # first_step_seconds counted it.
     return {"steps": len(seconds), "train_seconds": counted_seconds(trained.metrics_history),
             "first_step_seconds": seconds[0] if seconds else None, "wall_seconds": wall, "final_loss": last["loss"],
             "warm_start": trained.warm_start,
@@ -334,25 +343,25 @@ def merged(old: list[dict], new: list[dict]) -> list[dict]:
 # ----------------------------------------------------------------------------- tables and plot
 
 
-# Runs measured before the offline simulation walked the served split (``peagle.eval.offline``)
-# counted acceptance per anchor of the held-out split: their numbers are kept, marked, never
-# averaged with the served walk's.
-OLD_OFFLINE = "held-out, per anchor (old)"
+# Runs that record no offline split counted acceptance per anchor of the held-out split instead
+# of walking the served split as vLLM decodes (``peagle.eval.offline``): their numbers are kept,
+# marked, never averaged with the served walk's.
+OLD_OFFLINE = "held-out, per anchor"
 
 
 def offline_kind(run: dict) -> str:
     return run.get("offline_split") or OLD_OFFLINE
 
 
-# Runs from before the bench recorded its target build: which build they measured is not known.
+# Runs that record no target build: which build they measured is not known.
 UNRECORDED_TARGET = "unrecorded"
 
 
 class Setting(NamedTuple):
     """What two runs must share for their acceptance to be compared or averaged: how it was
-    simulated, and the target build. The embedded target is built on each machine: the same
-    recipe, steps and seed gave AL@5 4.79 on one machine and 4.31 on another with another CPU
-    (bench/README.md, session 16), so each run also records its CPU."""
+    simulated, and the target build. The embedded target is built on each machine, and the same
+    recipe, steps and seed accept differently on a machine with another CPU, so each run also
+    records its CPU."""
 
     split: str
     target: str
@@ -390,31 +399,38 @@ def mean_by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict]:
 
 
 def optimizer_of(run: dict) -> str:
-    """The optimizer a run recorded (runs from before Muon existed trained with AdamW)."""
+    """The optimizer a run recorded (a run that records none trained with AdamW)."""
     return (run.get("train") or {}).get("optimizer", "adamw")
 
 
 def off_chain_weight(run: dict) -> float:
-    """The loss weight of drafts verification never reads (recorded since session 22; runs
-    before weighed every supervised element alike, unless their overrides said otherwise)."""
+    """The loss weight of drafts verification never reads (a run that records none weighed
+    every supervised element alike, unless its overrides said otherwise)."""
     t = run.get("train") or {}
     return t.get("unaccepted_weight", (run.get("overrides") or {}).get("train.unaccepted_weight", 1.0))
 
 
 def trained_as(run: dict) -> str:
-    """The recipe a run really trained with: "config recipe" rows of different sessions differ."""
+    """The recipe a run really trained with: "config recipe" rows of different invocations differ."""
     t = run.get("train")
     if not t:
         return "?"
     depth = f"TTT {t['eagle3_ttt_steps']}" if run["method"] == "eagle3" else f"K_train {t['k_train']}"
     optimizer = f", Muon {t['muon_lr']:g}" if optimizer_of(run) == "muon" else ""
-    # Recorded since session 17 (runs before: the target's attention shape, 3 query heads sharing
-    # one KV head on the embedded target, unless the row's label says otherwise).
+    # A run that records no kv_heads trained the target's attention shape (3 query heads sharing
+    # one KV head on the embedded target), unless the row's label says otherwise.
     attention = f", {t['heads']}q/{t['kv_heads']}kv heads" if "kv_heads" in t else ""
     weight = off_chain_weight(run)
     off_chain = f", off-chain loss x{weight:g}" if weight < 1.0 else ""
     return (f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}{attention}"
             f"{off_chain}")
+
+
+def train_seconds_note(runs: list[dict]) -> str:
+    """What "train s" counts; runs that record no first step counted it (see ``measure``)."""
+    counted_first = any("first_step_seconds" not in r for r in runs if r["part"] == "budgets")
+    return ("mean over seeds; train s = the run's summed step times (no launch, no evaluation, no first step of a "
+            "process, which compiles" + ("; runs that record no first step include it" if counted_first else "") + ")")
 
 
 def add_tables(run: Run, meta: dict) -> None:
@@ -429,8 +445,7 @@ def add_tables(run: Run, meta: dict) -> None:
         run.add_table("Offline acceptance length per K at equal training time (the config's recipes)",
                       ["method", "budget s", "trained as", "train s", "steps", "seeds", *[f"K={k}" for k in ks],
                        "per position", "offline split" + (", target" if many else "")],
-                      rows, note="mean over seeds; train s = the run's summed step times (no launch, no evaluation; "
-                           "since session 21 without its first step, which compiles)")
+                      rows, note=train_seconds_note(meta["runs"]))
     ablation = mean_by([r for r in meta["runs"] if r["part"] == "ablation"], ("recipe", "method", "budget_s"))
     if ablation:
         order = [label for label, _ in ABLATION] + [RECIPE_LABEL]
@@ -492,13 +507,13 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
     for (label, budget, _, split), v in sorted(variants.items(), key=lambda kv: (
             kv[0][3].target, kv[0][1], order.index(kv[0][0]) if kv[0][0] in order else len(order), kv[0][2])):
         # The config recipe it changed: trained with the same optimizer and off-chain weight (the
-        # default of its session), unless the variant is the change of that.
+        # config's when it ran), unless the variant is the change of that.
         change = dict(VARIANTS).get(label, {})
         bases = [b for group in (variants, config_runs) for (lb, bb, _, sb), b in group.items()
                  if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
                  and (b["optimizers"] != v["optimizers"]) == ("train.optimizer" in change)
                  and (b["off_chain"] != v["off_chain"]) == ("train.unaccepted_weight" in change)]
-        # Rows of one budget from other sessions trained other step counts (and recipes): the
+        # Rows of one budget from other invocations trained other step counts (and recipes): the
         # config recipe run for the variant's own steps, where there is one, is its base.
         base = next((b for b in bases if round(b["steps"]) == round(v["steps"])), bases[0] if bases else None)
         delta = "" if base is None or label == RECIPE_LABEL else f"{v['al'][k5] - base['al'][k5]:+.3f}"
@@ -583,7 +598,7 @@ def notes(meta: dict) -> list[str]:
         f"config {meta['args']['config']}; the last invocation's overrides {json.dumps(meta['base_overrides'])} "
         "(each run's own recipe: its 'trained as'); "
         f"OMP_NUM_THREADS={meta['args']['threads']}; {len(runs)} runs",
-        OFFLINE_NOTE + f"; runs marked '{OLD_OFFLINE}' were simulated before that walk existed",
+        OFFLINE_NOTE + f"; runs marked '{OLD_OFFLINE}' counted acceptance per anchor of the held-out split instead",
         f"GPU: {meta['gpu']} (one rank)" if meta.get("gpu") else
         "shared 2-core machine: step times vary with the other jobs' load (see load averages)",
     ]
@@ -665,8 +680,8 @@ def main() -> None:
     parser.add_argument("--clock", action="store_true",
                         help="train each run for its budget on the pipeline's own clock (train.max_train_seconds) "
                              "instead of budget / step time: on a machine of its own, such as a GPU, where a "
-                             "25-step calibration misjudged steady steps by 5-25%% (session 24); not "
-                             "reproducible step for step, and wrong under another job's load")
+                             "short calibration misjudges steady steps; not reproducible step for step, and "
+                             "wrong under another job's load")
     args = parser.parse_args()
     try:
         given_step_s = parse_step_seconds(args.step_seconds)
@@ -694,7 +709,7 @@ def main() -> None:
             data_dir, target_dir = tiny_head_dataset(Path(tmp))
             base, work = {**QUICK_OVERRIDES, **base}, Path(tmp) / "runs"
             budgets, ablation_budget, seeds = [3.0], 3.0, args.seeds[:1]
-            rows = [0, len(ABLATION) - 1]  # the old default and the whole recipe
+            rows = [0, len(ABLATION) - 1]  # the starting recipe and the whole recipe
             staged_row = 1 + next(i for i, (_, change) in enumerate(VARIANTS) if STAGED in change)
             variant_rows = [0, 1, staged_row]  # the config recipe, the first variant and the staged one
         else:

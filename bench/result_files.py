@@ -3,23 +3,46 @@
 Every bench script writes its numbers as JSON (``--render-only`` re-renders the tables
 from it without measuring again) and the same tables as Markdown (what README tables
 quote), atomically through ``peagle.fileio``. ``PEAGLE_BENCH_RESULTS`` moves the folder
-(the smoke tests write into a temporary one).
+(the smoke tests write into a temporary one). Every result records when it ran, on what
+machine and at which commit; ``bench/readme.py`` quotes them in bench/README.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import subprocess
 from pathlib import Path
 
 from peagle.fileio import write_json_atomic, write_text_atomic
 
-RESULTS_DIR = Path(os.environ.get("PEAGLE_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = Path(os.environ.get("PEAGLE_BENCH_RESULTS", BENCH_DIR / "results"))
 
 
 def load_average() -> list[float]:
     """1/5/15-minute load: the cores are shared, so every result records how busy they were."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_line() -> str:
+    """The machine, for benchmarks that record no torch build: architecture and core count."""
+    return f"{platform.machine()}, {os.cpu_count()} cores (shared)"
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, marked when tracked files outside bench/results differ from it
+    (the numbers then come from code no commit holds); None outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{head} with uncommitted changes" if changed else head
 
 
 def per_target_name(name: str, config: str | Path) -> str:

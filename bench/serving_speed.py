@@ -1,9 +1,8 @@
 """Output tokens/s of the demo's two heads in vLLM, over several rounds: how sure a speed ratio is.
 
-One `make demo` evaluation measures each engine once (16 requests). On 2 CPU cores such a
-single measurement varies a lot between runs: the no-speculation engine served 133.9 tokens/s
-in one demo run and 197.3 in the next. So a ratio of two single measurements (P-EAGLE's
-output tokens/s over EAGLE-3's, the issue's 1.3x goal) says little. Here each round serves
+One `make demo` evaluation measures each engine once (16 requests). On a small, shared CPU
+host such a single measurement varies a lot between runs, so a ratio of two single
+measurements (P-EAGLE's output tokens/s over EAGLE-3's) says little. Here each round serves
 no speculation, P-EAGLE and EAGLE-3 at one K through the pipeline's own evaluation
 (``peagle.stages.evaluate_online``: a fresh engine each, a warm-up request, then the eval
 prompts), and the ratios are taken within a round, then summarised over rounds.
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_files import load_average, markdown_table, write_results  # noqa: E402
+from result_files import cpu_line, git_commit, load_average, markdown_table, write_results  # noqa: E402
 
 NAME = "serving_speed"
 CONFIG = "configs/demo.yaml"
@@ -156,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     head, other = (get_method(m).label for m in heads)
     ratios = summarise(rounds, head, other, BASELINE)
     acceptance = {r.method: r.acceptance_length for r in online.rows if r.acceptance_length is not None}
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "k": args.k, "concurrency": args.concurrency,
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_line(), "commit": git_commit(),
+            "k": args.k, "concurrency": args.concurrency,
             "num_prompts": cfg.eval.num_prompts, "max_tokens": cfg.eval.max_tokens, "load_average": load_average(),
             "heads": {m: str(d) for m, d in heads.items()}}
     text = markdown(rounds, acceptance, ratios, meta)

@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from result_files import load_average, load_results, markdown_table, write_results
-
 from peagle.facts import HeadSpec
+
+from result_files import git_commit, load_average, load_results, markdown_table, write_results
 
 MASK_TOKEN_ID = 3
 
@@ -103,7 +103,8 @@ class Run:
 
     def __init__(self, name: str, args: dict):
         self.name, self.args = name, args
-        self.meta = {"benchmark": name, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.meta = {"benchmark": name, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "commit": git_commit()}
         self.meta.update(machine_info())
         self.meta["load_average_start"] = load_average()
         self.meta["args"] = args

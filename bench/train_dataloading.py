@@ -3,13 +3,13 @@
 Every variant turns the same samples (length 2048, K = 8) into training batches of one
 example, the trainer's micro-batch, and is timed over the whole set (one epoch):
 
-- P-EAGLE, compact batch (the trainer, after): ``build_peagle_example`` + ``collate``:
+- P-EAGLE, compact batch (the trainer's): ``build_peagle_example`` + ``collate``:
   COD sampling, element indices and positions; token-level hidden states shared, the
   per-element features and the attention mask left to the step (``Batch.aux_hidden``,
   ``.target_hidden``, ``.attention_mask``, evaluated on the step's device);
-- P-EAGLE, per-element batch + PrecomputedMask (before): what the trainer built until
-  this change - per-element feature copies, padded, and a dense [N, N] mask per example
-  sliced from the precomputed tril (``PrecomputedMask.mask_for``);
+- P-EAGLE, per-element batch + PrecomputedMask: the layout compact batches avoid -
+  per-element feature copies, padded, and a dense [N, N] mask per example sliced from the
+  precomputed tril (``PrecomputedMask.mask_for``);
 - P-EAGLE, per-pair mask: the compact batch plus a dense mask evaluated pair by pair
   per example (``brute_force_mask``; PARD-style per-example construction);
 - EAGLE-3 (this repo): ``build_eagle3_example`` (all anchors x ttt steps, ground-truth
@@ -31,15 +31,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from peagle.train.batch import build_peagle_example, collate  # noqa: E402
 from peagle.methods.eagle3 import build_eagle3_example  # noqa: E402
+from peagle.train.batch import build_peagle_example, collate  # noqa: E402
 from peagle.train.masks import PrecomputedMask, brute_force_mask, element_mask  # noqa: E402
+
 from train_common import Run, bench_spec, synthetic_sample  # noqa: E402
 
 K, COD_RATIO, COD_FLOOR, TTT_STEPS = 8, 0.8, 0.2, 8
@@ -56,7 +58,7 @@ def peagle_compact(samples, spec, max_len):
 
 
 def per_element_batch(examples, mask: PrecomputedMask, mask_for=None) -> dict:
-    """The per-element layout the trainer collated before: feature copies + a dense mask, padded."""
+    """The per-element layout compact batches avoid: feature copies + a dense mask, padded."""
     b, n = len(examples), max(len(e) for e in examples)
     ht = examples[0].hidden.shape[-1]
     aux = torch.zeros(b, n, 3 * ht)
@@ -101,15 +103,15 @@ def eagle3_classic(samples, spec, max_len):
         yield (s.token_ids[:n].long(), s.loss_mask[:n], s.hidden[:n].float(), causal)
 
 
-TRAINER, BEFORE, PER_PAIR, CLASSIC = (
-    "P-EAGLE, compact batch (trainer, after)",
-    "P-EAGLE, per-element batch + PrecomputedMask (before)",
+TRAINER, PER_ELEMENT, PER_PAIR, CLASSIC = (
+    "P-EAGLE, compact batch (the trainer's)",
+    "P-EAGLE, per-element batch + PrecomputedMask",
     "P-EAGLE, compact batch + per-pair mask (brute force)",
     "EAGLE-3, classic loader (causal mask)",
 )
 VARIANTS = {
     TRAINER: peagle_compact,
-    BEFORE: peagle_per_element,
+    PER_ELEMENT: peagle_per_element,
     PER_PAIR: peagle_per_pair,
     "EAGLE-3, this repo's objective (compact batch)": eagle3_repo,
     CLASSIC: eagle3_classic,
@@ -154,8 +156,8 @@ def time_step_side(samples, spec, max_len) -> dict[str, float]:
     mask = PrecomputedMask(max_len, K)
     for i, sample in enumerate(samples):
         batch = collate([peagle_example(sample, spec, max_len, i)], mask)
-        for name, job in zip(STEP_PARTS, (lambda: batch.aux_hidden, lambda: batch.target_hidden,
-                                          lambda: batch.attention_mask)):
+        jobs = [partial(getattr, batch, field) for field in ("aux_hidden", "target_hidden", "attention_mask")]
+        for name, job in zip(STEP_PARTS, jobs):
             start = time.perf_counter()
             job()
             seconds[name] += time.perf_counter() - start
@@ -164,11 +166,16 @@ def time_step_side(samples, spec, max_len) -> dict[str, float]:
 
 MASK_VARIANTS = [
     "P-EAGLE, element_mask (evaluated at the step)",
-    "P-EAGLE, PrecomputedMask.mask_for (before: in the batch)",
+    "P-EAGLE, PrecomputedMask.mask_for (in a per-element batch)",
     "P-EAGLE, brute_force_mask (per pair)",
     "EAGLE-3 (this repo), element_mask",
     "EAGLE-3 classic, causal tril",
 ]
+
+
+def causal_tril(n: int) -> torch.Tensor:
+    """The classic EAGLE-3 loader's one causal [n, n] mask."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
 
 
 def time_masks(samples, spec, max_len) -> dict[str, float]:
@@ -180,11 +187,11 @@ def time_masks(samples, spec, max_len) -> dict[str, float]:
         ex3 = build_eagle3_example(sample, spec, TTT_STEPS, max_len)
         n = min(sample.token_ids.numel(), max_len)
         jobs = [
-            lambda: element_mask(ex.anchor, ex.depth, ex.doc),
-            lambda: pre.mask_for(ex.anchor, ex.depth, ex.doc),
-            lambda: brute_force_mask(ex.anchor, ex.depth, ex.doc),
-            lambda: element_mask(ex3.anchor, ex3.depth, ex3.doc),
-            lambda: torch.ones(n, n, dtype=torch.bool).tril(),
+            partial(element_mask, ex.anchor, ex.depth, ex.doc),
+            partial(pre.mask_for, ex.anchor, ex.depth, ex.doc),
+            partial(brute_force_mask, ex.anchor, ex.depth, ex.doc),
+            partial(element_mask, ex3.anchor, ex3.depth, ex3.doc),
+            partial(causal_tril, n),
         ]
         for name, job in zip(MASK_VARIANTS, jobs):
             start = time.perf_counter()
@@ -223,8 +230,8 @@ def main() -> None:
         f"Data loading per epoch: {n_samples} samples x {length} tokens, K={K}, batch 1",
         ["variant", "epoch s", "ms / sample", "elements / sample", "x P-EAGLE compact", "x EAGLE-3 classic"],
         rows,
-        note=(f"targets: P-EAGLE trainer <= 1.2x EAGLE-3 classic (measured {ref / eagle3:.2f}x; before "
-              f"{measured[BEFORE][0] / eagle3:.2f}x), per-pair >= 20x the trainer (measured "
+        note=(f"targets: P-EAGLE trainer <= 1.2x EAGLE-3 classic (measured {ref / eagle3:.2f}x; per-element batch "
+              f"{measured[PER_ELEMENT][0] / eagle3:.2f}x), per-pair >= 20x the trainer (measured "
               f"{measured[PER_PAIR][0] / ref:.1f}x); paper (their data, hardware): P-EAGLE 17.5 s, "
               "EAGLE-3 14.8 s (0.85x), PARD 718.5 s (41x) per epoch"),
     )
@@ -237,18 +244,18 @@ def main() -> None:
         [[name, sec, 1000 * sec / n_samples, el // n_samples, sec / short_ref, sec / short_eagle3]
          for name, (sec, el) in short.items()],
         note=(f"short samples: P-EAGLE's {1000 * short_ref / n_samples:.2f} ms per example is a fixed cost of a few dozen "
-              "index operations (COD's K nested draws, the depth-major layout; numpy, since torch's per-call cost "
-              f"was 2.5x that), against {1000 * short_eagle3 / n_samples:.3f} ms for a causal mask of a few KiB; "
+              "index operations (COD's K nested draws, the depth-major layout; numpy: torch's per-call cost "
+              f"is higher), against {1000 * short_eagle3 / n_samples:.3f} ms for a causal mask of a few KiB; "
               "the per-pair ratio shrinks with N^2"),
     )
     step = time_step_side(samples, spec, length)
-    before = measured[BEFORE][0]
+    per_element = measured[PER_ELEMENT][0]
     run.add_table(
         "What the step evaluates from a compact batch, same epoch (CPU here; the accelerator in GPU training)",
-        ["part", "epoch s", "ms / sample", "x per-element batch (before)"],
-        [[name, sec, 1000 * sec / n_samples, sec / before] for name, sec in step.items()]
+        ["part", "epoch s", "ms / sample", "x per-element batch"],
+        [[name, sec, 1000 * sec / n_samples, sec / per_element] for name, sec in step.items()]
         + [["compact batch + all of the above", ref + sum(step.values()), 1000 * (ref + sum(step.values())) / n_samples,
-            (ref + sum(step.values())) / before]],
+            (ref + sum(step.values())) / per_element]],
     )
     masks = time_masks(samples, spec, length)
     mask_ref = masks[MASK_VARIANTS[0]]
@@ -258,11 +265,14 @@ def main() -> None:
         [[name, sec, 1000 * sec / n_samples, sec / mask_ref] for name, sec in masks.items()],
     )
     run.finish([
-        "synthetic samples (10% prompt, 90% response), hidden [n, 4, 192] fp32; the demo data set (288 train samples, 45,990 tokens: 160 tokens on average) is far shorter than 2048",
+        "synthetic samples (10% prompt, 90% response), hidden [n, 4, 192] fp32; the demo data set's samples "
+        "are far shorter than 2048 tokens",
         f"EAGLE-3 rows use ttt_steps={TTT_STEPS} (= K) so both objectives supervise the same depths",
         "compact batches hold no dense mask and no per-element features: the step evaluates them where it runs "
-        "(second table); 'before' rebuilds the previous trainer's per-element batch in this run for the ratio",
-        f"best of {repeats} epoch(s) per variant; variants interleaved sample by sample (same machine load); one process, no DataLoader workers",
+        "(second table); the per-element batch (features copied per element, a dense mask per example) is built "
+        "in this run for the ratio",
+        f"best of {repeats} epoch(s) per variant; variants interleaved sample by sample (same machine load); "
+        "one process, no DataLoader workers",
     ])
 
 

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from peagle.model.drafter import PEagleDrafter  # noqa: E402
 from peagle.train.masks import PrecomputedMask  # noqa: E402
+
 from train_common import Run, bench_spec  # noqa: E402
 
 LAYERS = 4
@@ -113,7 +114,8 @@ def measure(hidden: int, vocab: int, draft_vocab: int, context: int, ks: list[in
             peagle_pass(drafter, mask, spec, context, max(ks), with_context)  # warm-up
             eagle3_chain(drafter, mask, spec, context, 2, with_context)
             pe_times, chains = {k: [] for k in ks}, []
-            for _ in range(reps if with_context else 4 * reps):  # no-context passes are cheap  # interleaved, so both schemes see the same machine load
+            # no-context passes are cheap; interleaved, so both schemes see the same machine load
+            for _ in range(reps if with_context else 4 * reps):
                 for k in ks:
                     pe_times[k].append(peagle_pass(drafter, mask, spec, context, k, with_context))
                 chains.append(eagle3_chain(drafter, mask, spec, context, max(ks), with_context))
@@ -153,9 +155,11 @@ def main() -> None:
         rows,
     )
     run.finish([
-        f"best (min) of {reps_for} (per H; x4 for the no-context rows) interleaved repetitions after a warm-up, {torch.get_num_threads()} torch thread(s); inference_mode; masks built before timing",
+        f"best (min) of {reps_for} (per H; x4 for the no-context rows) interleaved repetitions after a warm-up, "
+        f"{torch.get_num_threads()} torch thread(s); inference_mode; masks built before timing",
         "EAGLE-3 K-step time = sum over its first K passes of each pass's best time (P-EAGLE: the best time of its one pass)",
-        "PEagleDrafter has no KV cache: 'recompute' re-runs the context each step; the proxy rows drop the context from both schemes",
+        "PEagleDrafter has no KV cache: 'recompute' re-runs the context each step; "
+        "the proxy rows drop the context from both schemes",
         "H=192: 3 heads x 64 (1 KV head), MLP 512, V=4096, Vd=2048; H=1024: 16 heads x 64 (4 KV), MLP 2688, V=Vd=32000",
     ])
 

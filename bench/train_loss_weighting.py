@@ -23,14 +23,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_common import (  # noqa: E402
-    OFFLINE_NOTE, Run, head_parser, offline_acceptance, setup_head_bench, target_info, tiny_head_dataset,
-    train_fresh, train_note, train_settings,
+    OFFLINE_NOTE,
+    Run,
+    head_parser,
+    offline_acceptance,
+    setup_head_bench,
+    target_info,
+    tiny_head_dataset,
+    train_fresh,
+    train_note,
+    train_settings,
 )
 
 NAME = "train_loss_weighting"
 WEIGHTINGS = ("uniform", "per_depth_mean")
 # --quick: a budget that trains something in seconds on the tiny dataset.
-QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.max_len": 64, "train.epochs": 2, "train.learning_rate": 3e-3,
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.max_len": 64, "train.epochs": 2,
+                   "train.learning_rate": 3e-3,
                    "train.warmup_ratio": 0.1}
 
 

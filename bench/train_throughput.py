@@ -9,7 +9,7 @@ the CPU, each with its own recipe's trainable set and torch's AdamW, one sample 
 
 - peagle: ``build_peagle_example`` (COD sampling) + ``collate``, then ``peagle_loss`` (the
   attention mask, drafter forward, frozen target head, KL), backward, AdamW;
-- speculators (``make install`` adds ``speculators`` 0.9.0 without its
+- speculators (``make bench-install`` adds ``speculators`` 0.9.0 without its
   dependencies): ``PEagleDraftModel.forward`` (its COD sampling, block mask, drafter, its
   verifier head and KL), backward, AdamW. On the CPU its trainer needs
   ``--draft-attn-impl sdpa`` (its default, flex attention, has no backward there),
@@ -27,7 +27,6 @@ tokens/s.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 import time
@@ -38,15 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from result_files import per_target_name  # noqa: E402
-from train_common import (Run, head_parser, setup_head_bench, target_info, tiny_head_dataset,  # noqa: E402
-                          train_fresh)
+from train_common import Run, head_parser, setup_head_bench, target_info, tiny_head_dataset, train_fresh  # noqa: E402
 
 NAME = "train_throughput"
 PEER = "speculators"
 
 
 def peer_available() -> str | None:
-    """The peer's version, or None when it is not installed (``make install`` adds it)."""
+    """The peer's version, or None when it is not installed (``make bench-install`` adds it)."""
     try:
         from importlib.metadata import version
 
@@ -203,8 +201,8 @@ def main() -> None:
     args = parser.parse_args()
     version = peer_available()
     if version is None:
-        parser.error(f"the peer ({PEER}) is not installed: run `make install` (it installs speculators 0.9.0 "
-                     "and hs-connectors without their dependencies into .venv)")
+        parser.error(f"the peer ({PEER}) is not installed: run `make bench-install` (it installs "
+                     "pyproject.toml's bench extra, speculators and hs-connectors, without their dependencies)")
     if args.quick:
         args.samples, args.reps, args.no_trainer = 4, 1, True
 

@@ -236,12 +236,14 @@ def serve_cmd(
     k: int = typer.Option(None, "-K", "--num-speculative-tokens", help="Draft tokens per step (default: the card's)"),
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
     port: int = typer.Option(8000, help="Port of the OpenAI-compatible API"),
+    served_model_name: str = typer.Option(None, help="The model name clients ask for (default: the card's, "
+                                                     "the head's registered name when pulled)"),
 ):
     """Start `vllm serve` for the target with this head drafting; arguments after `--` go to vLLM."""
     from peagle.serving.server import ServerStartError, VllmServer, api_server_argv, plan_serving
 
     try:
-        serving = plan_serving(head_dir, target=target, k=k)
+        serving = plan_serving(head_dir, target=target, k=k, served_name=served_model_name)
     except ValueError as err:
         console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None

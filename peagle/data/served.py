@@ -4,8 +4,8 @@ Offline acceptance predicts vLLM's only when it is simulated on what vLLM decode
 evaluation prompts (the first set of ``eval.prompts``, its first ``eval.num_prompts``), tokenised exactly
 as the online evaluation sends them, followed by the target's own greedy tokens as vLLM
 produces them. The held-out split is neither (other prompts, responses re-tokenised
-through the chat template, another length), and measured on the embedded target it
-overestimated vLLM by 12-31% at K = 5.
+through the chat template, another length), so acceptance simulated on it overestimates
+vLLM's.
 
 Each sample is ``prompt ids + generated ids`` with the loss mask on the generated ids.
 The target generates ``eval.max_tokens + max(eval.ks)`` tokens: vLLM verifies a draft

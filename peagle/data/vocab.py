@@ -18,7 +18,6 @@ from peagle.fileio import atomic_path
 from peagle.layout import VOCAB_FILE  # noqa: F401 (re-exported: the data package's file name)
 
 
-
 @dataclass(frozen=True)
 class DraftVocab:
     draft_ids: torch.Tensor  # int64 [Vd], ascending target ids

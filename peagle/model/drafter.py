@@ -35,9 +35,9 @@ from peagle.model.target_weights import load_target_tensors
 
 MASK_HIDDEN_INIT_STD = 0.02
 # Every SDPA backend but cuDNN's. PyTorch picks cuDNN attention for bf16 on Hopper, and it builds
-# a graph for every new sequence length: on an H100, 0.32-0.43 s per forward+backward against
-# 0.7-1.9 ms for the memory-efficient kernel (bench/README.md, session 13). A drafter's element
-# count changes every training step and every evaluated prompt, so nearly every call would build.
+# a graph for every new sequence length, which takes hundreds of times as long as the
+# memory-efficient kernel's whole forward and backward. A drafter's element count changes every
+# training step and every evaluated prompt, so nearly every call would build.
 # Flash attention takes no mask; the memory-efficient kernel takes any mask at any length.
 MASKED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

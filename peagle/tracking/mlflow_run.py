@@ -54,8 +54,8 @@ from mlflow.utils.validation import (
     MAX_TAG_VAL_LENGTH,
 )
 
-from peagle.fileio import sha256_file as file_sha256
 from peagle.config import PipelineConfig, TrackingConfig
+from peagle.fileio import sha256_file as file_sha256
 from peagle.paths import REPO_ROOT, peagle_home
 from peagle.tracking.scrub import scrub, scrub_text
 from peagle.tracking.wandb_mirror import WandbMirror, check_wandb_credentials

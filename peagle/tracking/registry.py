@@ -445,7 +445,7 @@ def pull_target_ref(version: ModelVersion, target: str | None) -> str:
 def pull_head(client: MlflowClient | Tracker, uri: str, dst: str | Path, *, target: str | None = None,
               overwrite: bool = False) -> PulledHead:
     """Download the version ``uri`` names into ``dst`` (verified), with a card whose serve line
-    names ``dst`` and the target (see ``pull_target_ref``)."""
+    names ``dst``, the target (see ``pull_target_ref``) and the registered name as the served model."""
     from peagle.export.card import localize_card, read_serve_line
     from peagle.export.contract import CARD_FILE
 
@@ -456,7 +456,8 @@ def pull_head(client: MlflowClient | Tracker, uri: str, dst: str | Path, *, targ
     def localize(local: Path) -> None:
         card = local / CARD_FILE
         if card.is_file() and read_serve_line(card.read_text()):  # a card without one stays as written
-            card.write_text(localize_card(card.read_text(), target_ref=target_ref, head_ref=str(dst)))
+            card.write_text(localize_card(card.read_text(), target_ref=target_ref, head_ref=str(dst),
+                                          served_name=version.name))
 
     path = download_version(client, version, dst, overwrite=overwrite, finish=localize)
     card = path / CARD_FILE

@@ -51,7 +51,8 @@ def aux_features(hidden: torch.Tensor, hidden_row: torch.Tensor, depth: torch.Te
     return _rows_where(hidden[..., :NUM_AUX_LAYERS, :], hidden_row, depth == 0)
 
 
-def target_features(hidden: torch.Tensor, hidden_row: torch.Tensor, depth: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
+def target_features(hidden: torch.Tensor, hidden_row: torch.Tensor, depth: torch.Tensor,
+                    supervised: torch.Tensor) -> torch.Tensor:
     """Float [..., N, Ht]: the final hidden state at position anchor + 1 + depth where supervised, else zeros."""
     return _rows_where(hidden[..., NUM_AUX_LAYERS, :], hidden_row + 1 + depth, supervised)
 

@@ -1,16 +1,16 @@
 """Training for a time budget (``train.max_train_seconds``) instead of a number of steps.
 
 Users retraining on a schedule have a compute window, not a step count; and comparing two
-drafting methods fairly means giving each the same training time (issue #13: P-EAGLE takes
-cheaper steps than EAGLE-3, so equal steps hand EAGLE-3 ~1.75x the time). The clock sums the
+drafting methods fairly means giving each the same training time (P-EAGLE takes cheaper
+steps than EAGLE-3, so equal steps hand EAGLE-3 more time). The clock sums the
 seconds of optimizer steps (checkpointing and evaluation excluded); ranks agree on it (the
 slowest rank counts), so they take the same learning rates and stop at the same step.
 
 A process's first optimizer step is not counted (its record says ``first_in_process``): it
-compiles (DeepSpeed's Muon update is torch.compiled) and allocates, 4-22 s on 2 CPU cores by
-how warm inductor's cache is, against ~0.2-0.5 s for the steps after it. Counted, it charged
-whichever head trained first on a fresh machine for the compilation the other then found
-cached (the demo's P-EAGLE: 22 s of its 136 s). ``counted_seconds`` applies the same rule to a
+compiles (DeepSpeed's Muon update is torch.compiled) and allocates, taking many steady steps'
+time, more or less by how warm inductor's cache is. Counted, it would charge whichever head
+trains first on a fresh machine for the compilation the other then finds cached, a large
+share of a short budget. ``counted_seconds`` applies the same rule to a
 finished run's records (the EAGLE-3 baseline's budget), as the benchmarks' calibration does.
 
 The learning-rate schedule keeps the step schedule's shape (linear warmup over
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
 
 FIRST_IN_PROCESS = "first_in_process"  # the metrics record of a step the clock leaves out
 

@@ -250,7 +250,8 @@ def check_same_head(checkpoint: Path, spec: HeadSpec) -> None:
     differ = {
         f.name: (getattr(old, f.name), getattr(spec, f.name))
         for f in fields(HeadSpec)
-        if getattr(old, f.name) != getattr(spec, f.name) and not (f.name in ("method", "k_train") and getattr(old, f.name) is None)
+        if getattr(old, f.name) != getattr(spec, f.name)
+        and not (f.name in ("method", "k_train") and getattr(old, f.name) is None)
     }
     if differ:
         detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differ.items())

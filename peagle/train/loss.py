@@ -22,7 +22,6 @@ from peagle.model.target_weights import load_target_tensors, target_config
 from peagle.train.batch import Batch
 
 
-
 @dataclass(frozen=True)
 class Depth0Share:
     """Depth 0 (the next token, every anchor) gets ``share`` of the loss and the parallel
@@ -177,7 +176,7 @@ def acceptance_weights(correct: torch.Tensor, row: torch.Tensor, anchor: torch.T
     ``unaccepted_weight`` where a shallower draft of its anchor misses (None: 1 everywhere).
 
     A deeper draft is only read when every shallower one was right, so its loss elsewhere
-    trains the slot for drafts nobody checks (bench/README.md, session 22)."""
+    trains the slot for drafts nobody checks (bench/results/quality.md, the off-chain loss variants)."""
     if unaccepted_weight >= 1.0 or depth.numel() == 0:
         return None
     ok = chain_accepted(correct, row, anchor, depth)

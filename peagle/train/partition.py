@@ -58,7 +58,8 @@ def owner_segment(anchor: torch.Tensor, boundaries: list[int]) -> torch.Tensor:
     return torch.bucketize(anchor, inner, right=True)
 
 
-def segment_indices(anchor: torch.Tensor, depth: torch.Tensor, segments: int) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+def segment_indices(anchor: torch.Tensor, depth: torch.Tensor,
+                    segments: int) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """Per segment: (element index [M] in original order, owned Bool [M], start, end)."""
     num_anchors = int(anchor.max()) + 1 if anchor.numel() else 0
     bounds = segment_boundaries(num_anchors, segments)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -174,7 +175,8 @@ class StepStats:
 
     def reduced(self) -> dict:
         """Loss (mean over micro-batches and ranks), per-depth loss/acc and tokens, all ranks."""
-        flat = torch.cat([self.depth.reshape(-1), torch.tensor([self.loss, self.micro_batches, self.tokens], dtype=torch.float64)])
+        totals = torch.tensor([self.loss, self.micro_batches, self.tokens], dtype=torch.float64)
+        flat = torch.cat([self.depth.reshape(-1), totals])
         if dist.is_initialized() and dist.get_world_size() > 1:
             flat = flat.to(self.device)
             dist.all_reduce(flat)

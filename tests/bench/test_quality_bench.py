@@ -132,7 +132,7 @@ def _with_weight(run: dict, weight: float) -> dict:
 
 
 def test_a_variant_compares_with_the_config_recipe_of_its_own_off_chain_weight():
-    # Two sessions' config recipes at the same steps: every element charged (1.0), and the default since (0).
+    # Config recipes of two invocations at the same steps: every element charged (1.0), and the config's (0).
     before = _with_weight({**_run("config recipe", 4.6, "local:aaaa"), "part": "budgets"}, 1.0)
     now = _with_weight({**_run("config recipe", 4.9, "local:aaaa"), "part": "budgets"}, 0.0)
     share = _with_weight(_run("depth 0 at 0.35 of the loss", 5.0, "local:aaaa"), 0.0)

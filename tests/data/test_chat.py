@@ -4,7 +4,6 @@ import pytest
 
 from peagle.data.chat import has_generation_markers, render_with_loss_mask
 
-
 CONVERSATION = [
     {"role": "system", "content": "You write Python."},
     {"role": "user", "content": "Write a function that adds two numbers. Say hi first."},

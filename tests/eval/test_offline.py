@@ -23,8 +23,8 @@ from peagle.eval.offline import (  # noqa: E402
     reference_tokens,
     walk_drafts,
 )
-from peagle.train import PrecomputedMask, collate  # noqa: E402
 from peagle.methods.eagle3 import build_eagle3_example, ttt_passes  # noqa: E402
+from peagle.train import PrecomputedMask, collate  # noqa: E402
 
 K = 4
 

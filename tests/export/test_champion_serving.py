@@ -13,7 +13,8 @@ leading drafts were accepted. The head's lm_head row for ``TOKEN`` is ``alpha * 
 is ``TOKEN`` when ``alpha * w . norm(h)`` beats every other (random) row, one bit per draft
 that flips with any wrong weight, norm, name or position. ``w`` is drawn orthogonal to the
 final states' dominant directions (what the rows of a prompt, or all mask slots, share) so
-the bit varies from draft to draft; ``alpha`` sets how often it is ``TOKEN``. The drafter's drafts come from ``peagle.eval.offline.draft_tokens``
+the bit varies from draft to draft; ``alpha`` sets how often it is ``TOKEN``. The drafter's
+drafts come from ``peagle.eval.offline.draft_tokens``
 (the training layout: mask slots at their positions) on the target's hidden states
 (transformers, fp32) for the sequence vLLM produces; walking them as greedy speculative
 decoding gives the accepted counts vLLM must report, every step of every request.

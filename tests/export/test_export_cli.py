@@ -11,9 +11,9 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from peagle.config import load_config
-from peagle.facts import head_spec_for
 from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, read_serve_line
 from peagle.export.selftest import draft_vocab_skipping_low_ids, random_head_state_dict
+from peagle.facts import head_spec_for
 from peagle.train.checkpoint import BEST, write_pointer
 
 REPO = Path(__file__).resolve().parents[2]

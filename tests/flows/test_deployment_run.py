@@ -20,9 +20,9 @@ import pytest
 
 from tests.prefect_worker import (
     deployed_on_this_server,
+    logs_of_finished_runs,
     prefect_cli,
     prefect_worker,
-    logs_of_finished_runs,
     start_deployment_run,
     wait_for_flow_run,
 )

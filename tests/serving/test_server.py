@@ -12,7 +12,8 @@ from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, serve_comma
 from peagle.serving.server import api_server_argv, plan_serving
 
 
-def head_dir(path, *, mask_hidden: bool, card_target: str | None = None, card_k: int = 4):
+def head_dir(path, *, mask_hidden: bool, card_target: str | None = None, card_k: int = 4,
+             card_name: str | None = None):
     path.mkdir()
     (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     tensors = {"fc.weight": np.zeros((4, 12), dtype=np.float32)}
@@ -20,7 +21,7 @@ def head_dir(path, *, mask_hidden: bool, card_target: str | None = None, card_k:
         tensors["mask_hidden"] = np.zeros((1, 1, 12), dtype=np.float32)
     save_file(tensors, str(path / "model.safetensors"))
     if card_target is not None:
-        line = serve_command(card_target, HEAD_PLACEHOLDER, card_k, parallel_drafting=True)
+        line = serve_command(card_target, HEAD_PLACEHOLDER, card_k, parallel_drafting=True, served_name=card_name)
         (path / "README.md").write_text(f"# head\n\n```bash\n{line}\n```\n")
     return path
 
@@ -54,3 +55,16 @@ def test_refuses_before_starting_vllm(tmp_path):
         plan_serving(unpulled)
     with pytest.raises(ValueError, match="at least 1"):
         plan_serving(unpulled, target="org/t", k=0)
+
+
+def test_the_served_model_is_named_after_the_pulled_card_unless_told(tmp_path):
+    head = head_dir(tmp_path / "h", mask_hidden=True, card_target="org/t", card_name="peagle-golden")
+    argv = api_server_argv(plan_serving(head))
+    assert argv[argv.index("--served-model-name") + 1] == "peagle-golden"
+    argv = api_server_argv(plan_serving(head, served_name="my-drafted-model"))
+    assert argv[argv.index("--served-model-name") + 1] == "my-drafted-model"
+
+
+def test_a_card_without_a_name_leaves_the_name_to_vllm(tmp_path):
+    argv = api_server_argv(plan_serving(head_dir(tmp_path / "h", mask_hidden=True, card_target="org/t")))
+    assert "--served-model-name" not in argv  # vLLM answers to the target's name

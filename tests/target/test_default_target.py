@@ -38,7 +38,8 @@ def _generate_with_vllm(target_dir: str) -> list:
             tokenize=False,
             add_generation_prompt=True,
         )
-        for head in ('def is_even(n):\n    """Return True if n is even."""', 'def read_lines(path):\n    """Return the lines of a file."""')
+        for head in ('def is_even(n):\n    """Return True if n is even."""',
+                     'def read_lines(path):\n    """Return the lines of a file."""')
     ]
     engine = VllmConfig(max_model_len=512, max_num_seqs=4, enforce_eager=True)
     with open_llm(target_dir, engine) as llm:

@@ -10,8 +10,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from peagle.config import TrackingConfig, load_config
-from tests.processes import free_port as _free_port
 from tests.mlflow_server import mlflow_server as start_mlflow_server
+from tests.processes import free_port as _free_port
 
 
 @pytest.fixture(scope="session")

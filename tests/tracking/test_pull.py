@@ -53,6 +53,8 @@ def test_pull_names_the_recorded_hub_target_and_the_pulled_dir(registered, tmp_p
     line = read_serve_line(card)
     assert (line.target_ref, line.head_ref, line.k, line.parallel_drafting) == (
         "org/tiny-target", str(tmp_path / "here"), 4, True)
+    assert line.served_name == name  # clients ask for the head by its registered name
+    assert f"--served-model-name {name} " in pulled.serve_line
     assert pulled.serve_line == line.command()
     assert "base_model: org/tiny-target" in card
 

@@ -119,7 +119,7 @@ def test_pull_the_champion_and_serve_it_with_vllm(champion, mlflow_server, tmp_p
         with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
             assert health.status == 200
         model = http_json(f"{url}/v1/models")["data"][0]["id"]
-        assert model == str(target)
+        assert model == name  # the registered head's name, from the pulled card
         before = spec_decode_counters(url)
         for question in ("Write a Python function that reverses a list.", "What does a hash map do?"):
             reply = http_json(f"{url}/v1/chat/completions", {

@@ -15,8 +15,8 @@ from peagle.tracking.mlflow_run import Tracker
 from peagle.tracking.registry import (
     CHALLENGER,
     CHAMPION,
-    TAG_CHAMPION_SCORE,
     MAX_DESCRIPTION_CHARS,
+    TAG_CHAMPION_SCORE,
     TAG_DECISION,
     TAG_SCORE,
     TAG_SUPERSEDED_BY,

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
-from test_deepspeed import child_env, one_thread, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
-
 from safetensors.torch import load_file
+from test_deepspeed import child_env, one_thread, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
 
 from peagle.fileio import temp_sibling
 from peagle.train import checkpoint as ckpt

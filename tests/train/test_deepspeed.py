@@ -95,7 +95,7 @@ def build_tiny_dataset(data_dir: Path, target: Path, num_samples: int = 16, seed
     return data_dir
 
 
-def tiny_config(drafter_layers: int = 1, **train) -> "PipelineConfig":  # noqa: F821
+def tiny_config(drafter_layers: int = 1, **train) -> PipelineConfig:  # noqa: F821
     base = dict(
         k_train=3, cod_ratio=0.8, cod_floor=0.2, max_len=48, epochs=1, micro_batch_size=1, grad_accum=1,
         learning_rate=3e-3, warmup_ratio=0.1, zero_stage=2, precision="fp32", keep_last=2, seed=0,

@@ -13,8 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # shared tiny-model he
 from test_partition import grads, make_models, max_rel_error, one_thread, random_sample, tiny_spec  # noqa: E402,F401
 
 from peagle.config import TrainConfig  # noqa: E402
+from peagle.methods.eagle3 import METHOD as EAGLE3  # noqa: E402
+from peagle.methods.eagle3 import build_eagle3_example, eagle3_loss, ttt_passes
 from peagle.train import PrecomputedMask, build_peagle_example, collate  # noqa: E402
-from peagle.methods.eagle3 import METHOD as EAGLE3, build_eagle3_example, eagle3_loss, ttt_passes  # noqa: E402
 from peagle.train.loss import TargetHead  # noqa: E402
 from peagle.train.partition import partition_batch  # noqa: E402
 

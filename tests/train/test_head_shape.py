@@ -1,4 +1,4 @@
-"""The drafter's shape is the checkpoint's, not the dataset's (issue #11, points 2 and 4).
+"""The drafter's shape is the checkpoint's, not the dataset's.
 
 Changing ``drafter.num_layers`` between two trainings in one run directory on one cached
 dataset gives a head of the new shape through every later stage (offline evaluation,

@@ -9,7 +9,6 @@ import torch
 
 from peagle.facts import HeadSpec
 from peagle.train.batch import build_peagle_example, collate
-
 from peagle.train.cod import sample_cod
 from peagle.train.masks import PrecomputedMask, block_types, brute_force_mask, element_mask
 

@@ -143,7 +143,7 @@ def test_segments_never_collate_the_whole_micro_batch(tiny_run, tmp_path, monkey
 
 @pytest.mark.slow
 def test_16k_token_sequence_trains_through_train_drafter(tiny_run, tmp_path, monkeypatch):
-    """The issue's bar: a 16K-token sequence trains on this machine, through the real trainer."""
+    """A 16K-token sequence trains on this machine, through the real trainer."""
     import resource
 
     from peagle.train.trainer import train_drafter
