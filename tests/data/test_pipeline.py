@@ -11,14 +11,17 @@ from peagle.data.pipeline import (
     Record,
     append_samples,
     build_dataset,
+    plan_build,
     plan_records,
-    prepare_data_dir,
+    previous_samples,
     read_samples,
+    regeneration_key,
     render_records,
     write_samples,
 )
+from peagle.data.prompts import load_prompts
 from peagle.facts import TargetFacts
-from peagle.layout import BUILD_FILE
+from peagle.layout import BUILD_FILE, RunLayout
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Write a function that adds two numbers."},
@@ -79,25 +82,80 @@ def small_facts(vocab_size=384):
     )
 
 
-def test_other_configuration_is_refused_before_any_work(tmp_path, prompts_path):
+def test_other_configuration_is_refused_before_any_work(tmp_path, prompts_path, tiny_tokenizer_dir):
     cfg = make_cfg(tmp_path, prompts_path)
     data_dir = cfg.run_dir / "data"
     data_dir.mkdir(parents=True)
     (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "0123456789abcdef"}))
     with pytest.raises(ConfigError, match="another configuration.*--force"):
-        build_dataset(cfg, "/nonexistent/target", small_facts(), progress=False)
+        build_dataset(cfg, str(tiny_tokenizer_dir), small_facts(), progress=False)
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["data"]  # nothing written beside it
 
 
-def test_force_clears_the_old_dataset(tmp_path):
-    data_dir = tmp_path / "data"
+def test_a_bad_input_fails_before_anything_is_removed_or_written(tmp_path, prompts_path, tiny_tokenizer_dir):
+    """--force with a prompt path that does not exist: refused while loading the prompts; the
+    dataset of another configuration is left byte for byte, and no build.json of the failed
+    configuration makes the next (correct) run refuse."""
+    cfg = make_cfg(tmp_path, tmp_path / "no-such-prompts.jsonl")
+    data_dir = cfg.run_dir / "data"
+    (data_dir / "splits" / "train").mkdir(parents=True)
+    (data_dir / "splits" / "train" / "shard-00000.safetensors").write_bytes(b"hours of work")
+    (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "0123456789abcdef"}))
+    before = {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(Exception, match="no-such-prompts.jsonl"):
+        build_dataset(cfg, str(tiny_tokenizer_dir), small_facts(), progress=False, force=True)
+    assert {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["data"]
+
+
+def test_force_builds_beside_the_old_dataset_and_touches_nothing(tmp_path):
+    run = RunLayout(tmp_path / "run")
+    data_dir = run.data.root
     (data_dir / "splits" / "train").mkdir(parents=True)
     (data_dir / "splits" / "train" / "shard-00000.safetensors").write_bytes(b"x")
     (data_dir / "samples.jsonl").write_text('{"id": "a"}\n')
     (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "old"}))
-    prepare_data_dir(data_dir, "new", force=True)
-    assert not (data_dir / "splits").exists() and not (data_dir / "samples.jsonl").exists()
-    assert json.loads((data_dir / BUILD_FILE).read_text()) == {"config_hash": "new"}
-    prepare_data_dir(data_dir, "new", force=False)  # same hash: fine
+    before = {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="another configuration.*--force.*old one stays"):
+        plan_build(run, "new", force=False, repair=False)
+    with pytest.raises(ConfigError, match="--repair mends a dataset with the configuration it was built with"):
+        plan_build(run, "new", force=False, repair=True)
+    plan = plan_build(run, "new", force=True, repair=False)
+    assert plan.layout.root == run.data_rebuild("new").root and plan.layout.root.is_dir()
+    assert plan.final.root == data_dir and plan.replaces == "old" and plan.reuse == (run.data.samples,)
+    assert {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file()} == before
+    # The rebuild is resumed by a later run of the same configuration, --force or not.
+    again = plan_build(run, "new", force=False, repair=False)
+    assert again.layout.root == plan.layout.root
+    assert plan_build(run, "old", force=False, repair=False).in_place  # the old configuration: its own dataset
+
+
+def test_a_first_build_goes_in_place(tmp_path):
+    run = RunLayout(tmp_path / "run")
+    plan = plan_build(run, "h", force=False, repair=False)
+    assert plan.in_place and plan.layout.root == run.data.root and not plan.trusts_unkeyed
+    assert not run.data.build.exists()  # build.json is written when a build completes, never before
+
+
+def test_the_disk_is_checked_before_any_vllm_work(tmp_path, prompts_path, tiny_tokenizer_dir, small_disk, caplog):
+    """A disk too small for what the build will write (every split, vLLM's scratch files, the
+    regenerated text) is refused before an engine starts, and the message says what needs it."""
+    import re
+
+    from peagle.data.store import DiskSpaceError
+
+    disk = small_disk(1 << 20)
+    cfg = parse_config({**cfg_dict(tmp_path, prompts_path), "workdir": str(disk.path / "run")})
+    caplog.set_level("INFO", logger="peagle.data")
+    with pytest.raises(DiskSpaceError) as info:
+        build_dataset(cfg, str(tiny_tokenizer_dir), small_facts(), progress=False)
+    message = str(info.value)
+    assert f"(on {disk.path})" in message, message
+    needs = re.search(r"this data build \((.*)\) needs", message).group(1)
+    assert [part.rsplit(" ", 2)[0] for part in needs.split(" + ")] == [
+        "train shards", "eval shards", "served shards", "vLLM scratch files", "regenerated text"], needs
+    assert "starting vLLM" not in caplog.text
+    assert not (disk.path / "run" / "data" / BUILD_FILE).exists()
 
 
 def test_draft_vocab_larger_than_target_is_refused(tmp_path, prompts_path):
@@ -146,20 +204,31 @@ def test_samples_file_survives_a_cut_line_and_ends_one_line_per_prompt(tmp_path)
     assert [d["id"] for d in lines] == ["a", "b"] and lines[1]["status"] == "failed: x"
 
 
-def test_a_rerun_restores_regenerated_responses(tmp_path, prompts_path):
+def test_a_rerun_restores_regenerated_responses_of_the_same_key(tmp_path, prompts_path):
     cfg = make_cfg(tmp_path, prompts_path)
-    data_dir = cfg.run_dir / "data"
-    data_dir.mkdir(parents=True)
-    first = plan_records(cfg, data_dir)
+    run = RunLayout(cfg.run_dir)
+    run.data.root.mkdir(parents=True)
+    prompts = load_prompts(cfg.data)
+    plan = plan_build(run, cfg.section_hash("target", "data"), force=False, repair=False)
+    key = regeneration_key(cfg, "local:abc")
+    first = plan_records(cfg, prompts, previous_samples(plan), key)
     assert all(r.regen is None for r in first)
     done = first[0]
     done.messages = done.messages[:1] + [{"role": "assistant", "content": "WRITTEN BY THE TARGET"}]
-    done.regen = "ok"
-    append_samples(data_dir / "samples.jsonl", [done])
-    again = plan_records(cfg, data_dir)
+    done.regen, done.regen_key = "ok", key
+    append_samples(run.data.samples, [done])
+    again = plan_records(cfg, prompts, previous_samples(plan), key)
     assert [r.id for r in again] == [r.id for r in first]
     restored = [r for r in again if r.regen is not None]
     assert len(restored) == 1 and restored[0].messages[-1]["content"] == "WRITTEN BY THE TARGET"
+    # Another target revision (or regeneration setting) regenerates: nothing is restored.
+    other = regeneration_key(cfg, "local:def")
+    assert other != key and regeneration_key(cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"regenerate": cfg.data.regenerate.model_copy(update={"max_tokens": 99})})}), "local:abc") != key
+    assert all(r.regen is None for r in plan_records(cfg, prompts, previous_samples(plan), other))
+    # A setting regeneration does not read keeps the key.
+    assert regeneration_key(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_seq_len": 32})}),
+                            "local:abc") == key
 
 
 # ----------------------------------------------------------------------------- end to end (vLLM)
