@@ -475,6 +475,7 @@ class VerifiedShards:
     def __init__(self, split_dir: Path, full: bool = False):
         self.path = verified_record(split_dir)
         self.full = full
+        self._known: dict | None = None  # the record as read once (a store of many shards reads it once)
 
     def check(self, shard: Path, entry: dict) -> None:
         """Raise ``CorruptShardError`` unless ``shard`` is the file the manifest lists."""
@@ -488,7 +489,7 @@ class VerifiedShards:
             identity = file_identity(shard)
         except FileNotFoundError:
             return False
-        return not self.full and self._records().get(shard.name) == {**identity, "sha256": entry["sha256"]}
+        return not self.full and self._recorded(shard.name) == {**identity, "sha256": entry["sha256"]}
 
     def problem(self, shard: Path, entry: dict) -> str | None:
         """What is wrong with ``shard`` against its manifest entry, or None when it is sound."""
@@ -496,7 +497,7 @@ class VerifiedShards:
             before = file_identity(shard)
         except FileNotFoundError:
             return "missing"
-        if not self.full and self._records().get(shard.name) == {**before, "sha256": entry["sha256"]}:
+        if not self.full and self._recorded(shard.name) == {**before, "sha256": entry["sha256"]}:
             return None
         if before["size"] != entry["bytes"]:
             return f"{before['size']} bytes on disk, {entry['bytes']} expected"
@@ -507,6 +508,11 @@ class VerifiedShards:
             self._record(shard.name, {**before, "sha256": entry["sha256"]})
         return None
 
+    def _recorded(self, name: str) -> dict | None:
+        if self._known is None:
+            self._known = self._records()
+        return self._known.get(name)
+
     def _records(self) -> dict:
         try:
             return json.loads(self.path.read_text())
@@ -514,8 +520,9 @@ class VerifiedShards:
             return {}
 
     def _record(self, name: str, identity: dict) -> None:
-        records = self._records()
+        records = self._records()  # read again: other readers (ranks) may have recorded shards since
         records[name] = identity
+        self._known = records
         try:  # a lost record only costs a re-hash: no fsync
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.path, records, indent=1, durable=False)
