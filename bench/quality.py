@@ -26,7 +26,7 @@ run, so a stopped invocation keeps the rows it finished (its header says "runnin
 
     .venv/bin/python bench/quality.py [--part ablation|variants|budgets|all] [--budgets 45 90 180] [--seeds 0]
     .venv/bin/python bench/quality.py --quick          # tiny random target and dataset, ~2 min
-    .venv/bin/python bench/quality.py --config configs/smollm2-135m-instruct.yaml --part budgets
+    .venv/bin/python bench/quality.py --config configs/demo.yaml --part budgets
                                                        # -> results/quality_smollm2-135m-instruct.*
     .venv/bin/python bench/quality.py --part budgets --budgets 300 --online   # + the heads in vLLM
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json

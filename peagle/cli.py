@@ -102,14 +102,53 @@ def target_import_gguf(
 
 
 @app.command("data")
-def data_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt, force: bool = typer.Option(False)):
+def data_cmd(
+    config: Path = ConfigArg,
+    set_: list[str] = SetOpt,
+    force: bool = typer.Option(False, help="Build this configuration's dataset even though the run holds one of "
+                               "another (it stays until the new one is complete), extract corrupt shards' samples "
+                               "again, and write even when the disk looks too small"),
+    repair: bool = typer.Option(False, help="Extract the samples of corrupt shards again (see --verify); nothing "
+                                "else is redone"),
+    verify: bool = typer.Option(False, help="Hash every shard of the run's dataset and report each; build nothing"),
+):
     """Generate the hidden-state dataset (regeneration and extraction through vLLM)."""
     from peagle import stages
 
     cfg = _load(config, set_)
+    if verify:
+        if force or repair:
+            console.print("[red]--verify only reports; run --repair or --force on their own[/red]")
+            raise typer.Exit(2)
+        raise typer.Exit(_verify_dataset(cfg))
     with _library_output(cfg):
-        info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force)
+        info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force, repair=repair)
     console.print(stages.summary_json(info))
+
+
+def _verify_dataset(cfg) -> int:
+    """``peagle data --verify``: every shard hashed and reported; 0 when the dataset is sound."""
+    from peagle.data.check import corrupt_store_message, stored_split_dirs, verify_store
+    from peagle.data.store import format_bytes
+
+    data = RunLayout(cfg.run_dir).data
+    if not stored_split_dirs(data):
+        console.print(f"[red]no dataset in {data.root}: build it first (`peagle data CONFIG`)[/red]", soft_wrap=True)
+        return 2
+    checks = verify_store(data, full=True)
+    table = Table(title=f"Shards of {data.root}")
+    for column in ("split", "shard", "samples", "size", "status"):
+        table.add_column(column, justify="right" if column in ("samples", "size") else "left")
+    for c in checks:
+        status = "[green]ok[/green]" if c.ok else f"[red]corrupt: {c.problem}[/red]"
+        table.add_row(c.split_dir.name, c.file, str(c.samples), format_bytes(c.bytes), status)
+    console.print(table)
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        console.print(f"[red]{corrupt_store_message(data, bad)}[/red]", soft_wrap=True)
+        return 1
+    console.print(f"[green]{len(checks)} shard(s) sound[/green]")
+    return 0
 
 
 @app.command("train")
@@ -121,13 +160,16 @@ def train_cmd(
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
     from peagle import stages
 
+    from peagle.data.check import check_dataset
+
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
     data_dir = RunLayout(cfg.run_dir).data.root
     try:
+        check_dataset(data_dir)  # no dataset, an unfinished or a corrupt one: say so before any work
         stages.method_config(cfg, method, data_dir)  # a baseline timed by a head not trained yet: say so now
     except FileNotFoundError as err:
-        console.print(f"[red]{err}[/red]")
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     with _library_output(cfg):
         result = stages.train_head(cfg, stages.prepare_target(cfg), data_dir, method=method)
@@ -337,6 +379,7 @@ def main() -> None:
     from peagle.logs import show_on_console
 
     show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
+    from peagle.data.store import CorruptShardError, DiskSpaceError
     from peagle.serving.engine import EngineStartError
 
     try:
@@ -344,9 +387,31 @@ def main() -> None:
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         sys.exit(2)
+    except (DiskSpaceError, CorruptShardError) as err:  # the message names the disk or shard and the fix
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        sys.exit(1)
     except EngineStartError as err:  # a device, memory or replica problem: the message says what to do
         console.print(f"[red]{err}[/red]")
         sys.exit(1)
+    except SystemExit as done:
+        if done.code == INTERRUPTED:
+            exit_now(INTERRUPTED)
+        raise
+
+
+INTERRUPTED = 130  # typer's exit code for a Ctrl-C
+
+
+def exit_now(code: int) -> None:
+    """Leave at once after a Ctrl-C: every stage has made what it keeps durable by then, and the
+    interpreter's own shutdown (a last garbage collection of torch's and vLLM's heap) takes seconds."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ a power loss, not only a killed process.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -30,6 +32,23 @@ from typing import IO, Any
 
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"  # publish_dir moves the tree it replaces aside under this mark
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def error_number(err: BaseException) -> int | None:
+    """The errno an exception carries, or names in its message (safetensors' Rust writer
+    raises "... No space left on device (os error 28)", not an ``OSError``)."""
+    if isinstance(err, OSError) and err.errno:
+        return err.errno
+    found = re.search(r"os error (\d+)", str(err))
+    return int(found.group(1)) if found else None
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """An error that means the disk (or the user's quota) is full, whoever raised it."""
+    return error_number(err) in DISK_FULL
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:

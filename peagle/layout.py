@@ -5,7 +5,9 @@
     <run>/                              RunLayout(cfg.run_dir)
       data/                             DataLayout: the dataset (docs/design.md, "Dataset")
         build.json  samples.jsonl  target_facts.json  vocab.safetensors  lineage.json  work/
-        splits/<train|eval>/manifest.json, shard-NNNNN.safetensors
+        splits/<train|eval|served>/manifest.json, shard-NNNNN.safetensors
+      data.rebuild-<config hash>/       a dataset of another configuration being built (--force);
+                                        it replaces data/ once complete
       checkpoints/<method>/<identity>/  one head's training (peagle.identity, first 12 hex digits):
                                         launch_config.json, metrics.jsonl, train_result.json, latest, best
         step-NNNNNN/                    drafter.safetensors, head_spec.json, trainer_state.json
@@ -48,6 +50,8 @@ METRICS_FILE = "metrics.jsonl"
 TRAIN_RESULT_FILE = "train_result.json"
 
 RESOLVED_CONFIG_FILE = "config.resolved.json"
+# <run>/data.rebuild-<config hash>/: a dataset of another configuration being built (--force)
+REBUILD_PREFIX = "data.rebuild-"
 
 IDENTITY_CHARS = 12  # of a head identity, naming its checkpoint directory
 
@@ -153,6 +157,15 @@ class RunLayout:
     @property
     def data(self) -> DataLayout:
         return DataLayout(self.root / "data")
+
+    def data_rebuild(self, config_hash: str) -> DataLayout:
+        """Where ``peagle data --force`` builds a dataset of another configuration: beside
+        ``data/``, which stays whole until the new one is complete and takes its place."""
+        return DataLayout(self.root / f"{REBUILD_PREFIX}{config_hash}")
+
+    def data_rebuilds(self) -> list[DataLayout]:
+        """Every unfinished rebuild in this run directory."""
+        return [DataLayout(p) for p in sorted(self.root.glob(f"{REBUILD_PREFIX}*")) if p.is_dir()]
 
     def method_checkpoints(self, method: str) -> Path:
         """Every ``method`` head trained in this run, one directory per head identity."""

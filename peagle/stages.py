@@ -62,14 +62,17 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     return TargetInfo(path=path, facts=facts, revision=revision.value, revision_source=revision.source)
 
 
-def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False):
+def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False, repair: bool = False):
     """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary, and what
-    built them (``data/lineage.json``, which export hands on to the head)."""
+    built them (``data/lineage.json``, which export hands on to the head). ``force`` replaces a
+    dataset of another configuration once the new one is complete; ``repair`` (and ``force``)
+    extracts the samples of corrupt shards again (``peagle.data.pipeline``)."""
     from peagle.data.pipeline import build_dataset
     from peagle.lineage import dataset_inputs, record_dataset_inputs
 
     inputs = dataset_inputs(cfg, target)  # read before the build: what it is built from
-    info = build_dataset(cfg, target.path, target.facts, progress=True, force=force)
+    info = build_dataset(cfg, target.path, target.facts, progress=True, force=force, repair=repair,
+                         target_revision=target.revision)
     record_dataset_inputs(info.data_dir, inputs)
     return info
 
@@ -186,8 +189,10 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
     as vLLM does), not by loss. With
     ``mlflow_run_id`` (the stage's MLflow run) rank 0's step metrics reach it while the ranks run.
     """
+    from peagle.data.check import check_dataset
     from peagle.train.launch import launch_training
 
+    check_dataset(data_dir)  # before the champion download and the launch: no dataset, or a corrupt one, fails now
     method = method or cfg.train.method
     on_metrics = None
     if mlflow_run_id:

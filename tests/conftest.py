@@ -168,3 +168,42 @@ def pipeline_run(pipeline_tmp, pipeline_mlflow, embedded_target, prefect_server)
     champion = MlflowClient(tracking_uri=overrides["tracking.tracking_uri"]).get_model_version_by_alias(
         "peagle-embedded", "champion")
     return PipelineRun(tmp, TINY_CONFIG, overrides, result, seconds, str(champion.version))
+
+
+@dataclass
+class SmallDisk:
+    """A tmpfs of its own: a real file system that really fills up (ENOSPC)."""
+
+    path: Path
+
+    def resize(self, size: int) -> None:
+        """Grow (or shrink) it in place, keeping its files: a user freeing space."""
+        import subprocess
+
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size_bytes) -> SmallDisk``, unmounted after the test. Needs to mount a tmpfs
+    (root, or CAP_SYS_ADMIN); skipped with the reason elsewhere."""
+    import subprocess
+
+    mounted = []
+
+    def make(size: int) -> SmallDisk:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                  capture_output=True, text=True)
+        except FileNotFoundError:
+            pytest.skip("no mount command here to make a small disk")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here to fill a disk for real: {done.stderr.strip() or done.returncode}")
+        mounted.append(path)
+        return SmallDisk(path)
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

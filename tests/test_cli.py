@@ -37,3 +37,21 @@ def test_set_is_parsed_once_for_every_command():
     assert bad.exit_code == 2 and "expected KEY=VALUE" in bad.output
     deep = runner.invoke(app, ["config", "check", str(REPO / "configs" / "tiny.yaml"), "--set", "train.epochs.x=1"])
     assert deep.exit_code == 2 and "train.epochs is a value" in deep.output
+
+
+def test_train_without_a_dataset_says_so_before_any_work(tmp_path):
+    """No target is resolved, no rank started: the missing dataset and the command that builds it."""
+    import time
+
+    started = time.monotonic()
+    result = runner.invoke(app, ["train", str(REPO / "configs" / "demo.yaml"), "--set", f"workdir={tmp_path}"])
+    assert result.exit_code == 2, result.output
+    assert f"no usable dataset in {tmp_path}" in result.output and "peagle data CONFIG" in result.output
+    assert time.monotonic() - started < 30
+    assert not any(tmp_path.rglob("checkpoints"))
+
+
+def test_data_verify_without_a_dataset(tmp_path):
+    result = runner.invoke(app, ["data", str(REPO / "configs" / "demo.yaml"), "--set", f"workdir={tmp_path}",
+                                 "--verify"])
+    assert result.exit_code == 2 and "no dataset in" in result.output and "peagle data CONFIG" in result.output

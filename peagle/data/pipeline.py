@@ -2,30 +2,47 @@
 
 ``build_dataset`` writes ``<run>/data/`` (format in docs/design.md, "Dataset"):
 
-1. load and mix the prompt sources, hold out ``data.heldout_samples`` for evaluation;
-2. regenerate every assistant turn with the target (vLLM), persisted to
+1. check every input before anything is written or removed: the eval prompt sets, the
+   draft vocabulary size, the target's tokenizer, every prompt source (loaded and mixed);
+   hold out ``data.heldout_samples`` for evaluation;
+2. check the shards already stored (once per file identity, ``peagle.data.store``): a
+   corrupt one is refused, pointing at ``--repair``, which (as ``force`` does) takes it
+   out so its samples are extracted again;
+3. check the disk can hold everything still to write, every split and vLLM's scratch
+   files, with each regenerated response counted at its longest (before any vLLM work);
+4. regenerate every assistant turn with the target (vLLM), persisted to
    ``samples.jsonl`` as each batch finishes, so a rerun never regenerates twice;
-3. render each conversation with the target's chat template + assistant loss mask,
+5. render each conversation with the target's chat template + assistant loss mask,
    drop sequences shorter than ``data.min_tokens`` and TRUNCATE longer ones to
-   ``data.max_seq_len`` (recorded per sample as ``truncated_from``);
-4. print the disk the hidden states will take and refuse when it is not free;
-5. extract the hidden states of ``facts.stored_layer_ids`` (same vLLM engine) into
-   train/eval shards; samples already in a shard are skipped on a rerun; then the
-   served split (``peagle.data.served``: the eval prompts as vLLM decodes them, what
-   offline acceptance is simulated on);
-6. build the draft vocabulary from the TRAIN split's supervised tokens and save
-   ``vocab.safetensors``, ``target_facts.json`` and the final ``samples.jsonl``.
+   ``data.max_seq_len`` (recorded per sample as ``truncated_from``); check the disk again
+   with the real lengths;
+6. extract the hidden states of ``facts.stored_layer_ids`` (same vLLM engine) into
+   train/eval shards, a shard at least every ``FLUSH_EVERY_S`` seconds; samples already in
+   a shard are skipped on a rerun; then the served split (``peagle.data.served``: the eval
+   prompts as vLLM decodes them, what offline acceptance is simulated on);
+7. build the draft vocabulary from the TRAIN split's supervised tokens and save
+   ``vocab.safetensors``, ``target_facts.json`` and the final ``samples.jsonl``; commit
+   (``build.json``).
+
+A full disk at any point stops the stage at once with ``DiskSpaceError``: which disk,
+what is kept (the shards and regenerated responses written so far) and how to resume
+(rerun the same command).
 
 The dataset owns the target's facts only; the drafter's shape is the checkpoint's
 (``peagle.facts``), so changing the ``drafter`` section never needs new data.
 
-The config hash (``target`` + ``data`` sections) is stored in ``build.json`` and every
-manifest: a rerun with a different configuration refuses unless ``force`` (which
-rebuilds from scratch).
+The config hash (``target`` + ``data`` sections) is stored in every manifest and, when a
+build completes, in ``build.json``. A dataset of another configuration is never touched
+unless ``force``: then the new one is built beside it (``RunLayout.data_rebuild``) and
+replaces it only once complete, so a failed or interrupted rebuild leaves the old dataset
+whole (rerun to finish the rebuild). Regenerated responses carry the key of what they
+depend on (``regeneration_key``: the target, its revision, the regeneration settings)
+and are reused by any build with the same key, a rebuild included.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,18 +57,39 @@ from tqdm.auto import tqdm
 
 from peagle.config import ConfigError, PipelineConfig
 from peagle.data.chat import render_with_loss_mask
+from peagle.data.check import mend_corrupt_shards
 from peagle.data.contamination import check_no_overlap
 from peagle.data.prompts import COMPLETION_ROLES, Conversation, load_prompts, split_heldout
-from peagle.data.served import build_served_split, served_is_current
+from peagle.data.regenerate import assistant_slots
+from peagle.data.served import (
+    SERVED_SPLIT,
+    build_served_split,
+    served_is_current,
+    served_tokens_to_extract,
+)
+from peagle.data.store import (
+    DiskSpaceError,
+    ShardReader,
+    ShardWriter,
+    check_free_space,
+    estimate_bytes,
+    format_bytes,
+    free_bytes,
+    mount_point,
+    stored_samples,
+)
 from peagle.data.synthesize import synthesize_prompts
-from peagle.data.store import ShardReader, ShardWriter, check_free_space, estimate_bytes, format_bytes
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
-from peagle.fileio import atomic_open, write_json_atomic
+from peagle.fileio import atomic_open, is_disk_full, publish_dir, write_json_atomic
 from peagle.layout import SAMPLES_FILE, SPLITS, DataLayout, RunLayout
 from peagle.logs import console_stream
 
 log = logging.getLogger(__name__)
+
+FLUSH_EVERY_S = 60.0  # extraction writes a shard at least this often: what a crash or a full disk can lose
+SCRATCH_BYTES_PER_VALUE = 4  # vLLM's hidden-states files hold the engine's dtype: float32 at most
+TEXT_BYTES_PER_TOKEN = 8  # samples.jsonl: a token of regenerated text as escaped JSON, generously
 
 
 @dataclass
@@ -78,6 +116,7 @@ class Record:
     source: str
     messages: list[dict]
     regen: str | None = None  # None: not regenerated; "ok"; or "failed: reason"
+    regen_key: str | None = None  # what the response was regenerated with (``regeneration_key``)
     status: str = "ok"  # "ok" or "failed: reason"
     num_tokens: int | None = None
     truncated_from: int | None = None
@@ -90,107 +129,324 @@ class Record:
         return {k: v for k, v in d.items() if v is not None and v != []}
 
 
+@dataclass(frozen=True)
+class BuildPlan:
+    """Where a build writes, and what it replaces once it is complete."""
+
+    layout: DataLayout  # where the shards, samples.jsonl and vocabulary are written
+    final: DataLayout  # the run's dataset directory (``RunLayout.data``)
+    replaces: str | None = None  # config hash of the dataset in ``final`` that this build replaces
+    reuse: tuple[Path, ...] = ()  # samples.jsonl files of other builds whose responses may be reused
+    obsolete: tuple[Path, ...] = ()  # unfinished rebuilds of other configurations, removed on commit
+    trusts_unkeyed: bool = False  # samples.jsonl lines without a regeneration key are this config's
+
+    @property
+    def in_place(self) -> bool:
+        return self.layout.root == self.final.root
+
+
 def build_dataset(
-    cfg: PipelineConfig, target_path: str, facts: TargetFacts, progress: bool = True, force: bool = False
+    cfg: PipelineConfig, target_path: str, facts: TargetFacts, progress: bool = True, force: bool = False, *,
+    repair: bool = False, target_revision: str | None = None,
 ) -> DatasetInfo:
-    """Build (or finish building) the dataset of ``cfg`` for the target at ``target_path``."""
+    """Build (or finish building, or repair) the dataset of ``cfg`` for the target at ``target_path``.
+
+    ``force``: replace a dataset of another configuration (built beside it, swapped in when
+    complete), extract the samples of corrupt shards again, and write even when the disk
+    looks too small. ``repair``: extract the samples of corrupt shards again.
+    ``target_revision`` (``peagle.lineage``) ties regenerated responses to the target's content.
+    """
     from transformers import AutoTokenizer
 
     from peagle.eval.online import check_eval_prompts
 
     eval_sets = check_eval_prompts(cfg)  # the served split and the evaluate stage read them
-    layout = RunLayout(cfg.run_dir).data
-    data_dir = layout.root
     config_hash = cfg.section_hash("target", "data")
     draft_vocab_size = cfg.data.draft_vocab_size or facts.vocab_size
     final_facts = facts.with_draft_vocab(draft_vocab_size)  # ConfigError now rather than after extraction
-    prepare_data_dir(data_dir, config_hash, force)
     tokenizer = AutoTokenizer.from_pretrained(
         target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-
-    synthesize_prompts(cfg, target_path, tokenizer)
-    records = plan_records(cfg, data_dir)
-    check_no_overlap((r.messages for r in records), eval_sets)
-    max_len = min(cfg.data.max_seq_len, cfg.vllm.max_model_len - 1)  # extraction needs one spare position
-    meta = {"config_hash": config_hash, "target": cfg.target.model, "target_revision": cfg.target.revision}
-    with ExitStack() as stack:
-        writers = {
-            split: stack.enter_context(ShardWriter(
-                layout.split(split), facts.stored_layer_ids, facts.target_hidden_size,
-                cfg.data.storage_dtype, cfg.data.shard_max_tokens, meta,
-            ))
-            for split in SPLITS
-        }
-        engine = _LazyEngine(stack, cfg, target_path, facts, layout.work)
-        pending_regen = [r for r in records if cfg.data.regenerate.enabled and r.regen is None]
-        if pending_regen:
-            with engine.for_regeneration() as llm:
-                regenerate(llm, tokenizer, pending_regen, cfg, layout.samples, progress)
-        render_records(tokenizer, records, cfg, max_len, progress)
-        require_training_samples(records)
-        report_health(records, layout, cfg)
-        todo = [r for r in records if r.status == "ok" and r.id not in writers[r.split].done_ids()]
-        check_disk(todo, facts, cfg, data_dir, force)
-        if todo:
-            extract_into(engine.get(), todo, writers, cfg, progress)
-        if not served_is_current(cfg, layout):
-            build_served_split(engine.get(), tokenizer, cfg, layout, facts.stored_layer_ids,
-                               facts.target_hidden_size, meta)
-    write_samples(layout.samples, records)
-
-    vocab = build_draft_vocab(count_tokens(ShardReader(layout.train, verify=False), facts.vocab_size),
-                              draft_vocab_size)
-    vocab.save(layout.vocab)
-    final_facts.save(layout.facts)
-    layout.legacy_head_spec.unlink(missing_ok=True)  # an older peagle's, with a stale drafter shape
-    info = dataset_info(data_dir, config_hash, records)
+    synthesize_prompts(cfg, target_path, tokenizer)  # magpie sources: the requests the target writes itself
+    prompts = load_prompts(cfg.data, verbose=True)
+    check_no_overlap((c.messages for c in prompts), eval_sets)
+    plan = plan_build(RunLayout(cfg.run_dir), config_hash, force=force, repair=repair)
+    key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
+    layout = plan.layout
+    try:
+        records = fill_dataset(plan, cfg, target_path, facts, tokenizer, prompts, key, progress,
+                               force=force, mend=repair or force)
+        write_samples(layout.samples, records)
+        vocab = build_draft_vocab(count_tokens(ShardReader(layout.train, verify=False), facts.vocab_size),
+                                  draft_vocab_size)
+        vocab.save(layout.vocab)
+        final_facts.save(layout.facts)
+        layout.legacy_head_spec.unlink(missing_ok=True)  # an older peagle's, with a stale drafter shape
+        commit(plan, config_hash, key)
+    except KeyboardInterrupt:
+        log.warning(f"data: interrupted. {kept_summary(plan)} Rerun the same command to go on from there.")
+        raise
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        raise DiskSpaceError(out_of_space_message(plan, err)) from err
+    info = dataset_info(plan.final.root, config_hash, records)
     log.info(
         f"data: {info.num_train} train + {info.num_eval} eval samples, {info.num_tokens} tokens, "
-        f"{info.num_failed} failed, {format_bytes(info.bytes_on_disk)} in {data_dir}"
+        f"{info.num_failed} failed, {format_bytes(info.bytes_on_disk)} in {info.data_dir}"
     )
     for reason, count in failure_reasons(records).most_common(5):
         log.info(f"  {count} x {reason}")
     return info
 
 
-# ----------------------------------------------------------------------------- run directory
+def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: TargetFacts, tokenizer,
+                 prompts: list[Conversation], key: str | None, progress: bool, *, force: bool,
+                 mend: bool) -> list[Record]:
+    """Regenerate, render and extract whatever ``plan.layout`` does not hold yet; the records."""
+    layout = plan.layout
+    records = plan_records(cfg, prompts, previous_samples(plan), key, plan.trusts_unkeyed)
+    mend_corrupt_shards(layout, mend)
+    max_len = min(cfg.data.max_seq_len, cfg.vllm.max_model_len - 1)  # extraction needs one spare position
+    meta = {"config_hash": cfg.section_hash("target", "data"), "target": cfg.target.model,
+            "target_revision": cfg.target.revision}
+    with ExitStack() as stack:
+        writers = {
+            split: stack.enter_context(ShardWriter(
+                layout.split(split), facts.stored_layer_ids, facts.target_hidden_size,
+                cfg.data.storage_dtype, cfg.data.shard_max_tokens, meta, max_buffer_s=FLUSH_EVERY_S,
+            ))
+            for split in SPLITS
+        }
+        stored = set().union(*(w.done_ids() for w in writers.values()))
+        engine = _LazyEngine(stack, cfg, target_path, facts, layout.work)
+        pending = [r for r in records if key is not None and r.regen is None]
+        pending_ids = {r.id for r in pending}
+        render_records(tokenizer, [r for r in records if r.id not in pending_ids], cfg, max_len, progress)
+        served = served_tokens_to_extract(cfg, tokenizer, layout)
+        if pending:
+            bounds = regenerated_length_bounds(tokenizer, pending, cfg, max_len)
+            check_disk(space_needed(cfg, facts, records, stored, bounds, served, layout.samples), layout.root, force,
+                       f"data: {len(pending)} prompts to regenerate and {sum(r.id not in stored for r in records)} "
+                       "sequences to extract (each response at its longest)")
+            with engine.for_regeneration() as llm:
+                regenerate(llm, tokenizer, pending, cfg, layout.samples, progress, key)
+            render_records(tokenizer, pending, cfg, max_len, progress)
+        require_training_samples(records)
+        report_health(records, layout, cfg)
+        todo = [r for r in records if r.status == "ok" and r.id not in stored]
+        truncated = sum(r.truncated_from is not None for r in todo)
+        nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
+        check_disk(space_needed(cfg, facts, records, stored, {}, served, layout.samples), layout.root, force,
+                   f"data: {len(todo)} sequences ({sum(r.num_tokens for r in todo)} tokens, {truncated} truncated to "
+                   f"{cfg.data.max_seq_len}) to extract ({nl} layers x {ht} x {cfg.data.storage_dtype})")
+        if todo:
+            extract_into(engine.get(), todo, writers, cfg, progress)
+        if not served_is_current(cfg, layout):
+            build_served_split(engine.get(), tokenizer, cfg, layout, facts.stored_layer_ids,
+                               facts.target_hidden_size, meta)
+    return records
 
 
-def prepare_data_dir(data_dir: Path, config_hash: str, force: bool) -> None:
-    """Refuse to mix configurations: a different config hash needs ``force`` (then rebuild)."""
-    layout = DataLayout(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    build = layout.build
-    old = json.loads(build.read_text())["config_hash"] if build.exists() else None
-    for split in SPLITS:
-        manifest = layout.manifest(split)
-        if old is None and manifest.exists():
-            old = json.loads(manifest.read_text()).get("config_hash")
-    if old is not None and old != config_hash:
-        if not force:
-            raise ConfigError(
-                f"{data_dir} holds a dataset built with another configuration (config hash {old}, now "
-                f"{config_hash}: the target or data section changed); rerun with --force to rebuild it, "
-                "or give this run another name/workdir"
-            )
-        log.info(f"data: config changed ({old} -> {config_hash}), --force: rebuilding {data_dir}")
-        for path in (layout.splits_dir, layout.work, layout.samples, layout.vocab, layout.facts,
-                     layout.legacy_head_spec, layout.build):
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    write_json_atomic(build, {"config_hash": config_hash}, indent=None)
+# ----------------------------------------------------------------------------- where a build goes
 
 
-def plan_records(cfg: PipelineConfig, data_dir: Path) -> list[Record]:
-    """Every prompt as a Record, with regenerated responses of an earlier run restored."""
-    prompts = load_prompts(cfg.data, verbose=True)
-    previous = read_samples(DataLayout(data_dir).samples)
+def committed_hash(layout: DataLayout) -> str | None:
+    """The config hash of the finished build in ``layout`` (its build.json), or None."""
+    try:
+        return json.loads(layout.build.read_text())["config_hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def dataset_hash(layout: DataLayout) -> str | None:
+    """The configuration ``layout`` holds data of: its build.json's, else its shards' (an
+    unfinished first build), else None (nothing built)."""
+    committed = committed_hash(layout)
+    if committed is not None:
+        return committed
+    for split in (*SPLITS, SERVED_SPLIT):
+        try:
+            found = json.loads(layout.manifest(split).read_text()).get("config_hash")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    return None
+
+
+def plan_build(run: RunLayout, config_hash: str, *, force: bool, repair: bool) -> BuildPlan:
+    """Where this build writes. A dataset of another configuration in ``run.data`` is refused
+    (``ConfigError``) unless ``force``, and never touched before its replacement is complete."""
+    data = run.data
+    rebuild = run.data_rebuild(config_hash)
+    if committed_hash(rebuild) == config_hash:  # complete, but its swap was interrupted
+        publish_dir(rebuild.root, data.root)
+    old = dataset_hash(data)
+    others = [r for r in run.data_rebuilds() if r.root != rebuild.root]
+    if old is None or old == config_hash:
+        for other in others:
+            log.info(f"data: {other.root} holds an unfinished rebuild of another configuration; `peagle data "
+                     "--force` with that configuration finishes it, or delete it")
+        return BuildPlan(data, data, trusts_unkeyed=old == config_hash)
+    if repair:
+        raise ConfigError(
+            f"{data.root} holds a dataset of another configuration (config hash {old}, now {config_hash}): "
+            "--repair mends a dataset with the configuration it was built with; pass that one, or use --force "
+            "to build this configuration's dataset"
+        )
+    if rebuild.root.is_dir():
+        log.info(f"data: finishing the rebuild in {rebuild.root} (config {old} -> {config_hash}); "
+                 f"{data.root} stays as it is until the rebuild is complete")
+    elif not force:
+        raise ConfigError(
+            f"{data.root} holds a dataset built with another configuration (config hash {old}, now "
+            f"{config_hash}: the target or data section changed); rerun with --force to build the new one (the "
+            "old one stays until the new one is complete and replaces it), or give this run another name/workdir"
+        )
+    else:
+        log.info(f"data: config changed ({old} -> {config_hash}), --force: building the new dataset in "
+                 f"{rebuild.root}; {data.root} stays as it is until the new one is complete")
+        rebuild.root.mkdir(parents=True)
+    return BuildPlan(rebuild, data, replaces=old, reuse=(data.samples, *(o.samples for o in others)),
+                     obsolete=tuple(o.root for o in others))
+
+
+def commit(plan: BuildPlan, config_hash: str, key: str | None) -> None:
+    """Mark the build complete (build.json, written last); a rebuild then replaces the old dataset."""
+    write_json_atomic(plan.layout.build, {"config_hash": config_hash, "regen_key": key}, indent=None)
+    if plan.in_place:
+        return
+    publish_dir(plan.layout.root, plan.final.root)  # the old tree is moved aside, then deleted
+    for path in plan.obsolete:
+        shutil.rmtree(path, ignore_errors=True)
+    log.info(f"data: the new dataset (config {config_hash}) replaced the old one ({plan.replaces}) in {plan.final.root}")
+
+
+def regeneration_key(cfg: PipelineConfig, target_revision: str | None) -> str:
+    """What a regenerated response depends on: the target (its config and content revision),
+    the regeneration settings and seed, and the engine's length limit. Responses are reused
+    by any build with the same key (a rebuild for another ``data`` setting included)."""
+    payload = {
+        "target": cfg.target.model_dump(mode="json", by_alias=True),
+        "target_revision": target_revision,
+        "regenerate": cfg.data.regenerate.model_dump(mode="json", by_alias=True),
+        "seed": cfg.data.seed,
+        "max_model_len": cfg.vllm.max_model_len,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- disk
+
+
+def regenerated_length_bounds(tokenizer, records: list[Record], cfg: PipelineConfig, max_len: int) -> dict[str, int]:
+    """The most tokens each conversation can have once the target has written its turns: the
+    conversation with every assistant turn empty, plus ``regenerate.max_tokens`` (and an end
+    token) per turn, at most ``max_len``."""
+    per_turn = cfg.data.regenerate.max_tokens + 1
+    bounds = {}
+    for r in records:
+        slots = assistant_slots(r.messages)
+        try:
+            ids, _ = render_with_loss_mask(tokenizer, _emptied_turns(r.messages, slots))
+            bounds[r.id] = min(max_len, len(ids) + per_turn * len(slots))
+        except Exception:  # noqa: BLE001 - it fails again, with its reason, when rendered for real
+            bounds[r.id] = max_len
+    return bounds
+
+
+def _emptied_turns(messages: list[dict], slots: list[int]) -> list[dict]:
+    """The conversation with an empty turn at each place the target writes one."""
+    from peagle.data.prompts import COMPLETION_ROLES, is_completion
+
+    role = COMPLETION_ROLES[1] if is_completion(messages) else "assistant"
+    out = [dict(m) for m in messages]
+    for i in slots:
+        if i < len(out):
+            out[i]["content"] = ""
+        else:
+            out.append({"role": role, "content": ""})
+    return out
+
+
+def space_needed(cfg: PipelineConfig, facts: TargetFacts, records: list[Record], stored: set[str],
+                 bounds: dict[str, int], served: tuple[int, int], samples: Path) -> dict[str, int]:
+    """Bytes this build still writes, by what writes them: each split's shards, vLLM's
+    scratch files (one per sequence of an extraction batch, in the engine's dtype) and the
+    regenerated text. ``bounds``: the longest each pending response can make its sequence."""
+    nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
+    tokens, longest = Counter(), 0
+    for r in records:
+        if r.id in stored:
+            continue
+        n = bounds.get(r.id, r.num_tokens if r.status == "ok" and r.num_tokens else 0)
+        tokens[r.split] += n
+        longest = max(longest, n)
+    served_tokens, served_longest = served
+    tokens[SERVED_SPLIT] += served_tokens
+    longest = max(longest, served_longest)
+    need = {f"{split} shards": estimate_bytes(n, nl, ht, cfg.data.storage_dtype) for split, n in tokens.items() if n}
+    if longest:
+        need["vLLM scratch files"] = cfg.data.extract_batch_size * longest * nl * ht * SCRATCH_BYTES_PER_VALUE
+    if bounds:  # appended as regenerated, then samples.jsonl is rewritten whole beside itself
+        current = samples.stat().st_size if samples.exists() else 0
+        need["regenerated text"] = current + 2 * sum(bounds.values()) * TEXT_BYTES_PER_TOKEN
+    return need
+
+
+def check_disk(need: dict[str, int], data_dir: Path, force: bool, doing: str) -> None:
+    """Refuse (``DiskSpaceError``) unless the disk holds ``need``; log what is needed and free."""
+    total = sum(need.values())
+    breakdown = " + ".join(f"{what} {format_bytes(n)}" for what, n in need.items()) or "nothing"
+    free = check_free_space(data_dir, total, force, what=f"this data build ({breakdown})")
+    log.info(f"{doing}: {format_bytes(total)} on disk ({breakdown}); {format_bytes(free)} free")
+
+
+def kept_summary(plan: BuildPlan) -> str:
+    """What a stopped build leaves for the next run: its shards and regenerated responses."""
+    layout = plan.layout
+    kept = {split: stored_samples(layout.split(split)) for split in (*SPLITS, SERVED_SPLIT)}
+    responses = sum(d.get("regen") == "ok" for d in read_samples(layout.samples).values())
+    stored = ", ".join(f"{n} {split}" for split, n in kept.items())
+    old = "" if plan.in_place else f" {plan.final.root} is unchanged."
+    return (f"Kept in {layout.root}: {stored} samples in shards and {responses} regenerated responses "
+            f"({SAMPLES_FILE}).{old}")
+
+
+def out_of_space_message(plan: BuildPlan, err: BaseException) -> str:
+    """What a full disk stopped, what is kept, and how to go on."""
+    disk = mount_point(plan.layout.root)
+    return (
+        f"the disk holding {plan.layout.root} ({disk}) is full ({err}); {format_bytes(free_bytes(disk))} free now. "
+        f"{kept_summary(plan)} Free space on {disk} (or point `workdir` or PEAGLE_HOME at a larger disk), then "
+        "rerun the same command: it goes on from what is kept."
+    )
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def previous_samples(plan: BuildPlan) -> dict[str, dict]:
+    """Earlier samples.jsonl lines by id: other builds' (the replaced dataset, unfinished
+    rebuilds) first, then this build's own, which win."""
+    merged: dict[str, dict] = {}
+    for path in (*plan.reuse, plan.layout.samples):
+        merged.update(read_samples(path))
+    return merged
+
+
+def plan_records(cfg: PipelineConfig, prompts: list[Conversation], previous: dict[str, dict], key: str | None,
+                 trusts_unkeyed: bool = False) -> list[Record]:
+    """Every prompt as a Record, with earlier regenerated responses of the same ``key``
+    (``regeneration_key``; None: regeneration is off) restored. ``trusts_unkeyed``: lines
+    written without a key (an older peagle's) belong to this configuration."""
     splits = {sample_id: rec.get("split") for sample_id, rec in previous.items()}
     train, heldout = split_heldout(prompts, cfg.data.heldout_samples, cfg.data.seed, splits)
     records = []
     for split, convs in (("train", train), ("eval", heldout)):
         for conv in convs:
-            records.append(_record(conv, split, previous.get(conv.id), cfg.data.regenerate.enabled))
+            records.append(_record(conv, split, previous.get(conv.id), key, trusts_unkeyed))
     restored = sum(r.regen is not None for r in records)
     log.info(
         f"data: {len(train)} train + {len(heldout)} held-out prompts"
@@ -199,9 +455,13 @@ def plan_records(cfg: PipelineConfig, data_dir: Path) -> list[Record]:
     return records
 
 
-def _record(conv: Conversation, split: str, previous: dict | None, regenerate_enabled: bool) -> Record:
-    if regenerate_enabled and previous and previous.get("regen") and previous.get("split") == split:
-        return Record(conv.id, split, conv.source, previous["messages"], regen=previous["regen"],
+def _record(conv: Conversation, split: str, previous: dict | None, key: str | None, trusts_unkeyed: bool) -> Record:
+    reusable = (
+        key is not None and previous and previous.get("regen") and previous.get("split") == split
+        and (previous.get("regen_key") == key or (trusts_unkeyed and "regen_key" not in previous))
+    )
+    if reusable:
+        return Record(conv.id, split, conv.source, previous["messages"], regen=previous["regen"], regen_key=key,
                       finish_reasons=previous.get("finish_reasons", []))
     return Record(conv.id, split, conv.source, conv.messages)
 
@@ -272,8 +532,10 @@ class _LazyEngine:
                             trust_remote_code=t.trust_remote_code, dtype=t.dtype)
 
 
-def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, samples_path: Path, progress: bool) -> None:
-    """Target-written assistant turns, saved batch by batch so a crash loses one batch at most."""
+def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, samples_path: Path, progress: bool,
+               key: str | None = None) -> None:
+    """Target-written assistant turns, saved batch by batch (with their ``regeneration_key``)
+    so a crash loses one batch at most."""
     from peagle.data.regenerate import regenerate_responses
 
     rcfg = cfg.data.regenerate
@@ -286,6 +548,7 @@ def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, sampl
         for r, res in zip(batch, results, strict=True):
             r.messages = res.messages
             r.regen = "ok" if res.error is None else f"failed: {res.error}"
+            r.regen_key = key
             r.finish_reasons = list(res.finish_reasons)
         append_samples(samples_path, batch)
         bar.update(len(batch))
@@ -321,6 +584,8 @@ class _Sequences:
 
 def render_records(tokenizer, records: list[Record], cfg: PipelineConfig, max_len: int, progress: bool) -> None:
     """Token ids + loss mask for each usable record; failures get a status saying why."""
+    if not records:
+        return
     for r in tqdm(records, desc="chat template", unit="conv", disable=not progress, file=console_stream()):
         if r.regen and r.regen != "ok":
             r.status = f"failed: regeneration: {r.regen.removeprefix('failed: ')}"
@@ -379,19 +644,6 @@ def require_training_samples(records: list[Record]) -> None:
             f"no training sample survived ({len(records)} prompts: {reasons}); check data.sources, "
             "data.min_tokens, data.max_seq_len and the target's chat template"
         )
-
-
-def check_disk(todo: list[Record], facts: TargetFacts, cfg: PipelineConfig, data_dir: Path, force: bool) -> None:
-    tokens = sum(r.num_tokens for r in todo)
-    nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
-    needed = estimate_bytes(tokens, nl, ht, cfg.data.storage_dtype) if todo else 0
-    truncated = sum(r.truncated_from is not None for r in todo)
-    free = check_free_space(data_dir, needed, force)
-    log.info(
-        f"data: {len(todo)} sequences ({tokens} tokens, {truncated} truncated to {cfg.data.max_seq_len}) to "
-        f"extract: {format_bytes(needed)} on disk ({nl} layers x {ht} x {cfg.data.storage_dtype}); "
-        f"{format_bytes(free)} free"
-    )
 
 
 # ----------------------------------------------------------------------------- summary

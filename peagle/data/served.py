@@ -15,8 +15,9 @@ records ``max_tokens``, the budget after which the simulation stops drafting.
 
 Built by the data stage with its engine (no extra engine start) into
 ``<data>/splits/served/``; a change of the prompts, their number, the budget or K
-rebuilds this split only (its manifest keeps ``served_key``). Not part of a head's
-identity: it measures heads, it does not train them.
+rebuilds this split only (its manifest keeps ``served_key``); an interrupted or repaired
+split of the same key is finished, not redone. Not part of a head's identity: it
+measures heads, it does not train them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import logging
 import shutil
 
 from peagle.config import PipelineConfig, resolve_repo_path
-from peagle.layout import DataLayout
+from peagle.layout import MANIFEST_FILE, DataLayout
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,34 @@ def served_is_current(cfg: PipelineConfig, data: DataLayout) -> bool:
     return manifest is not None and manifest.get("served_key") == served_key(cfg)
 
 
+def served_tokens_to_extract(cfg: PipelineConfig, tokenizer, data: DataLayout) -> tuple[int, int]:
+    """(tokens, longest sequence) the served split will still store: every eval prompt plus
+    its generation budget, none when the split is current or cannot be built here."""
+    from peagle.eval.online import NoPromptFits, PromptSetUnavailable
+
+    if served_is_current(cfg, data):
+        return 0, 0
+    try:
+        prompts = eval_token_prompts(cfg, tokenizer)
+    except (PromptSetUnavailable, NoPromptFits):
+        return 0, 0
+    budget = cfg.eval.max_tokens + max(cfg.eval.ks)
+    lengths = [len(p) + budget for p in prompts]
+    return sum(lengths), max(lengths, default=0)
+
+
+def _keep_or_clear(split_dir, meta: dict) -> None:
+    """Keep an unfinished served split made with the same ``meta`` (served_key included): its
+    writer finishes it. Anything else there is removed."""
+    manifest_path = split_dir / MANIFEST_FILE
+    try:
+        old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    except ValueError:
+        old = None
+    if old is None or any(old.get(k) != v for k, v in meta.items()):
+        shutil.rmtree(split_dir, ignore_errors=True)
+
+
 def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, layer_ids: list[int],
                        hidden_size: int, meta: dict) -> bool:
     """Write ``<data>/splits/served`` with ``llm`` (a data engine).
@@ -85,15 +114,17 @@ def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, la
     except (PromptSetUnavailable, NoPromptFits) as err:
         log.warning("data: no served split (offline acceptance uses the held-out split): %s", err)
         return False
-    shutil.rmtree(data.split(SERVED_SPLIT), ignore_errors=True)
     budget = cfg.eval.max_tokens + max(cfg.eval.ks)
-    log.info("data: served split: %d eval prompts, %d greedy tokens each (%d + K)", len(prompts), budget,
-             cfg.eval.max_tokens)
-    completions = generate_from_token_ids(llm, prompts, max_tokens=[budget] * len(prompts))
-    sequences = {f"served-{i:05d}": (p, c.token_ids) for i, (p, c) in enumerate(zip(prompts, completions))}
     split_meta = {**meta, "served_key": key, "max_tokens": cfg.eval.max_tokens, "prompt_set": cfg.eval.prompts[0]}
+    _keep_or_clear(data.split(SERVED_SPLIT), split_meta)
     with ShardWriter(data.split(SERVED_SPLIT), layer_ids, hidden_size, cfg.data.storage_dtype,
                      cfg.data.shard_max_tokens, split_meta) as writer:
+        todo = {f"served-{i:05d}": p for i, p in enumerate(prompts) if f"served-{i:05d}" not in writer.done_ids()}
+        log.info("data: served split: %d eval prompts%s, %d greedy tokens each (%d + K)", len(todo),
+                 f" ({len(prompts) - len(todo)} stored before)" if len(todo) < len(prompts) else "", budget,
+                 cfg.eval.max_tokens)
+        completions = generate_from_token_ids(llm, list(todo.values()), max_tokens=[budget] * len(todo)) if todo else []
+        sequences = {sid: (p, c.token_ids) for (sid, p), c in zip(todo.items(), completions, strict=True)}
         pairs = [(sid, p + g) for sid, (p, g) in sequences.items()]
         for sid, hidden in extract_with_engine(llm, pairs, batch_size=cfg.data.extract_batch_size, progress=False):
             prompt, generated = sequences[sid]

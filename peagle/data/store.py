@@ -10,8 +10,14 @@ Layout of ``<split_dir>``::
 
 Crash safety: a shard is written to a temp file, fsynced, then renamed; the manifest is
 rewritten the same way after every shard. Readers only trust shards the manifest lists,
-so a ``kill -9`` at any moment loses at most the unflushed buffer, and a rerun of the
+so a ``kill -9`` at any moment loses at most the unflushed buffer (at most
+``shard_max_tokens`` tokens or ``max_buffer_s`` seconds of samples), and a rerun of the
 writer (``done_ids()``) continues with no duplicate and no missing sample.
+
+Soundness: ``verify_split`` checks every shard of a split against its manifest (once per
+file identity, ``VerifiedShards``); ``drop_shards`` takes corrupt ones out of the
+manifest, so that the writer's next run stores their samples again (``peagle data
+--repair``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
 # A shard whose mtime/ctime is this close to the check is not recorded ("racy" in git's
 # sense): on a coarse-timestamp file system a same-tick rewrite would keep its identity.
 RACY_WINDOW_NS = 2_000_000_000
+SHARD_PREFIX = "shard-"
+SHARD_SUFFIX = ".safetensors"
+REPAIR_COMMAND = "peagle data CONFIG --repair"  # what every corrupt-shard message points at
 
 STORAGE_DTYPES = {
     "float32": torch.float32,
@@ -62,11 +71,15 @@ _SAFETENSORS_DTYPE = {
 
 
 class DiskSpaceError(RuntimeError):
-    """The output disk cannot hold what a stage is about to write."""
+    """The output disk cannot hold what a stage is about to write (or ran out while writing)."""
 
 
 class CorruptShardError(RuntimeError):
     """A shard whose bytes do not match the manifest (truncated, edited or bit-rotted)."""
+
+
+class MissingDatasetError(FileNotFoundError):
+    """A stage needs a dataset that is not there (or not finished)."""
 
 
 @dataclass
@@ -101,22 +114,47 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def check_free_space(path: str | Path, needed: int, force: bool = False) -> int:
-    """Refuse (``DiskSpaceError``) when the disk holding ``path`` has less than ``needed`` free.
-
-    Returns the free bytes. With ``force`` a shortfall only warns, for callers that know
-    better (e.g. a filesystem that reports free space wrongly).
-    """
+def existing_ancestor(path: str | Path) -> Path:
+    """``path``, or its nearest ancestor that exists (where a directory about to be made lives)."""
     probe = Path(path).resolve()
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    return probe
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes (for this user) on the file system that holds, or will hold, ``path``."""
+    return shutil.disk_usage(existing_ancestor(path)).free
+
+
+def mount_point(path: str | Path) -> Path:
+    """The mount point of the file system holding ``path``: the disk a message names."""
+    probe = existing_ancestor(path)
+    while not os.path.ismount(probe):
+        probe = probe.parent
+    return probe
+
+
+DATA_SPACE_FIXES = (
+    "Free some space, point PEAGLE_HOME or `workdir` at a larger disk, lower data.max_samples / "
+    "data.max_seq_len, or use a smaller data.storage_dtype (float8 halves bfloat16); --force writes anyway."
+)
+
+
+def check_free_space(path: str | Path, needed: int, force: bool = False, *, what: str = "this run",
+                     fixes: str = DATA_SPACE_FIXES) -> int:
+    """Refuse (``DiskSpaceError``) when the disk holding ``path`` has less than ``needed`` free.
+
+    Returns the free bytes. With ``force`` a shortfall only warns, for callers that know
+    better (e.g. a filesystem that reports free space wrongly). ``what`` says what needs
+    the space (a breakdown helps the user pick the fix); ``fixes`` how to make room.
+    """
+    probe = existing_ancestor(path)
+    free = free_bytes(probe)
     if needed > free:
         msg = (
-            f"not enough disk space at {probe}: this run needs {format_bytes(needed)} but only "
-            f"{format_bytes(free)} is free. Free some space, point PEAGLE_HOME or `workdir` at a "
-            "larger disk, lower data.max_samples / data.max_seq_len, or use a smaller "
-            "data.storage_dtype (float8 halves bfloat16); --force writes anyway."
+            f"not enough disk space at {probe} (on {mount_point(probe)}): {what} needs {format_bytes(needed)} "
+            f"but only {format_bytes(free)} is free. {fixes}"
         )
         if not force:
             raise DiskSpaceError(msg)
@@ -208,6 +246,7 @@ class ShardWriter:
         storage_dtype: str,
         shard_max_tokens: int,
         meta: dict | None = None,
+        max_buffer_s: float | None = None,
     ):
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"storage dtype {storage_dtype!r} is not one of {sorted(STORAGE_DTYPES)}")
@@ -218,6 +257,7 @@ class ShardWriter:
         self.storage_dtype = storage_dtype
         self.shard_max_tokens = int(shard_max_tokens)
         self.meta = dict(meta or {})
+        self.max_buffer_s = max_buffer_s
         self._lock = self._acquire_lock()
         self._manifest = self._load_or_start_manifest()
         self._remove_unlisted_files()
@@ -225,6 +265,7 @@ class ShardWriter:
         self._buffer: list[tuple[str, dict[str, torch.Tensor]]] = []
         self._buffer_ids: set[str] = set()
         self._buffered_tokens = 0
+        self._buffer_since = time.monotonic()
 
     # -- opening
 
@@ -277,7 +318,7 @@ class ShardWriter:
         """Temp files and shards a killed writer renamed but never listed: not trusted, not kept."""
         listed = {s["file"] for s in self._manifest["shards"]}
         for p in self.split_dir.iterdir():
-            if is_temp_name(p.name) or (p.name.startswith("shard-") and p.name not in listed):
+            if is_temp_name(p.name) or (p.name.startswith(SHARD_PREFIX) and p.name not in listed):
                 p.unlink()
 
     # -- writing
@@ -287,7 +328,8 @@ class ShardWriter:
         return self._done | self._buffer_ids
 
     def add(self, sample_id: str, token_ids, loss_mask, hidden: torch.Tensor) -> None:
-        """Queue one sample; write a shard when the buffer would exceed ``shard_max_tokens``."""
+        """Queue one sample; write a shard when the buffer would exceed ``shard_max_tokens``
+        or its oldest sample has waited ``max_buffer_s`` (what a crash could lose)."""
         sample_id = str(sample_id)
         if sample_id in self._done or sample_id in self._buffer_ids:
             raise ValueError(f"sample {sample_id!r} is already in {self.split_dir}")
@@ -295,10 +337,13 @@ class ShardWriter:
         n = tensors["token_ids"].shape[0]
         if self._buffer and self._buffered_tokens + n > self.shard_max_tokens:
             self.flush()
+        if not self._buffer:
+            self._buffer_since = time.monotonic()
         self._buffer.append((sample_id, tensors))
         self._buffer_ids.add(sample_id)
         self._buffered_tokens += n
-        if self._buffered_tokens >= self.shard_max_tokens:
+        waited = time.monotonic() - self._buffer_since
+        if self._buffered_tokens >= self.shard_max_tokens or (self.max_buffer_s is not None and waited >= self.max_buffer_s):
             self.flush()
 
     def _encode(self, sample_id, token_ids, loss_mask, hidden) -> dict[str, torch.Tensor]:
@@ -330,7 +375,7 @@ class ShardWriter:
         names = ["hidden", "token_ids", "loss_mask"] + (["scales"] if self.storage_dtype == "float8" else [])
         tensors = {name: [t[name] for _, t in self._buffer] for name in names}
         tensors["seq_offsets"] = [torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])]
-        name = f"shard-{len(self._manifest['shards']):05d}.safetensors"
+        name = self._next_shard_name()
         path = self.split_dir / name
         sha = _write_safetensors(path, tensors, {"sample_ids": json.dumps(ids), "format_version": str(FORMAT_VERSION)})
         size = path.stat().st_size
@@ -344,6 +389,16 @@ class ShardWriter:
         write_json_atomic(self.split_dir / MANIFEST, m, indent=1)
         self._done.update(ids)
         self._buffer, self._buffer_ids, self._buffered_tokens = [], set(), 0
+
+    def _next_shard_name(self) -> str:
+        """One past the highest listed shard number (a repair leaves gaps; names are never reused)."""
+        numbers = [int(s["file"][len(SHARD_PREFIX):-len(SHARD_SUFFIX)]) for s in self._manifest["shards"]]
+        return f"{SHARD_PREFIX}{max(numbers, default=-1) + 1:05d}{SHARD_SUFFIX}"
+
+    @property
+    def num_buffered(self) -> int:
+        """Samples added but not yet in a shard."""
+        return len(self._buffer)
 
     def close(self) -> dict:
         """Flush the rest and mark the split complete; returns the manifest."""
@@ -364,6 +419,9 @@ class ShardWriter:
             return
         try:  # the buffer holds only whole, checked samples: keep them, but do not mark complete
             self.flush()
+        except Exception as err:  # noqa: BLE001 - the error that ended the block is the one to report
+            log.warning("%s: %d buffered sample(s) not written (%s: %s); a rerun extracts them again",
+                        self.split_dir, len(self._buffer), type(err).__name__, err)
         finally:
             if self._lock is not None:
                 self._lock.close()
@@ -388,6 +446,13 @@ def file_identity(path: Path) -> dict[str, int]:
             "ino": st.st_ino, "dev": st.st_dev}
 
 
+def corrupt_shard_message(shard: Path, problem: str) -> str:
+    return (
+        f"{shard} is corrupt ({problem}; checked against {shard.parent / MANIFEST}): `{REPAIR_COMMAND}` "
+        "extracts its samples again, or restore the file"
+    )
+
+
 def verified_record(split_dir: Path) -> Path:
     """Where the identities of a split's verified shards are kept: peagle's cache, one file
     per split directory (the dataset itself is never written by readers, and may be read-only)."""
@@ -410,21 +475,43 @@ class VerifiedShards:
     def __init__(self, split_dir: Path, full: bool = False):
         self.path = verified_record(split_dir)
         self.full = full
+        self._known: dict | None = None  # the record as read once (a store of many shards reads it once)
 
     def check(self, shard: Path, entry: dict) -> None:
         """Raise ``CorruptShardError`` unless ``shard`` is the file the manifest lists."""
-        before = file_identity(shard)
-        if not self.full and self._records().get(shard.name) == {**before, "sha256": entry["sha256"]}:
-            return
-        if before["size"] != entry["bytes"] or sha256_file(shard) != entry["sha256"]:
-            raise CorruptShardError(
-                f"{shard} is corrupt: its size/sha256 does not match {shard.parent / MANIFEST} "
-                f"({before['size']} bytes on disk, {entry['bytes']} expected); restore it or rebuild the "
-                "dataset (`peagle data --force`)"
-            )
+        problem = self.problem(shard, entry)
+        if problem is not None:
+            raise CorruptShardError(corrupt_shard_message(shard, problem))
+
+    def is_recorded(self, shard: Path, entry: dict) -> bool:
+        """``shard`` passed a check and has not changed since (no need to hash it)."""
+        try:
+            identity = file_identity(shard)
+        except FileNotFoundError:
+            return False
+        return not self.full and self._recorded(shard.name) == {**identity, "sha256": entry["sha256"]}
+
+    def problem(self, shard: Path, entry: dict) -> str | None:
+        """What is wrong with ``shard`` against its manifest entry, or None when it is sound."""
+        try:
+            before = file_identity(shard)
+        except FileNotFoundError:
+            return "missing"
+        if not self.full and self._recorded(shard.name) == {**before, "sha256": entry["sha256"]}:
+            return None
+        if before["size"] != entry["bytes"]:
+            return f"{before['size']} bytes on disk, {entry['bytes']} expected"
+        if sha256_file(shard) != entry["sha256"]:
+            return "its sha256 does not match the manifest's"
         changed_late = time.time_ns() - max(before["mtime_ns"], before["ctime_ns"]) < RACY_WINDOW_NS
         if file_identity(shard) == before and not changed_late:
             self._record(shard.name, {**before, "sha256": entry["sha256"]})
+        return None
+
+    def _recorded(self, name: str) -> dict | None:
+        if self._known is None:
+            self._known = self._records()
+        return self._known.get(name)
 
     def _records(self) -> dict:
         try:
@@ -433,8 +520,9 @@ class VerifiedShards:
             return {}
 
     def _record(self, name: str, identity: dict) -> None:
-        records = self._records()
+        records = self._records()  # read again: other readers (ranks) may have recorded shards since
         records[name] = identity
+        self._known = records
         try:  # a lost record only costs a re-hash: no fsync
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.path, records, indent=1, durable=False)
@@ -494,7 +582,7 @@ class ShardReader:
             entry = self.manifest["shards"][k]
             path = self.split_dir / entry["file"]
             if not path.exists():
-                raise CorruptShardError(f"{path} is listed in the manifest but missing; rebuild the dataset")
+                raise CorruptShardError(corrupt_shard_message(path, "listed in the manifest but missing"))
             if self.verify:
                 self._verified.check(path, entry)
             try:
@@ -544,3 +632,101 @@ class ShardReader:
         for k in range(self.num_shards):
             f = self._shard(k)[0]
             yield f.get_tensor("token_ids").to(torch.int64), f.get_tensor("loss_mask").to(torch.bool)
+
+
+# ----------------------------------------------------------------------------- soundness
+
+
+@dataclass
+class ShardCheck:
+    """One shard's verdict (``file`` is the manifest itself when that cannot be read)."""
+
+    split_dir: Path
+    file: str
+    samples: int
+    bytes: int
+    problem: str | None = None  # None: sound
+    hashed: bool = False  # read and hashed by this check (else trusted from its verification record)
+
+    @property
+    def path(self) -> Path:
+        return self.split_dir / self.file
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def _load_manifest(path: Path) -> dict:
+    """A manifest file's content; ``ValueError`` saying why it is not one."""
+    manifest = json.loads(path.read_text())
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        raise ValueError("it lists no shards")  # noqa: TRY004 - read_manifest reports every ValueError alike
+    return manifest
+
+
+def read_manifest(split_dir: str | Path) -> dict:
+    """A split's manifest; ``CorruptShardError`` when it is there but cannot be read."""
+    path = Path(split_dir) / MANIFEST
+    try:
+        return _load_manifest(path)
+    except ValueError as err:
+        raise CorruptShardError(f"{path} cannot be read ({err}): `{REPAIR_COMMAND}` extracts the split again") from None
+
+
+def verify_split(split_dir: str | Path, *, full: bool = False) -> list[ShardCheck]:
+    """Check every shard the split's manifest lists: once per file identity (``VerifiedShards``:
+    a shard unchanged since a passing check is not read again), or all of them with ``full``."""
+    split_dir = Path(split_dir)
+    try:
+        manifest = _load_manifest(split_dir / MANIFEST)
+    except ValueError as err:
+        return [ShardCheck(split_dir, MANIFEST, 0, 0, problem=f"the manifest cannot be read: {err}")]
+    verified = VerifiedShards(split_dir, full=full)
+    checks = []
+    for entry in manifest["shards"]:
+        path = split_dir / entry["file"]
+        hashed = not verified.is_recorded(path, entry)
+        checks.append(ShardCheck(split_dir, entry["file"], entry["samples"], entry["bytes"],
+                                 verified.problem(path, entry), hashed))
+    return checks
+
+
+def unverified_bytes(split_dirs: list[Path]) -> tuple[int, int]:
+    """(shards, bytes) a ``verify_split`` of these splits would read: those not verified since
+    they last changed (for a progress line before a long hash)."""
+    count = size = 0
+    for split_dir in split_dirs:
+        try:
+            manifest = read_manifest(split_dir)
+        except CorruptShardError:
+            continue
+        verified = VerifiedShards(split_dir)
+        for entry in manifest["shards"]:
+            if not verified.is_recorded(split_dir / entry["file"], entry):
+                count, size = count + 1, size + entry["bytes"]
+    return count, size
+
+
+def drop_shards(split_dir: str | Path, files: list[str]) -> int:
+    """Take ``files`` out of the split's manifest (marked incomplete) and off the disk, so the
+    writer's next run stores their samples again; returns how many samples they held."""
+    split_dir = Path(split_dir)
+    manifest = read_manifest(split_dir)
+    gone = [s for s in manifest["shards"] if s["file"] in set(files)]
+    manifest["shards"] = [s for s in manifest["shards"] if s["file"] not in set(files)]
+    for key, field_name in (("num_samples", "samples"), ("num_tokens", "tokens"), ("bytes", "bytes")):
+        manifest[key] = sum(s[field_name] for s in manifest["shards"])
+    manifest["complete"] = False
+    write_json_atomic(split_dir / MANIFEST, manifest, indent=1)
+    for name in files:
+        (split_dir / name).unlink(missing_ok=True)
+    return sum(s["samples"] for s in gone)
+
+
+def stored_samples(split_dir: str | Path) -> int:
+    """Samples the split's manifest lists (0 when it has none or cannot be read)."""
+    try:
+        return int(read_manifest(split_dir).get("num_samples", 0)) if (Path(split_dir) / MANIFEST).exists() else 0
+    except CorruptShardError:
+        return 0

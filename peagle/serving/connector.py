@@ -14,6 +14,11 @@ file layout and changes two things:
 Requests sent with ``kv_transfer_params={"skip_hidden_states": True}`` (ordinary
 generation on an extraction engine) write nothing.
 
+A write that fails (a full disk) leaves an empty marker ``<file>.error-<errno>`` before the
+writer releases the file's lock, so the reader fails at once with the cause instead of
+waiting for a file that will never come; an empty file needs no data block, so the marker
+can be made on a full disk.
+
 The engine imports this module by name (``kv_connector_module_path``) in its own
 process, so it must stay importable on its own.
 """
@@ -33,10 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from peagle.fileio import atomic_path
+from peagle.fileio import DISK_FULL, atomic_path, error_number
 from peagle.serving.generation import SKIP_KEY
 
 CONNECTOR_NAME = "PeagleHiddenStatesConnector"
+ERROR_MARK = ".error-"  # <file>.error-<errno>: the writer could not write <file>
 
 
 def hidden_states_kv_transfer_config(out_dir: str | Path, *, num_writer_threads: int = 4) -> dict:
@@ -100,11 +106,15 @@ class PeagleHiddenStatesConnector(ExampleHiddenStatesConnector):
         """Thread worker: wait for the copy, write the file atomically, release the lock.
 
         Not fsynced: a crash loses only files the data stage re-extracts on its next run.
+        A failure is marked (``mark_write_failed``) before the lock is released.
         """
         try:
             event.synchronize()
             with atomic_path(filename, durable=False) as tmp:
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        except BaseException as err:
+            mark_write_failed(filename, err)
+            raise
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
@@ -126,11 +136,42 @@ class HiddenStatesReadError(RuntimeError):
     """The engine reported a hidden-states file that never appeared (its write failed)."""
 
 
+class HiddenStatesWriteError(OSError):
+    """The engine's writer could not write a hidden-states file; ``errno`` says why (ENOSPC: a full disk)."""
+
+
+def mark_write_failed(filename: str, err: BaseException) -> None:
+    """Leave ``<filename>.error-<errno>`` for the reader (best effort: the reader still times out without it)."""
+    try:
+        with open(f"{filename}{ERROR_MARK}{error_number(err) or 0}", "w"):
+            pass
+    except OSError:
+        pass
+
+
+def write_failure(path: str) -> HiddenStatesWriteError | None:
+    """The writer's failure to write ``path`` as an exception to raise, or None when it left no marker."""
+    folder, name = os.path.split(path)
+    try:
+        marks = [m for m in os.listdir(folder or ".") if m.startswith(name + ERROR_MARK)]
+    except FileNotFoundError:
+        return None
+    if not marks:
+        return None
+    code = int(marks[0][len(name + ERROR_MARK):] or 0)
+    for m in marks:
+        os.remove(os.path.join(folder, m))
+    cause = os.strerror(code) if code else "an error (see the engine log)"
+    where = f" on {folder}" if code in DISK_FULL else ""
+    return HiddenStatesWriteError(code, f"vLLM's hidden-states writer failed{where}: {cause}", path)
+
+
 def read_hidden_states_file(path: str | Path, *, delete: bool = True, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
     """Load one request's file once its writer is done, then (by default) delete it.
 
     Waits on the writer's lock (held from before the engine returned the path until
-    the rename), then on the file itself for engines run without locks.
+    the rename, or until a failed write was marked), then on the file itself for engines
+    run without locks. A failed write raises ``HiddenStatesWriteError`` at once.
     """
     path = str(path)
     lock_path = path + ".lock"
@@ -139,6 +180,10 @@ def read_hidden_states_file(path: str | Path, *, delete: bool = True, timeout_s:
             fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the writer releases LOCK_EX
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
+        if (failure := write_failure(path)) is not None:
+            if os.path.exists(lock_path):
+                os.remove(lock_path)
+            raise failure
         if time.monotonic() > deadline:
             raise HiddenStatesReadError(
                 f"{path}: vLLM reported hidden states here but the file never appeared "

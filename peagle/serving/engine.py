@@ -90,10 +90,14 @@ def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
     in_process = cpu and "kv_transfer_config" not in kwargs and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     llm, host = _start_llm(model, kwargs, in_process=in_process)
     llm.peagle_startup_s = time.perf_counter() - started
+    interrupted = False
     try:
         yield llm
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        shutdown_llm(llm)
+        shutdown_llm(llm, timeout=0 if interrupted else None)
         del llm
         _release_memory(host)
 
@@ -205,11 +209,13 @@ def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
     return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[r * tp : (r + 1) * tp])} for r in range(dp)]
 
 
-def shutdown_llm(llm) -> None:
-    """Stop the engine's process(es) now instead of whenever the garbage collector runs."""
+def shutdown_llm(llm, timeout: float | None = None) -> None:
+    """Stop the engine's process(es) now instead of whenever the garbage collector runs.
+    ``timeout``: seconds they get to exit before they are killed (None: vLLM's grace period;
+    0 after a Ctrl-C, which must stop the command at once)."""
     engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if engine_core is not None:
-        engine_core.shutdown()
+        engine_core.shutdown(timeout=timeout)
 
 
 def _release_memory(host: _ProcessState | None = None) -> None:

@@ -138,6 +138,10 @@ class EnginePool:
                     "resume (the data stage redoes only the samples it has not stored)"
                 )
 
+    def kill(self) -> None:
+        """Stop every replica now, its engine's processes included (work in flight is lost)."""
+        self._kill_all()
+
     def _kill_all(self) -> None:
         """Kill each replica's process group: the replica and its engine's own processes."""
         for p in self._procs:
@@ -168,6 +172,9 @@ def open_engines(model: str, vllm_cfg: VllmConfig, *, replica_options: Callable[
     pool = EnginePool.start(model, vllm_cfg, [{**options, **extra(r)} for r in range(vllm_cfg.data_parallel_size)])
     try:
         yield pool
+    except KeyboardInterrupt:  # Ctrl-C stops the command at once (the replicas are process groups of their own)
+        pool.kill()
+        raise
     finally:
         pool.close()
 

@@ -11,14 +11,18 @@ from peagle.data.pipeline import (
     Record,
     append_samples,
     build_dataset,
+    plan_build,
     plan_records,
-    prepare_data_dir,
+    previous_samples,
     read_samples,
+    regeneration_key,
     render_records,
     write_samples,
 )
+from peagle.data.prompts import load_prompts
+from peagle.data.store import ShardReader
 from peagle.facts import TargetFacts
-from peagle.layout import BUILD_FILE
+from peagle.layout import BUILD_FILE, RunLayout
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Write a function that adds two numbers."},
@@ -79,25 +83,80 @@ def small_facts(vocab_size=384):
     )
 
 
-def test_other_configuration_is_refused_before_any_work(tmp_path, prompts_path):
+def test_other_configuration_is_refused_before_any_work(tmp_path, prompts_path, tiny_tokenizer_dir):
     cfg = make_cfg(tmp_path, prompts_path)
     data_dir = cfg.run_dir / "data"
     data_dir.mkdir(parents=True)
     (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "0123456789abcdef"}))
     with pytest.raises(ConfigError, match="another configuration.*--force"):
-        build_dataset(cfg, "/nonexistent/target", small_facts(), progress=False)
+        build_dataset(cfg, str(tiny_tokenizer_dir), small_facts(), progress=False)
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["data"]  # nothing written beside it
 
 
-def test_force_clears_the_old_dataset(tmp_path):
-    data_dir = tmp_path / "data"
+def test_a_bad_input_fails_before_anything_is_removed_or_written(tmp_path, prompts_path, tiny_tokenizer_dir):
+    """--force with a prompt path that does not exist: refused while loading the prompts; the
+    dataset of another configuration is left byte for byte, and no build.json of the failed
+    configuration makes the next (correct) run refuse."""
+    cfg = make_cfg(tmp_path, tmp_path / "no-such-prompts.jsonl")
+    data_dir = cfg.run_dir / "data"
+    (data_dir / "splits" / "train").mkdir(parents=True)
+    (data_dir / "splits" / "train" / "shard-00000.safetensors").write_bytes(b"hours of work")
+    (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "0123456789abcdef"}))
+    before = {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(Exception, match="no-such-prompts.jsonl"):
+        build_dataset(cfg, str(tiny_tokenizer_dir), small_facts(), progress=False, force=True)
+    assert {p: p.read_bytes() for p in cfg.run_dir.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["data"]
+
+
+def test_force_builds_beside_the_old_dataset_and_touches_nothing(tmp_path):
+    run = RunLayout(tmp_path / "run")
+    data_dir = run.data.root
     (data_dir / "splits" / "train").mkdir(parents=True)
     (data_dir / "splits" / "train" / "shard-00000.safetensors").write_bytes(b"x")
     (data_dir / "samples.jsonl").write_text('{"id": "a"}\n')
     (data_dir / BUILD_FILE).write_text(json.dumps({"config_hash": "old"}))
-    prepare_data_dir(data_dir, "new", force=True)
-    assert not (data_dir / "splits").exists() and not (data_dir / "samples.jsonl").exists()
-    assert json.loads((data_dir / BUILD_FILE).read_text()) == {"config_hash": "new"}
-    prepare_data_dir(data_dir, "new", force=False)  # same hash: fine
+    before = {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="another configuration.*--force.*old one stays"):
+        plan_build(run, "new", force=False, repair=False)
+    with pytest.raises(ConfigError, match="--repair mends a dataset with the configuration it was built with"):
+        plan_build(run, "new", force=False, repair=True)
+    plan = plan_build(run, "new", force=True, repair=False)
+    assert plan.layout.root == run.data_rebuild("new").root and plan.layout.root.is_dir()
+    assert plan.final.root == data_dir and plan.replaces == "old" and plan.reuse == (run.data.samples,)
+    assert {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file()} == before
+    # The rebuild is resumed by a later run of the same configuration, --force or not.
+    again = plan_build(run, "new", force=False, repair=False)
+    assert again.layout.root == plan.layout.root
+    assert plan_build(run, "old", force=False, repair=False).in_place  # the old configuration: its own dataset
+
+
+def test_a_first_build_goes_in_place(tmp_path):
+    run = RunLayout(tmp_path / "run")
+    plan = plan_build(run, "h", force=False, repair=False)
+    assert plan.in_place and plan.layout.root == run.data.root and not plan.trusts_unkeyed
+    assert not run.data.build.exists()  # build.json is written when a build completes, never before
+
+
+def test_the_disk_is_checked_before_any_vllm_work(tmp_path, prompts_path, tiny_tokenizer_dir, small_disk, caplog):
+    """A disk too small for what the build will write (every split, vLLM's scratch files, the
+    regenerated text) is refused before an engine starts, and the message says what needs it."""
+    import re
+
+    from peagle.data.store import DiskSpaceError
+
+    disk = small_disk(1 << 20)
+    cfg = parse_config({**cfg_dict(tmp_path, prompts_path), "workdir": str(disk.path / "run")})
+    caplog.set_level("INFO", logger="peagle.data")
+    with pytest.raises(DiskSpaceError) as info:
+        build_dataset(cfg, str(tiny_tokenizer_dir), small_facts(), progress=False)
+    message = str(info.value)
+    assert f"(on {disk.path})" in message, message
+    needs = re.search(r"this data build \((.*)\) needs", message).group(1)
+    assert [part.rsplit(" ", 2)[0] for part in needs.split(" + ")] == [
+        "train shards", "eval shards", "served shards", "vLLM scratch files", "regenerated text"], needs
+    assert "starting vLLM" not in caplog.text
+    assert not (disk.path / "run" / "data" / BUILD_FILE).exists()
 
 
 def test_draft_vocab_larger_than_target_is_refused(tmp_path, prompts_path):
@@ -146,20 +205,31 @@ def test_samples_file_survives_a_cut_line_and_ends_one_line_per_prompt(tmp_path)
     assert [d["id"] for d in lines] == ["a", "b"] and lines[1]["status"] == "failed: x"
 
 
-def test_a_rerun_restores_regenerated_responses(tmp_path, prompts_path):
+def test_a_rerun_restores_regenerated_responses_of_the_same_key(tmp_path, prompts_path):
     cfg = make_cfg(tmp_path, prompts_path)
-    data_dir = cfg.run_dir / "data"
-    data_dir.mkdir(parents=True)
-    first = plan_records(cfg, data_dir)
+    run = RunLayout(cfg.run_dir)
+    run.data.root.mkdir(parents=True)
+    prompts = load_prompts(cfg.data)
+    plan = plan_build(run, cfg.section_hash("target", "data"), force=False, repair=False)
+    key = regeneration_key(cfg, "local:abc")
+    first = plan_records(cfg, prompts, previous_samples(plan), key)
     assert all(r.regen is None for r in first)
     done = first[0]
     done.messages = done.messages[:1] + [{"role": "assistant", "content": "WRITTEN BY THE TARGET"}]
-    done.regen = "ok"
-    append_samples(data_dir / "samples.jsonl", [done])
-    again = plan_records(cfg, data_dir)
+    done.regen, done.regen_key = "ok", key
+    append_samples(run.data.samples, [done])
+    again = plan_records(cfg, prompts, previous_samples(plan), key)
     assert [r.id for r in again] == [r.id for r in first]
     restored = [r for r in again if r.regen is not None]
     assert len(restored) == 1 and restored[0].messages[-1]["content"] == "WRITTEN BY THE TARGET"
+    # Another target revision (or regeneration setting) regenerates: nothing is restored.
+    other = regeneration_key(cfg, "local:def")
+    assert other != key and regeneration_key(cfg.model_copy(update={"data": cfg.data.model_copy(
+        update={"regenerate": cfg.data.regenerate.model_copy(update={"max_tokens": 99})})}), "local:abc") != key
+    assert all(r.regen is None for r in plan_records(cfg, prompts, previous_samples(plan), other))
+    # A setting regeneration does not read keeps the key.
+    assert regeneration_key(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_seq_len": 32})}),
+                            "local:abc") == key
 
 
 # ----------------------------------------------------------------------------- end to end (vLLM)
@@ -338,3 +408,147 @@ def test_two_replicas_build_one_store_and_a_rerun_resumes_after_one_dies(tmp_pat
     redone = int(re.search(r"data: (\d+) sequences .* to extract", again.stdout).group(1))
     assert redone == sum(map(len, ok.values())) - len(before)  # the stored samples were not extracted again
     assert all(data.train.joinpath(name).read_bytes() == blob for name, blob in first_shards.items())
+
+
+# ----------------------------------------------------------------------------- the CLI as users run it (vLLM)
+
+
+def peagle(*args: str, timeout: float = 600) -> "subprocess.CompletedProcess":
+    """``peagle ARGS`` as a user runs it; stdout and stderr together."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "peagle.cli", *map(str, args)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def tiny_data_config(tmp_path, workdir=None, **data) -> tuple:
+    """(config file, RunLayout) of a run on a tiny Llama (vLLM-servable) and the test prompts."""
+    import yaml
+
+    from peagle.serving.tiny import build_tiny_llama
+
+    target = build_tiny_llama(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    cfg = cfg_dict(tmp_path, prompts, target=str(target), **data)
+    if workdir is not None:
+        cfg["workdir"] = str(workdir)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, RunLayout(parse_config(cfg).run_dir)
+
+
+def tree_bytes(root) -> dict:
+    """Every file under ``root`` (relative path -> bytes): a dataset compared byte for byte."""
+    from pathlib import Path
+
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_force_never_destroys_a_dataset_before_its_replacement_is_complete(tmp_path):
+    """--force with a typo in a prompt path: refused while loading the prompts, the built dataset
+    byte for byte as it was, and the next correct run needs no --force. A real --force rebuild
+    (another data.storage_dtype) reuses every regenerated response and replaces the dataset whole."""
+    config, run = tiny_data_config(tmp_path)
+    built = peagle("data", config)
+    assert built.returncode == 0, built.stdout
+    before = tree_bytes(run.data.root)
+    responses = {d["id"]: d["messages"] for d in map(json.loads, run.data.samples.read_text().splitlines())}
+
+    typo = peagle("data", config, "--force", "--set",
+                  f'data.sources=[{{kind: jsonl, path: "{tmp_path / "promts.jsonl"}"}}]')
+    assert typo.returncode != 0 and "promts.jsonl" in typo.stdout, typo.stdout
+    assert "starting vLLM" not in typo.stdout
+    assert tree_bytes(run.data.root) == before
+    assert not run.data_rebuilds()
+
+    again = peagle("data", config)  # the run as it was: nothing to do, no --force asked
+    assert again.returncode == 0 and "starting vLLM" not in again.stdout, again.stdout
+    assert tree_bytes(run.data.root) == before
+
+    refused = peagle("data", config, "--set", "data.storage_dtype=float32")
+    assert refused.returncode == 2 and "--force" in refused.stdout, refused.stdout
+    assert tree_bytes(run.data.root) == before
+
+    rebuilt = peagle("data", config, "--set", "data.storage_dtype=float32", "--force")
+    assert rebuilt.returncode == 0, rebuilt.stdout
+    assert f"{len(responses)} regenerated responses restored" in rebuilt.stdout
+    assert "regenerate:" not in rebuilt.stdout  # no response written again
+    assert {d["id"]: d["messages"] for d in map(json.loads, run.data.samples.read_text().splitlines())} == responses
+    manifest = json.loads(run.data.manifest("train").read_text())
+    assert json.loads(run.data.build.read_text())["config_hash"] == manifest["config_hash"] != json.loads(
+        before["build.json"])["config_hash"]
+    assert manifest["storage_dtype"] == "float32" and not run.data_rebuilds()
+    assert len(ShardReader(run.data.train, verify="full")) == json.loads(before["splits/train/manifest.json"])[
+        "num_samples"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_stage_at_once_and_a_rerun_resumes(tmp_path, small_disk):
+    """The disk fills up during extraction: the command stops (no wait on a file vLLM could not
+    write) naming the disk, what is kept and how to go on; once there is room, the same command
+    finishes the dataset without extracting the kept samples again."""
+    import re
+    import time
+
+    disk = small_disk(900 << 10)
+    config, run = tiny_data_config(tmp_path, workdir=disk.path / "run")
+    started = time.monotonic()
+    full = peagle("data", config, "--force")  # past the space checks (they only warn): the disk really fills
+    seconds = time.monotonic() - started
+    assert full.returncode == 1, full.stdout
+    assert f"the disk holding {run.data.root} ({disk.path}) is full" in full.stdout, full.stdout
+    assert "No space left on device" in full.stdout and "rerun the same command" in full.stdout
+    kept = int(re.search(r"Kept in \S+: (\d+) train", full.stdout).group(1))
+    assert kept > 0 and "12 regenerated responses" in full.stdout
+    assert seconds < 300, f"{seconds:.0f} s"  # vLLM's start and the regeneration; the failure itself is immediate
+    kept_shards = tree_bytes(run.data.train)
+    assert json.loads(kept_shards["manifest.json"])["num_samples"] == kept
+
+    disk.resize(64 << 20)  # the user frees space
+    resumed = peagle("data", config)
+    assert resumed.returncode == 0, resumed.stdout
+    assert "12 regenerated responses restored" in resumed.stdout and "regenerate:" not in resumed.stdout
+    todo = int(re.search(r"data: (\d+) sequences .* to extract", resumed.stdout).group(1))
+    stored = ShardReader(run.data.train, verify="full")
+    assert todo == len(stored) + len(ShardReader(run.data.eval)) - kept  # the kept samples were not extracted again
+    assert len(set(stored.sample_ids())) == len(stored)
+    assert all(tree_bytes(run.data.train).get(name) == blob for name, blob in kept_shards.items()
+               if name.startswith("shard-"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_data_stage_promptly_and_a_rerun_resumes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config, run = tiny_data_config(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "peagle.cli", "data", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    os.set_blocking(proc.stdout.fileno(), False)
+    out = b""
+    deadline = time.monotonic() + 600
+    while b"regenerate:" not in out and proc.poll() is None and time.monotonic() < deadline:
+        out += proc.stdout.read() or b""
+        time.sleep(0.05)
+    assert proc.poll() is None, out.decode()
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole foreground group
+    interrupted = time.monotonic()
+    while proc.poll() is None and time.monotonic() - interrupted < 60:
+        out += proc.stdout.read() or b""
+        time.sleep(0.05)
+    seconds = time.monotonic() - interrupted
+    out += proc.stdout.read() or b""
+    text = out.decode(errors="replace")
+    assert proc.returncode == 130, text
+    assert seconds < 10, f"{seconds:.1f} s after Ctrl-C"
+    assert "data: interrupted. Kept in" in text and "Rerun the same command" in text, text
+
+    again = peagle("data", config)
+    assert again.returncode == 0, again.stdout
+    assert len(ShardReader(run.data.train, verify="full")) > 0 and run.data.build.exists()

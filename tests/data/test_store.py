@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -163,7 +164,7 @@ def test_corrupt_shard_is_named(tmp_path):
     reader = ShardReader(tmp_path)
     reader[0]  # shard 0 is intact
     first_of_shard_1 = json.loads((tmp_path / "manifest.json").read_text())["shards"][0]["samples"]
-    with pytest.raises(CorruptShardError, match="shard-00001.safetensors is corrupt"):
+    with pytest.raises(CorruptShardError, match=r"shard-00001.safetensors is corrupt.*peagle data CONFIG --repair"):
         reader[first_of_shard_1]
     shard.write_bytes(bytes(data[:100]))  # truncated
     with pytest.raises(CorruptShardError, match="shard-00001"):
@@ -303,3 +304,76 @@ def test_replaced_shard_is_checked_again(tmp_path, monkeypatch):
     os.replace(other, shard)
     with pytest.raises(CorruptShardError, match="shard-00000.safetensors is corrupt"):
         ShardReader(tmp_path)[0]
+
+
+# ----------------------------------------------------------------------------- soundness and repair
+
+
+def flip_bytes(path, count=16):
+    """Flip ``count`` bytes in the middle of a file, as bit rot or a bad copy would."""
+    data = bytearray(path.read_bytes())
+    for k in range(count):
+        data[len(data) // 2 + k] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_split_reports_each_shard_and_hashes_only_what_changed(tmp_path, monkeypatch):
+    hashed = _aged_split(tmp_path, monkeypatch)
+    checks = store.verify_split(tmp_path)
+    assert [c.file for c in checks] == sorted(p.name for p in tmp_path.glob("shard-*")) and len(checks) > 2
+    assert all(c.ok and c.hashed for c in checks) and len(hashed) == len(checks)
+    flip_bytes(tmp_path / "shard-00001.safetensors")
+    (tmp_path / "shard-00002.safetensors").unlink()
+    again = {c.file: c for c in store.verify_split(tmp_path)}
+    assert hashed[len(checks):] == ["shard-00001.safetensors"]  # the unchanged ones are trusted from the record
+    assert again["shard-00001.safetensors"].problem == "its sha256 does not match the manifest's"
+    assert again["shard-00002.safetensors"].problem == "missing"
+    assert again["shard-00000.safetensors"].ok and not again["shard-00000.safetensors"].hashed
+    (tmp_path / "manifest.json").write_text("{not json")
+    [only] = store.verify_split(tmp_path)
+    assert only.file == "manifest.json" and "cannot be read" in only.problem
+
+
+def test_dropped_shards_are_stored_again_under_new_names(tmp_path):
+    """--repair's step: a corrupt shard leaves the manifest; the writer's next run stores exactly
+    its samples again, in a shard of a number never used before."""
+    write(tmp_path, range(20))
+    names = sorted(p.name for p in tmp_path.glob("shard-*"))
+    flip_bytes(tmp_path / names[1])
+    lost = store.drop_shards(tmp_path, [names[1]])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert not manifest["complete"] and manifest["num_samples"] == 20 - lost and lost > 0
+    assert not (tmp_path / names[1]).exists()
+    with ShardWriter(tmp_path, LAYERS, 64, "bfloat16", 1000, {"config_hash": "h1"}) as w:
+        missing = [i for i in range(20) if make_sample(i)[0] not in w.done_ids()]
+        assert len(missing) == lost
+        for i in missing:
+            w.add(*make_sample(i))
+    assert f"shard-{len(names):05d}.safetensors" in {s["file"] for s in w.manifest["shards"]}
+    assert sorted(ShardReader(tmp_path, verify="full").sample_ids()) == sorted(make_sample(i)[0] for i in range(20))
+
+
+def test_a_writer_writes_a_shard_once_its_buffer_is_old(tmp_path):
+    with ShardWriter(tmp_path, LAYERS, 64, "bfloat16", 10**9, {"config_hash": "h1"}, max_buffer_s=0.0) as w:
+        w.add(*make_sample(0))
+        assert len(w.manifest["shards"]) == 1 and w.num_buffered == 0
+        w.add(*make_sample(1))
+        assert len(w.manifest["shards"]) == 2
+
+
+def test_a_full_disk_while_closing_keeps_the_error_that_ended_the_block(small_disk):
+    disk = small_disk(256 << 10)
+    with pytest.raises(ValueError, match="the real error"):
+        with ShardWriter(disk.path / "train", LAYERS, 256, "float32", 10**9, {"config_hash": "h1"}) as w:
+            for i in range(8):  # ~1 MiB buffered: more than the disk holds
+                w.add(*make_sample(i, 256))
+            raise ValueError("the real error")
+    assert not [p for p in (disk.path / "train").iterdir() if p.name.startswith((".shard", "shard"))]
+
+
+def test_free_space_check_names_the_disk_and_what_needs_it(small_disk):
+    disk = small_disk(1 << 20)
+    where = re.escape(f"at {disk.path} (on {disk.path}): the test needs 2.0 MiB but only")
+    with pytest.raises(DiskSpaceError, match=where):
+        check_free_space(disk.path / "x", 2 << 20, what="the test")
+    assert store.mount_point(disk.path / "x" / "y") == disk.path

@@ -57,3 +57,34 @@ def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(HiddenStatesReadError, match="never appeared"):
         read_hidden_states_file(tmp_path / "absent.safetensors", timeout_s=0.1)
 
+
+
+def test_a_failed_write_is_reported_at_once_with_its_cause(small_disk):
+    """vLLM's writer thread runs out of disk: the reader (asleep on the file's lock) fails at once
+    with ENOSPC and the folder, instead of waiting for a file that never comes."""
+    import errno
+
+    from peagle.serving.connector import HiddenStatesWriteError
+
+    disk = small_disk(64 << 10)
+    path = str(disk.path / "req.safetensors")
+    tensors = {"hidden_states": torch.randn(128, 4, 256), "token_ids": torch.arange(128)}  # 512 KiB
+    lock_fd = _open_exclusive_lock(path)
+    failed = []
+
+    def write():
+        time.sleep(0.3)
+        try:
+            PeagleHiddenStatesConnector._write_tensors(tensors, _CopyDone(), path, lock_fd)
+        except Exception as err:  # noqa: BLE001 - vLLM logs it; the test only keeps it
+            failed.append(err)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    started = time.monotonic()
+    with pytest.raises(HiddenStatesWriteError, match=f"failed on {disk.path}: No space left on device") as info:
+        read_hidden_states_file(path, timeout_s=10)
+    writer.join()
+    assert info.value.errno == errno.ENOSPC and failed
+    assert time.monotonic() - started < 5  # the lock's release, not the 600 s wait for the file
+    assert os.listdir(disk.path) == []  # no lock, marker or half-written file left

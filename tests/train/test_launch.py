@@ -101,3 +101,73 @@ def test_muon_on_a_cpu_without_a_compiler_is_refused_before_any_rank_starts(tmp_
     with pytest.raises(ConfigError, match=r"needs a C\+\+ compiler.*apt-get install g\+\+.*optimizer: adamw"):
         launch_training(tiny_config(optimizer="muon"), tmp_path / "data", "target", out)
     assert not out.exists()  # nothing started, nothing written
+
+
+# ----------------------------------------------------------------------------- checked before any rank starts
+
+
+def _tiny_run(tmp_path):
+    """A tiny target and a real dataset of its hidden states (tests/train/test_deepspeed.py's builders)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deepspeed import build_tiny_dataset, build_tiny_target
+
+    target = build_tiny_target(tmp_path / "target")
+    return build_tiny_dataset(tmp_path / "data", target, num_samples=12), target
+
+
+def test_a_corrupt_shard_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """16 bytes flipped in one shard: no rank starts; the message names the shard and the fix."""
+    import pytest
+
+    from peagle.data.store import CorruptShardError
+    from peagle.train.launch import launch_training
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deepspeed import tiny_config
+
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
+    data_dir, target = _tiny_run(tmp_path)
+    shard = data_dir / "splits" / "train" / "shard-00001.safetensors"
+    blob = bytearray(shard.read_bytes())
+    blob[len(blob) // 2 : len(blob) // 2 + 16] = bytes(b ^ 0xFF for b in blob[len(blob) // 2 : len(blob) // 2 + 16])
+    shard.write_bytes(bytes(blob))
+    out = tmp_path / "out"
+    with pytest.raises(CorruptShardError, match=rf"{shard} \(its sha256 does not match.*`peagle data CONFIG --repair`"):
+        launch_training(tiny_config(max_steps=2), data_dir, str(target), out, progress=False)
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_no_dataset_is_refused_before_any_rank_starts(tmp_path):
+    import pytest
+
+    from peagle.data.store import MissingDatasetError
+    from peagle.train.launch import launch_training
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deepspeed import tiny_config
+
+    out = tmp_path / "out"
+    with pytest.raises(MissingDatasetError, match=r"no usable dataset in .*data.*`peagle data CONFIG`"):
+        launch_training(tiny_config(max_steps=2), tmp_path / "data", "target", out, progress=False)
+    assert not out.exists()
+
+
+def test_too_little_disk_for_the_checkpoints_is_refused_before_any_rank_starts(tmp_path, small_disk):
+    import pytest
+
+    from peagle.data.store import DiskSpaceError
+    from peagle.train.launch import checkpoint_space_needed, launch_training
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deepspeed import tiny_config
+
+    data_dir, target = _tiny_run(tmp_path)
+    cfg = tiny_config(max_steps=2, keep_last=3)
+    needed, at_once, each = checkpoint_space_needed(cfg, data_dir, tmp_path / "none")
+    assert at_once == 5 and needed == 5 * each
+    disk = small_disk(needed - (1 << 20))
+    out = disk.path / "checkpoints"
+    with pytest.raises(DiskSpaceError, match=r"training \(5 checkpoints of up to .* train\.keep_last=3, the best and "
+                                             r"the one being written\) needs .*lower train\.keep_last"):
+        launch_training(cfg, data_dir, str(target), out, progress=False)
+    assert not out.exists()
