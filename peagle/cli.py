@@ -159,7 +159,6 @@ def train_cmd(
 ):
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
     from peagle import stages
-
     from peagle.data.check import check_dataset
 
     cfg = _load(config, set_ or [])

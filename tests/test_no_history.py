@@ -29,9 +29,8 @@ HISTORY = [
 
 CHECKED = ["README.md", "CHANGELOG.md", "Makefile", "pyproject.toml", "prefect.yaml", ".ci",
            "docs", "peagle", "flows", "configs", "bench", "deploy", "docker", "tests"]
-# The top-level README.md is being rewritten; until then it still tells the project's history.
-# Remove it from here with that rewrite (the strict xfail below fails once it passes).
-AWAITING_REWRITE = {"README.md"}
+# Paths still telling the project's history (a strict xfail: it fails once the path passes).
+AWAITING_REWRITE: set[str] = set()
 SKIPPED_PARTS = {"__pycache__", ".pytest_cache"}
 
 

@@ -107,8 +107,7 @@ def synthesize_prompts(cfg: PipelineConfig, target_path: str, tokenizer) -> None
         return
     from peagle.serving.pool import open_engines
 
-    for src in stale:
-        user_turn_opening(tokenizer)  # a template that cannot be sampled fails before the engine starts
+    user_turn_opening(tokenizer)  # a template that cannot be sampled fails before the engine starts
     t = cfg.target
     log.info("data: starting vLLM to sample %d Magpie requests from %s",
              sum(src.max_samples for src in stale), target_path)

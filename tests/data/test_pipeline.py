@@ -413,8 +413,8 @@ def test_two_replicas_build_one_store_and_a_rerun_resumes_after_one_dies(tmp_pat
 # ----------------------------------------------------------------------------- the CLI as users run it (vLLM)
 
 
-def peagle(*args: str, timeout: float = 600) -> "subprocess.CompletedProcess":
-    """``peagle ARGS`` as a user runs it; stdout and stderr together."""
+def peagle(*args: str, timeout: float = 600):
+    """``peagle ARGS`` as a user runs it (a CompletedProcess); stdout and stderr together."""
     import subprocess
     import sys
 
