@@ -3,11 +3,13 @@
 ``build_dataset`` writes ``<run>/data/`` (format in docs/design.md, "Dataset"):
 
 1. load and mix the prompt sources, hold out ``data.heldout_samples`` for evaluation;
+   refuse a mask token the prompts contain (``peagle.data.mask_token``);
 2. regenerate every assistant turn with the target (vLLM), persisted to
    ``samples.jsonl`` as each batch finishes, so a rerun never regenerates twice;
 3. render each conversation with the target's chat template + assistant loss mask,
    drop sequences shorter than ``data.min_tokens`` and TRUNCATE longer ones to
-   ``data.max_seq_len`` (recorded per sample as ``truncated_from``);
+   ``data.max_seq_len`` (recorded per sample as ``truncated_from``); refuse a mask token
+   the rendered samples contain (the chat template's, or the target's answers);
 4. print the disk the hidden states will take and refuse when it is not free;
 5. extract the hidden states of ``facts.stored_layer_ids`` (same vLLM engine) into
    train/eval shards; samples already in a shard are skipped on a rerun; then the
@@ -39,6 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from peagle.config import ConfigError, PipelineConfig
+from peagle.data import mask_token
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.prompts import Conversation, load_prompts, split_heldout
 from peagle.data.served import build_served_split, served_is_current
@@ -94,7 +97,7 @@ def build_dataset(
     """Build (or finish building) the dataset of ``cfg`` for the target at ``target_path``."""
     from transformers import AutoTokenizer
 
-    from peagle.eval.online import check_eval_prompts
+    from peagle.eval.prompts import check_eval_prompts
 
     check_eval_prompts(cfg)  # the served split and the evaluate stage read them
     layout = RunLayout(cfg.run_dir).data
@@ -108,6 +111,7 @@ def build_dataset(
     )
 
     records = plan_records(cfg, data_dir)
+    mask_token.check_prompts(records, tokenizer, cfg.target, facts.mask_token_id)  # before any engine starts
     max_len = min(cfg.data.max_seq_len, cfg.vllm.max_model_len - 1)  # extraction needs one spare position
     meta = {"config_hash": config_hash, "target": cfg.target.model, "target_revision": cfg.target.revision}
     with ExitStack() as stack:
@@ -125,6 +129,7 @@ def build_dataset(
                 regenerate(llm, tokenizer, pending_regen, cfg, layout.samples, progress)
         render_records(tokenizer, records, cfg, max_len, progress)
         require_training_samples(records)
+        mask_token.check_samples(records, tokenizer, cfg.target, facts.mask_token_id)  # the answers too
         todo = [r for r in records if r.status == "ok" and r.id not in writers[r.split].done_ids()]
         check_disk(todo, facts, cfg, data_dir, force)
         if todo:

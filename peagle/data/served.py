@@ -54,7 +54,8 @@ def served_manifest(data: DataLayout) -> dict | None:
 
 def eval_token_prompts(cfg: PipelineConfig, tokenizer) -> list[list[int]]:
     """The evaluation prompts as token ids, exactly as the online evaluation sends them."""
-    from peagle.eval.online import fit_prompts, load_eval_prompts, tokenize_prompts
+    from peagle.eval.online import fit_prompts
+    from peagle.eval.prompts import load_eval_prompts, tokenize_prompts
 
     prompts = tokenize_prompts(load_eval_prompts(cfg), tokenizer)
     return fit_prompts(prompts, cfg.vllm.max_model_len, cfg.eval.max_tokens, max(cfg.eval.ks))
@@ -75,7 +76,8 @@ def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, la
     """
     from peagle.data.extract import extract_with_engine
     from peagle.data.store import ShardWriter
-    from peagle.eval.online import NoPromptFits, PromptSetUnavailable
+    from peagle.eval.online import NoPromptFits
+    from peagle.eval.prompts import PromptSetUnavailable
     from peagle.serving.generation import generate_from_token_ids
 
     key = served_key(cfg)

@@ -22,7 +22,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from peagle.config import VllmConfig, resolve_repo_path
+from peagle.config import VllmConfig
+from peagle.eval.prompts import tokenize_prompts
 from peagle.export.contract import speculative_config
 from peagle.fileio import write_json_atomic
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
@@ -31,160 +32,6 @@ log = logging.getLogger(__name__)
 
 BASELINE = "baseline"
 WARMUP_TOKENS = 8
-
-# Public benchmarks reachable through `datasets`: (repo, subset, split, column). The
-# column holds the prompt, or a list of turns of which the first is used.
-HUB_PROMPT_SETS = {
-    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),
-    "humaneval": ("openai/openai_humaneval", None, "test", "prompt"),
-    "gsm8k": ("openai/gsm8k", "main", "test", "question"),
-    "speed-bench": ("nvidia/SPEED-Bench", "qualitative", "test", "turns"),
-}
-
-
-# ---------------------------------------------------------------- prompt sets
-
-
-class PromptSetUnavailable(RuntimeError):
-    """A benchmark that cannot be loaded here (offline, gated, renamed); callers skip it."""
-
-
-class NoPromptFits(ValueError):
-    """Every prompt is too long for the engine's context with the generation budget."""
-
-
-def _user_turns(messages: list[dict]) -> list[dict]:
-    """The conversation up to its first assistant turn: what the model is asked."""
-    out = []
-    for m in messages:
-        if m.get("role") == "assistant":
-            break
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
-
-
-def load_jsonl_prompts(path: Path, limit: int | None = None) -> list[list[dict] | str]:
-    """A ``{"id", "messages": [...]}`` (or ``{"prompt": str}``) JSON-lines file -> user turns;
-    ``{"text": str}`` lines (completion traffic) -> the raw text."""
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not JSON ({err}); one object per line") from None
-        if "messages" in row:
-            messages = _user_turns(row["messages"])
-        elif "prompt" in row:
-            messages = [{"role": "user", "content": row["prompt"]}]
-        elif isinstance(row.get("text"), str) and row["text"]:
-            messages = row["text"]
-        else:
-            raise ValueError(f"{path}:{n}: needs a 'messages' list, a 'prompt' string (chat) or a 'text' "
-                             "string (completion)")
-        if not messages:
-            raise ValueError(f"{path}:{n}: no user turn before the first assistant turn")
-        prompts.append(messages)
-        if limit and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
-
-
-def load_hub_prompts(name: str, limit: int | None = None) -> list[list[dict]]:
-    """A public benchmark through ``datasets``; raises ``PromptSetUnavailable`` when unreachable."""
-    repo, subset, split, column = HUB_PROMPT_SETS[name]
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(repo, subset, split=split)
-    except Exception as err:
-        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise PromptSetUnavailable(
-            f"prompt set {name!r} ({repo}) is unavailable here: {reason}. With network access unset "
-            "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE, or pass a local JSON-lines file instead"
-        ) from None
-    prompts = []
-    for row in ds:
-        text = row[column]
-        text = text[0] if isinstance(text, list) else text
-        prompts.append([{"role": "user", "content": text}])
-        if limit and len(prompts) >= limit:
-            break
-    return prompts
-
-
-def load_prompt_set(name_or_path: str, limit: int | None = None) -> list[list[dict]]:
-    """Chat prompts (user turns) from a benchmark name in ``HUB_PROMPT_SETS`` or a JSON-lines path."""
-    if name_or_path.lower() in HUB_PROMPT_SETS:
-        return load_hub_prompts(name_or_path.lower(), limit)
-    path = resolve_repo_path(name_or_path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"prompt set {name_or_path!r}: no such file, and not one of {sorted(HUB_PROMPT_SETS)}"
-        )
-    return load_jsonl_prompts(path, limit)
-
-
-def load_eval_prompts(cfg, completion: bool = False) -> list:
-    """The run's evaluation prompts (``eval.prompts``, or ``eval.completion_prompts`` with
-    ``completion``; the first ``eval.num_prompts``): a file relative to the repository, or a
-    benchmark name."""
-    name = cfg.eval.completion_prompts if completion else cfg.eval.prompts
-    path = resolve_repo_path(name)
-    return load_prompt_set(str(path) if path.exists() else name, cfg.eval.num_prompts)
-
-
-def load_completion_prompts(cfg) -> list[str]:
-    """``eval.completion_prompts`` as raw texts (none when unset); a chat set there is refused."""
-    if not cfg.eval.completion_prompts:
-        return []
-    prompts = load_eval_prompts(cfg, completion=True)
-    if not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"eval.completion_prompts={cfg.eval.completion_prompts!r} holds chat prompts; it needs "
-                         '{"text": ...} lines (completion traffic), e.g. data/prompts/code_completion_eval.jsonl')
-    return prompts
-
-
-def check_eval_prompts(cfg) -> None:
-    """Load both evaluation prompt sets once, so a missing or malformed file fails before the
-    data stage's work, not hours later in the evaluate stage (an unreachable benchmark only warns)."""
-    for load in (load_eval_prompts, load_completion_prompts):
-        try:
-            load(cfg)
-        except PromptSetUnavailable as err:
-            log.warning("%s", err)
-
-
-def load_prompt_sets(names: Sequence[str], limit: int | None = None) -> dict[str, list[list[dict]]]:
-    """Every set that loads; unreachable benchmarks are skipped with a logged reason."""
-    loaded = {}
-    for name in names:
-        try:
-            loaded[name] = load_prompt_set(name, limit)
-        except PromptSetUnavailable as err:
-            log.warning("skipping: %s", err)
-    return loaded
-
-
-def tokenize_prompts(prompts: Sequence, tokenizer) -> list[list[int]]:
-    """Token ids as the target sees them: chat messages go through its chat template, a raw
-    text (completion traffic) is tokenised as a completion request does, token ids stay."""
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            out.append([int(t) for t in tokenizer(p)["input_ids"]])
-            continue
-        if p and isinstance(p[0], int):
-            out.append(list(p))
-            continue
-        enc = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
-        ids = enc["input_ids"] if isinstance(enc, Mapping) or hasattr(enc, "keys") else enc
-        out.append([int(t) for t in ids])
-    return out
-
 
 # ---------------------------------------------------------------- results
 
@@ -278,6 +125,10 @@ class OnlineResult:
 
 
 # ---------------------------------------------------------------- measuring
+
+
+class NoPromptFits(ValueError):
+    """Every prompt is too long for the engine's context with the generation budget."""
 
 
 def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, vllm_cfg: VllmConfig) -> None:

@@ -6,16 +6,8 @@ import math
 import pytest
 
 from peagle.config import VllmConfig
-from peagle.eval.online import (
-    BASELINE,
-    OnlineResult,
-    OnlineRow,
-    PromptSetUnavailable,
-    evaluate_online,
-    load_prompt_set,
-    load_prompt_sets,
-    tokenize_prompts,
-)
+from peagle.eval.online import BASELINE, OnlineResult, OnlineRow, evaluate_online
+from peagle.eval.prompts import PromptSetUnavailable, load_prompt_set, load_prompt_sets, tokenize_prompts
 from peagle.eval.plots import plot_online
 from peagle.paths import REPO_ROOT
 from tests.train.test_partition import tiny_spec
@@ -187,7 +179,8 @@ def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
 
 def test_eval_prompt_files_are_checked_before_the_data_stage(tmp_path):
     from peagle.config import load_config
-    from peagle.eval.online import check_eval_prompts, load_completion_prompts
+    from peagle.config import ConfigError
+    from peagle.eval.prompts import check_eval_prompts, load_completion_prompts
 
     cfg = load_config("configs/demo.yaml")
     check_eval_prompts(cfg)
@@ -195,6 +188,6 @@ def test_eval_prompt_files_are_checked_before_the_data_stage(tmp_path):
     chat_as_completion = load_config("configs/demo.yaml", {"eval.completion_prompts": str(CODE_EVAL)})
     with pytest.raises(ValueError, match=r"eval.completion_prompts=.*holds chat prompts.*\{\"text\": \.\.\.\} lines"):
         check_eval_prompts(chat_as_completion)
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(ConfigError, match=r"eval.completion_prompts: .*none.jsonl.* is neither a file"):
         check_eval_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": str(tmp_path / "none.jsonl")}))
     assert load_completion_prompts(load_config("configs/demo.yaml", {"eval.completion_prompts": None})) == []

@@ -54,3 +54,19 @@ def test_refuses_before_starting_vllm(tmp_path):
         plan_serving(unpulled)
     with pytest.raises(ValueError, match="at least 1"):
         plan_serving(unpulled, target="org/t", k=0)
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "corrupt config"])
+def test_serve_refuses_a_truncated_or_corrupt_head_naming_the_file(tmp_path, damage):
+    from tests.peagle_cli import assert_refused, peagle
+
+    head = head_dir(tmp_path / "h", mask_hidden=True, card_target="org/t")
+    if damage == "truncated weights":
+        weights = head / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-20])  # a copy or download cut short
+        says = f"{weights} is not a readable safetensors file"
+    else:
+        (head / "config.json").write_text('{"architectures": [')
+        says = f"{head / 'config.json'} is not valid JSON"
+    assert_refused(peagle("serve", head), says, "The head is truncated or corrupt: pull it again",
+                   "or export it again (`peagle export CONFIG`)")
