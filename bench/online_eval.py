@@ -202,7 +202,8 @@ def main() -> None:
     from rich.console import Console
 
     from peagle import stages
-    from peagle.eval.online import evaluate_online, prompt_set_name
+    from peagle.eval.online import evaluate_online
+    from peagle.eval.prompts import prompt_set_name
     from peagle.eval.plots import plot_online
     from peagle.methods import get_method
 

@@ -133,7 +133,8 @@ CALIBRATION_STEPS = 25
 QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3_num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3,
                    "train.max_len": 64,
                    "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "train.grad_accum": 1,
-                   "data.max_seq_len": 256, "vllm.max_model_len": 512, "eval.num_prompts": 4, "eval.max_tokens": 32}
+                   "data.max_seq_len": 256, "vllm.max_model_len": 512, "eval.num_prompts": 4, "eval.max_tokens": 32,
+                   "eval.ks": [1, 3]}
 
 
 # ----------------------------------------------------------------------------- measuring

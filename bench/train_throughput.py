@@ -221,7 +221,7 @@ def compare(args, version: str, tmp: Path) -> Run:
 
     overrides = {"train.method": "peagle", **({"train.epochs": args.epochs} if args.epochs else {})}
     if args.quick:  # the tiny target's positions
-        overrides.update({"train.max_len": 64, "train.k_train": 3, "drafter.num_layers": 1})
+        overrides.update({"train.max_len": 64, "train.k_train": 3, "drafter.num_layers": 1, "eval.ks": [1, 3]})
     cfg = load_config(args.config, overrides)
     if args.quick:
         data_dir, target_dir = tiny_head_dataset(tmp)

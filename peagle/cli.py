@@ -57,8 +57,16 @@ def _library_output(cfg):
 
 @config_app.command("check")
 def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
-    """Validate a config (types, unknown keys, impossible combinations) without running anything."""
+    """Validate a config (types, unknown keys, impossible combinations, the evaluation prompt
+    files it names) without running anything."""
+    from peagle.eval.prompts import check_eval_prompts
+
     cfg = _load(config, set_)
+    try:
+        check_eval_prompts(cfg, hub=False)  # files only: a benchmark is downloaded when a run needs it
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
     console.print(f"[green]{config}: valid[/green] (run directory {cfg.run_dir})")
 
 
@@ -254,11 +262,11 @@ def pull_cmd(
 ):
     """Download a registered head, verified against its registered file hashes, ready to serve."""
     from peagle.config import TrackingConfig
-    from peagle.tracking.mlflow_run import make_client, resolve_tracking_uri
+    from peagle.tracking.mlflow_run import read_client, resolve_tracking_uri
     from peagle.tracking.registry import pull_head
 
-    client = make_client(resolve_tracking_uri(TrackingConfig(tracking_uri=tracking_uri)))
     try:
+        client = read_client(resolve_tracking_uri(TrackingConfig(tracking_uri=tracking_uri)))
         pulled = pull_head(client, model_uri, out_dir, target=target, overwrite=overwrite)
     except (ValueError, LookupError, FileExistsError) as err:
         console.print(f"[red]{err}[/red]", soft_wrap=True)

@@ -1,9 +1,12 @@
 """Typed configuration: one YAML file in ``configs/`` describes a whole pipeline run.
 
 Every model forbids unknown keys, so a typo fails at load time with the key's path
-instead of being silently ignored. Checks that need the target's own config (layer ids
-beyond its depth, a mask token it does not have) live in ``peagle.facts``, which runs
-them before any heavy work starts.
+instead of being silently ignored. The file is read strictly too: a key given twice in
+one mapping (a second ``train:`` section, say) is refused with both lines, a YAML
+boolean (``yes``, ``on``) is not a number, and no number may be infinite or NaN.
+Checks that need the target's own config (layer ids beyond its depth, a mask token it
+does not have) live in ``peagle.facts``, which runs them before any heavy work starts;
+the prompt files a config names are read by ``peagle.eval.prompts.check_eval_prompts``.
 """
 
 from __future__ import annotations
@@ -11,21 +14,77 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from peagle.methods import DEFAULT_METHOD, available_methods
+from peagle.methods import DEFAULT_METHOD, available_methods, get_method
 from peagle.paths import REPO_ROOT, peagle_home
 
 EMBEDDED_TARGET = "embedded"
 
 
+def _takes_number(annotation) -> bool:
+    """Whether a field's type reads an int or a float anywhere (``int | None``, ``list[int]``,
+    ``Literal[0, 1]``...), not counting what a nested config section reads itself."""
+    if annotation in (int, float):
+        return True
+    if isinstance(annotation, type):
+        return False
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return any(type(a) in (int, float) for a in args)
+    if typing.get_origin(annotation) is Annotated:
+        args = args[:1]
+    return any(_takes_number(a) for a in args)
+
+
+def _takes_bool(annotation) -> bool:
+    if annotation is bool:
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return any(isinstance(a, bool) for a in typing.get_args(annotation))
+    return any(_takes_bool(a) for a in typing.get_args(annotation))
+
+
+def _holds_bool(value) -> bool:
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_bool(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_bool(v) for v in value.values())
+    return False
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Every config section: unknown keys, infinite or NaN numbers and booleans given for
+    numbers are errors (pydantic would read ``epochs: yes`` as 1 and ``.inf`` as a number)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value, info: ValidationInfo):
+        annotation = cls.model_fields[info.field_name].annotation
+        if _holds_bool(value) and _takes_number(annotation) and not _takes_bool(annotation):
+            raise ValueError(
+                f"{value!r} is a boolean where a number is wanted (YAML reads yes/no/on/off/true/false "
+                "as booleans): write the number"
+            )
+        return value
 
 
 class EmbeddedTargetRecipe(Strict):
@@ -435,6 +494,38 @@ class PipelineConfig(Strict):
             raise ValueError("eval.max_tokens + max(eval.ks) must fit in vllm.max_model_len")
         return self
 
+    @model_validator(mode="after")
+    def _ks_trained(self):
+        """A head is evaluated (offline and served) at every K of ``eval.ks``: none may be beyond
+        the positions its method trains (``DraftingMethod.max_eval_k``; P-EAGLE's ``k_train``)."""
+        method = get_method(self.train.method)
+        limit = method.max_eval_k(self.train)
+        beyond = [k for k in self.eval.ks if limit is not None and k > limit]
+        if beyond:
+            raise ValueError(
+                f"eval.ks {self.eval.ks}: K = {', '.join(map(str, beyond))} is beyond the {limit} draft positions a "
+                f"{method.display_name} head trains (train.k_train = {limit}), so it would be evaluated and served "
+                f"at positions it never learned: lower eval.ks to at most {limit} or raise train.k_train to "
+                f"{max(beyond)}"
+            )
+        return self
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_is_a_directory(cls, v):
+        """A file (or a file on the way to it) cannot hold a run; refuse it at load time, not at
+        the first directory a stage creates."""
+        if v is None:
+            return v
+        path = Path(v)
+        blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise ValueError(
+                f"{blocking} is a file, not a directory: set workdir to a directory (created when missing) "
+                "where the run's data, checkpoints and heads go"
+            )
+        return v
+
     @property
     def run_dir(self) -> Path:
         base = Path(self.workdir) if self.workdir else peagle_home() / "runs" / self.name
@@ -451,6 +542,56 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file, the key and the fix."""
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping (PyYAML would keep the last one silently)."""
+
+    def __init__(self, key: str, line: int, first_line: int):
+        self.key, self.line, self.first_line = key, line, first_line
+        super().__init__(f"{key} is given twice (lines {first_line} and {line})")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses duplicate keys at any depth, naming the key's dotted
+    path and both lines. Keys a merge (``<<: *anchor``) brings in may be overridden, as YAML
+    intends."""
+
+    def construct_document(self, node):
+        _refuse_duplicate_keys(node, "", set())
+        return super().construct_document(node)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_duplicate_keys(node, path: str, visited: set[int]) -> None:
+    if id(node) in visited:  # an alias of a node already checked
+        return
+    visited.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]", visited)
+    elif isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                _refuse_duplicate_keys(value_node, path, visited)
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):  # a complex key: no config has one
+                continue
+            key = key_node.value
+            dotted = f"{path}.{key}" if path else key
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise DuplicateKeyError(dotted, line, first_line[key])
+            first_line[key] = line
+            _refuse_duplicate_keys(value_node, dotted, visited)
+
+
+def read_yaml(text: str):
+    """YAML text as Python data, refusing duplicate keys (``UniqueKeyLoader``)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _format_errors(path: Path, err: ValidationError) -> str:
     lines = [f"{path}: invalid configuration"]
     for e in err.errors():
@@ -458,6 +599,8 @@ def _format_errors(path: Path, err: ValidationError) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check its spelling against configs/demo.yaml)"
+        elif e["type"] == "finite_number":
+            msg = f"{e['input']!r} is not a finite number (.inf and .nan are refused): write a finite value"
         lines.append(f"  - {key}: {msg}")
     return "\n".join(lines)
 
@@ -484,7 +627,12 @@ def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConf
             raise ConfigError(f"{path}: not valid JSON: {err}") from None
         return parse_config(apply_overrides(data, overrides), path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path.read_text()) or {}
+    except DuplicateKeyError as err:
+        raise ConfigError(
+            f"{path}:{err.line}: {err.key} is given twice (first on line {err.first_line}); YAML would keep "
+            f"only the last one and silently drop the first: keep one {err.key} (merge the two if both are sections)"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
@@ -516,7 +664,7 @@ def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.epochs=3")
         try:
-            overrides[key.strip()] = yaml.safe_load(value)
+            overrides[key.strip()] = read_yaml(value)
         except yaml.YAMLError as err:
             raise ConfigError(f"--set {key.strip()}: the value is not valid YAML ({err})") from None
     return overrides

@@ -50,10 +50,13 @@ class StageTimer:
 
 def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     """Resolve (or build) the target and check the config against it before heavy work; tell its
-    revision (what the lineage and cache keys name it by) once per run."""
+    revision (what the lineage and cache keys name it by) once per run. The evaluation prompt
+    files are checked first: a missing or short one fails before a target is built or downloaded."""
+    from peagle.eval.prompts import check_eval_prompts
     from peagle.lineage import target_revision
     from peagle.target import load_target_config_and_tokenizer, resolve_target
 
+    check_eval_prompts(cfg)
     path = resolve_target(cfg.target)
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
     facts = target_facts_from_target(cfg, target_config, tokenizer)
@@ -286,7 +289,7 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
-    from peagle.eval.online import load_eval_prompts as load
+    from peagle.eval.prompts import load_eval_prompts as load
 
     return load(cfg)
 
@@ -299,7 +302,7 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
     its rows labelled ``champion-v<N>``, so the gate compares like with like: at the largest K,
     the only K the gate reads (``peagle.tracking.gate.head_score``), one engine."""
     from peagle.eval.online import evaluate_online as run_online
-    from peagle.eval.online import load_chat_prompt_sets, load_completion_prompts
+    from peagle.eval.prompts import load_chat_prompt_sets, load_completion_prompts
 
     methods = {get_method(m).label: get_method(m) for m in heads}
     paths = {get_method(m).label: Path(d) for m, d in heads.items()}

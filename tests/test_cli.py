@@ -44,7 +44,7 @@ def test_train_without_a_dataset_says_so_before_any_work(tmp_path):
     import time
 
     started = time.monotonic()
-    result = runner.invoke(app, ["train", str(REPO / "configs" / "demo.yaml"), "--set", f"workdir={tmp_path}"])
+    result = runner.invoke(app, ["train", str(REPO / "configs" / "tiny.yaml"), "--set", f"workdir={tmp_path}"])
     assert result.exit_code == 2, result.output
     assert f"no usable dataset in {tmp_path}" in result.output and "peagle data CONFIG" in result.output
     assert time.monotonic() - started < 30
@@ -52,6 +52,6 @@ def test_train_without_a_dataset_says_so_before_any_work(tmp_path):
 
 
 def test_data_verify_without_a_dataset(tmp_path):
-    result = runner.invoke(app, ["data", str(REPO / "configs" / "demo.yaml"), "--set", f"workdir={tmp_path}",
+    result = runner.invoke(app, ["data", str(REPO / "configs" / "tiny.yaml"), "--set", f"workdir={tmp_path}",
                                  "--verify"])
     assert result.exit_code == 2 and "no dataset in" in result.output and "peagle data CONFIG" in result.output

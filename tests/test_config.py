@@ -72,6 +72,15 @@ def test_k_below_one_is_refused():
     assert "train.k_train" in _error(data)
 
 
+def test_eval_ks_beyond_k_train_is_refused_for_the_methods_that_train_k_train_positions():
+    data = demo_dict()
+    data["eval"]["ks"] = [3, 7]
+    msg = _error(data)
+    assert "eval.ks [3, 7]: K = 7" in msg and "train.k_train = 5" in msg and "lower eval.ks to at most 5" in msg
+    data["train"]["method"] = "eagle3"  # one draft per pass: served at any K
+    assert parse_config(data).eval.ks == [3, 7]
+
+
 def test_train_length_beyond_data_length_is_refused():
     data = demo_dict()
     data["train"]["max_len"] = data["data"]["max_seq_len"] + 1

@@ -3,7 +3,9 @@
 ``build_dataset`` writes ``<run>/data/`` (format in docs/design.md, "Dataset"):
 
 1. check every input before anything is written or removed: the eval prompt sets, the
-   draft vocabulary size, the target's tokenizer, every prompt source (loaded and mixed);
+   draft vocabulary size, the target's tokenizer, every prompt source (loaded and mixed; a
+   ``kind: magpie`` source's file written first, ``peagle.data.synthesize``), no eval prompt
+   among them (``peagle.data.contamination``), no mask token in them (``peagle.data.mask_token``);
    hold out ``data.heldout_samples`` for evaluation;
 2. check the shards already stored (once per file identity, ``peagle.data.store``): a
    corrupt one is refused, pointing at ``--repair``, which (as ``force`` does) takes it
@@ -14,8 +16,9 @@
    ``samples.jsonl`` as each batch finishes, so a rerun never regenerates twice;
 5. render each conversation with the target's chat template + assistant loss mask,
    drop sequences shorter than ``data.min_tokens`` and TRUNCATE longer ones to
-   ``data.max_seq_len`` (recorded per sample as ``truncated_from``); check the disk again
-   with the real lengths;
+   ``data.max_seq_len`` (recorded per sample as ``truncated_from``); refuse a mask token the
+   rendered samples contain; report the answers' health (``peagle.data.health``); check the
+   disk again with the real lengths;
 6. extract the hidden states of ``facts.stored_layer_ids`` (same vLLM engine) into
    train/eval shards, a shard at least every ``FLUSH_EVERY_S`` seconds; samples already in
    a shard are skipped on a rerun; then the served split (``peagle.data.served``: the eval
@@ -56,6 +59,7 @@ import torch
 from tqdm.auto import tqdm
 
 from peagle.config import ConfigError, PipelineConfig
+from peagle.data import mask_token
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.check import mend_corrupt_shards
 from peagle.data.contamination import check_no_overlap
@@ -158,7 +162,7 @@ def build_dataset(
     """
     from transformers import AutoTokenizer
 
-    from peagle.eval.online import check_eval_prompts
+    from peagle.eval.prompts import check_eval_prompts
 
     eval_sets = check_eval_prompts(cfg)  # the served split and the evaluate stage read them
     config_hash = cfg.section_hash("target", "data")
@@ -170,6 +174,7 @@ def build_dataset(
     synthesize_prompts(cfg, target_path, tokenizer)  # magpie sources: the requests the target writes itself
     prompts = load_prompts(cfg.data, verbose=True)
     check_no_overlap((c.messages for c in prompts), eval_sets)
+    mask_token.check_prompts(prompts, tokenizer, cfg.target, facts.mask_token_id)  # before any engine starts
     plan = plan_build(RunLayout(cfg.run_dir), config_hash, force=force, repair=repair)
     key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
     layout = plan.layout
@@ -233,6 +238,7 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
                 regenerate(llm, tokenizer, pending, cfg, layout.samples, progress, key)
             render_records(tokenizer, pending, cfg, max_len, progress)
         require_training_samples(records)
+        mask_token.check_samples(records, tokenizer, cfg.target, facts.mask_token_id)  # the answers too
         report_health(records, layout, cfg)
         todo = [r for r in records if r.status == "ok" and r.id not in stored]
         truncated = sum(r.truncated_from is not None for r in todo)

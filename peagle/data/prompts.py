@@ -26,8 +26,9 @@ import hashlib
 import json
 import logging
 import random
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -189,17 +190,97 @@ def row_to_messages(row: dict, schema: str, fields: dict[str, str]) -> list[dict
     return messages
 
 
-def iter_conversations(ds, src: PromptSource, fields: dict[str, str], seed: int, index: int) -> Iterator:
-    """The source's usable conversations, in an order fixed by (seed, source index)."""
+def skip_reason(row: dict, schema: str, fields: dict[str, str]) -> str:
+    """Why ``row_to_messages`` found a row unusable, as "N rows <reason>" reads."""
+    if schema in ("text", "instruction"):
+        column = fields[REQUIRED_COLUMN[schema]]
+        return f"have no `{column}` text"
+    column, role, content = (fields[name] for name in SCHEMA_FIELDS[schema])
+    turns = row.get(column)
+    if not turns or not isinstance(turns, list):
+        return f"have no `{column}`"
+    if not all(isinstance(t, dict) and ROLES.get(str(t.get(role, "")).lower()) for t in turns):
+        return f"have a turn whose `{role}` is not one of {', '.join(sorted(set(ROLES)))}"
+    if not all(isinstance(t.get(content), str) for t in turns):
+        return f"have a turn whose `{content}` is not text"
+    return "have no user turn with text"
+
+
+@dataclass
+class RowTally:
+    """What the rows of one source read so far came to: kept, duplicates, and the rows skipped
+    for each reason with the first such row's index."""
+
+    read: int = 0
+    kept: int = 0
+    duplicates: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    first: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str, row: int) -> None:
+        self.skipped[reason] += 1
+        self.first[reason] = min(row, self.first.get(reason, row))
+
+
+def iter_conversations(ds, src: PromptSource, fields: dict[str, str], seed: int, index: int,
+                       tally: RowTally | None = None) -> Iterator:
+    """The source's usable conversations, in an order fixed by (seed, source index); ``tally``
+    counts the rows read and those skipped, by reason."""
+    tally = tally if tally is not None else RowTally()
     order = np.random.default_rng([seed, index]).permutation(len(ds))
     label = source_label(src)
     for a in range(0, len(order), _CHUNK):
-        chunk = ds[order[a : a + _CHUNK].tolist()]
+        rows = order[a : a + _CHUNK].tolist()
+        chunk = ds[rows]
         names = list(chunk)
-        for values in zip(*(chunk[n] for n in names)):
-            messages = row_to_messages(dict(zip(names, values)), src.schema_, fields)
-            if messages is not None:
-                yield make_conversation(messages, label)
+        for row_index, values in zip(rows, zip(*(chunk[n] for n in names))):
+            row = dict(zip(names, values))
+            messages = row_to_messages(row, src.schema_, fields)
+            tally.read += 1
+            if messages is None:
+                tally.skip(skip_reason(row, src.schema_, fields), row_index)
+                continue
+            yield make_conversation(messages, label)
+
+
+def row_place(src: PromptSource, row: int) -> str:
+    """Where row ``row`` (0-based) of a source is: its line in a JSON-lines file (the loader skips
+    blank lines), else its row number."""
+    path = resolve_repo_path(src.path) if src.kind == "jsonl" else None
+    if path is not None and path.is_file():
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            rows = (n for n, line in enumerate(fh, 1) if line.strip())
+            line = next((n for i, n in enumerate(rows) if i == row), None)
+        if line is not None:
+            return f"line {line}"
+    return f"row {row + 1}"
+
+
+def tally_summary(src: PromptSource, tally: RowTally) -> str:
+    """``80 rows have no `messages` (first: line 12); 3 duplicates``."""
+    parts = [f"{n} row{'s' if n > 1 else ''} {reason if n > 1 else _singular(reason)} "
+             f"(first: {row_place(src, tally.first[reason])})" for reason, n in tally.skipped.most_common()]
+    if tally.duplicates:
+        parts.append(f"{tally.duplicates} duplicate{'s' if tally.duplicates > 1 else ''}")
+    return "; ".join(parts)
+
+
+def _singular(reason: str) -> str:
+    return "has" + reason.removeprefix("have") if reason.startswith("have") else reason
+
+
+def report_skipped_rows(src: PromptSource, index: int, ds, tally: RowTally) -> None:
+    """A warning naming the rows a source lost, or an error when none of them is usable."""
+    if not tally.skipped:
+        return
+    where = f"data.sources[{index}] ({source_label(src)})"
+    if tally.kept == 0 and sum(tally.skipped.values()) == tally.read:
+        raise ConfigError(
+            f"{where}: none of its {tally.read} rows is usable: {tally_summary(src, tally)}; fix the rows, "
+            f"or data.sources[{index}].schema / .fields to match them"
+        )
+    rows = f"{tally.read} rows" if tally.read == len(ds) else f"the {tally.read} rows read (of {len(ds)})"
+    log.warning("%s: kept %d of %s: %s", where, tally.kept, rows, tally_summary(src, tally))
 
 
 # ----------------------------------------------------------------------------- mixing
@@ -248,21 +329,22 @@ def load_prompts(data_cfg: DataConfig, *, verbose: bool = False) -> list[Convers
     seen: set[str] = set()
     out: list[Conversation] = []
     for k, ((src, ds, fields), quota) in enumerate(zip(opened, quotas)):
-        taken = duplicates = 0
-        for conv in iter_conversations(ds, src, fields, data_cfg.seed, k):
-            if taken == quota:
-                break
+        tally = RowTally()
+        for conv in iter_conversations(ds, src, fields, data_cfg.seed, k, tally) if quota else ():
             if conv.id in seen:
-                duplicates += 1
+                tally.duplicates += 1
                 if data_cfg.dedup:
                     continue
-                conv = replace(conv, id=f"{conv.id}-{duplicates}")  # ids stay unique: they key the shards
+                conv = replace(conv, id=f"{conv.id}-{tally.duplicates}")  # ids stay unique: they key the shards
             seen.add(conv.id)
             out.append(conv)
-            taken += 1
+            tally.kept += 1
+            if tally.kept == quota:
+                break
+        report_skipped_rows(src, k, ds, tally)
         if verbose:
-            log.info("prompts: %s: %d of %d rows (quota %d, %d duplicates)", source_label(src), taken, len(ds),
-                     quota, duplicates)
+            log.info("prompts: %s: %d of %d rows (quota %d, %d duplicates)", source_label(src), tally.kept, len(ds),
+                     quota, tally.duplicates)
     if not out:
         raise ConfigError("data.sources yielded no usable conversation (every row was empty or malformed)")
     random.Random(data_cfg.seed).shuffle(out)

@@ -56,7 +56,8 @@ def served_manifest(data: DataLayout) -> dict | None:
 
 def eval_token_prompts(cfg: PipelineConfig, tokenizer) -> list[list[int]]:
     """The evaluation prompts as token ids, exactly as the online evaluation sends them."""
-    from peagle.eval.online import fit_prompts, load_eval_prompts, tokenize_prompts
+    from peagle.eval.online import fit_prompts
+    from peagle.eval.prompts import load_eval_prompts, tokenize_prompts
 
     prompts = tokenize_prompts(load_eval_prompts(cfg), tokenizer)
     return fit_prompts(prompts, cfg.vllm.max_model_len, cfg.eval.max_tokens, max(cfg.eval.ks))
@@ -70,7 +71,8 @@ def served_is_current(cfg: PipelineConfig, data: DataLayout) -> bool:
 def served_tokens_to_extract(cfg: PipelineConfig, tokenizer, data: DataLayout) -> tuple[int, int]:
     """(tokens, longest sequence) the served split will still store: every eval prompt plus
     its generation budget, none when the split is current or cannot be built here."""
-    from peagle.eval.online import NoPromptFits, PromptSetUnavailable
+    from peagle.eval.online import NoPromptFits
+    from peagle.eval.prompts import PromptSetUnavailable
 
     if served_is_current(cfg, data):
         return 0, 0
@@ -105,7 +107,8 @@ def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, la
     """
     from peagle.data.extract import extract_with_engine
     from peagle.data.store import ShardWriter
-    from peagle.eval.online import NoPromptFits, PromptSetUnavailable
+    from peagle.eval.online import NoPromptFits
+    from peagle.eval.prompts import PromptSetUnavailable
     from peagle.serving.generation import generate_from_token_ids
 
     key = served_key(cfg)

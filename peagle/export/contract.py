@@ -9,7 +9,9 @@ it to everything except ``lm_head``, maps ``d2t`` to ``draft_id_to_target_id``, 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -133,6 +135,27 @@ def head_config(spec: HeadSpec, dtype: torch.dtype) -> dict:
 
 # vLLM's speculative method for every head here (its EAGLE-3 drafter); not a peagle method name.
 VLLM_SPEC_METHOD = "eagle3"
+
+
+def head_tensor_names(head_dir: str | Path) -> list[str]:
+    """The tensor names of a head directory's weights, once its config.json parses and its
+    model.safetensors has a readable header with tensors; a ValueError naming the file if not
+    (a truncated download or copy)."""
+    from safetensors import SafetensorError, safe_open
+
+    head_dir = Path(head_dir)
+    try:
+        json.loads((head_dir / CONFIG_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{head_dir / CONFIG_FILE} is not valid JSON: {err}") from None
+    try:
+        with safe_open(str(head_dir / WEIGHTS_FILE), framework="numpy") as fh:
+            names = list(fh.keys())
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{head_dir / WEIGHTS_FILE} is not a readable safetensors file: {err}") from None
+    if not names:
+        raise ValueError(f"{head_dir / WEIGHTS_FILE} holds no tensors")
+    return names
 
 
 def speculative_config(head_ref: str, k: int, *, parallel_drafting: bool = True) -> dict:

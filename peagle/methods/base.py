@@ -91,7 +91,8 @@ class DraftingMethod:
         raise NotImplementedError(f"{self.name}: no offline drafting")
 
     def max_eval_k(self, train) -> int | None:
-        """The largest K a head trained with ``train`` can be evaluated at offline (None: any)."""
+        """The largest K a head trained with ``train`` can be evaluated at, offline and served in the
+        evaluation (None: any); ``eval.ks`` beyond it is refused when the config loads."""
         return None
 
     def head_tensors(self, spec: HeadSpec) -> dict[str, TensorRule]:

@@ -52,18 +52,20 @@ def plan_serving(head_dir: str | Path, *, target: str | None = None, k: int | No
     parallel); the target, K and the served model name default to the card's serve line
     (``peagle pull`` writes them there: the name is the head's registered name).
     """
-    from safetensors import safe_open
-
     from peagle.export.card import TARGET_PLACEHOLDER, read_serve_line
-    from peagle.export.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
+    from peagle.export.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE, head_tensor_names
 
     head_dir = Path(head_dir).expanduser().resolve()
     missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (head_dir / f).is_file()]
     if missing:
         raise ValueError(f"{head_dir} is not a head directory (no {', '.join(missing)}); "
                          "pull one with `peagle pull models:/<name>@champion DIR`")
-    with safe_open(str(head_dir / WEIGHTS_FILE), framework="numpy") as fh:
-        parallel = MASK_HIDDEN in fh.keys()
+    try:
+        parallel = MASK_HIDDEN in head_tensor_names(head_dir)
+    except ValueError as err:
+        raise ValueError(f"{err}. The head is truncated or corrupt: pull it again (`peagle pull "
+                         f"models:/<name>@champion {head_dir} --overwrite`) or export it again (`peagle export CONFIG`)"
+                         ) from None
     card = head_dir / CARD_FILE
     line = read_serve_line(card.read_text()) if card.is_file() else None
     if target is None:

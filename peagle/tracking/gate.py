@@ -51,7 +51,7 @@ class ChampionHead:
 def champion_to_measure(cfg: PipelineConfig, challenger_dir: str | Path) -> ChampionHead | None:
     """The champion to serve beside ``challenger_dir``'s head, downloaded into the run directory;
     None when there is none yet or it is that very head (nothing to compare)."""
-    from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
+    from peagle.tracking.mlflow_run import read_client, registered_model_name, resolve_tracking_uri
     from peagle.tracking.registry import (
         TAG_CONTENT,
         TAG_FILES,
@@ -61,7 +61,7 @@ def champion_to_measure(cfg: PipelineConfig, challenger_dir: str | Path) -> Cham
         verify_head_files,
     )
 
-    client = make_client(resolve_tracking_uri(cfg.tracking))
+    client = read_client(resolve_tracking_uri(cfg.tracking))
     champion = champion_version(client, registered_model_name(cfg.tracking, cfg.target.model))
     if champion is None:
         return None

@@ -54,7 +54,7 @@ from mlflow.utils.validation import (
     MAX_TAG_VAL_LENGTH,
 )
 
-from peagle.config import PipelineConfig, TrackingConfig
+from peagle.config import ConfigError, PipelineConfig, TrackingConfig
 from peagle.fileio import sha256_file as file_sha256
 from peagle.paths import REPO_ROOT, peagle_home
 from peagle.tracking.scrub import scrub, scrub_text
@@ -125,6 +125,33 @@ def make_client(uri: str) -> MlflowClient:
     if db:
         db.parent.mkdir(parents=True, exist_ok=True)
     return MlflowClient(tracking_uri=uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or uri)
+
+
+class TrackingStoreMissing(ConfigError):
+    """A read from a local SQLite store whose file does not exist (a mistyped path, usually)."""
+
+
+def read_client(uri: str) -> MlflowClient:
+    """A client for reading a store that must exist already (``peagle pull``, the champion the
+    gate measures). MLflow would create an empty database at a mistyped ``sqlite:///`` path and
+    then answer that nothing is registered; that is refused here, naming the path."""
+    for what, store in (("tracking", uri), ("registry", os.environ.get("MLFLOW_REGISTRY_URI") or uri)):
+        db = sqlite_db_path(store)
+        if db is not None and not db.is_file():
+            raise TrackingStoreMissing(
+                f"MLflow {what} URI {store}: no database at {db} (a read never creates one). Check "
+                f"--tracking-uri, MLFLOW_TRACKING_URI or tracking.tracking_uri: {_sqlite_path_hint(store)}"
+            )
+    return make_client(uri)
+
+
+def _sqlite_path_hint(uri: str) -> str:
+    rest = unquote(uri[len("sqlite:///"):].split("?", 1)[0])
+    if rest and not rest.startswith("/") and Path("/" + rest).is_file():
+        return f"did you mean sqlite:////{rest}? (/{rest} exists; three slashes make the path relative to " \
+               "the working directory, four absolute)"
+    return "three slashes (sqlite:///mlflow.db) make the path relative to the working directory, four " \
+           "(sqlite:////srv/mlflow.db) absolute"
 
 
 def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
@@ -509,6 +536,7 @@ __all__ = [
     "git_state",
     "local_artifact_location",
     "make_client",
+    "read_client",
     "registered_model_name",
     "resolve_tracking_uri",
     "sanitize_target_id",

@@ -90,32 +90,18 @@ def _client(client_or_tracker: MlflowClient | Tracker) -> MlflowClient:
 
 def head_file_manifest(head_dir: Path) -> dict[str, dict]:
     """Size and sha256 of every file of a head directory, after checking vLLM's files are there."""
+    from peagle.export.contract import head_tensor_names
+
     head_dir = Path(head_dir)
     missing = [f for f in HEAD_FILES if not (head_dir / f).is_file()]
     if missing:
         raise FileNotFoundError(f"head directory {head_dir} lacks {missing}; export the head first (peagle export)")
-    _check_readable(head_dir)
+    head_tensor_names(head_dir)  # config.json parses, the weights' header reads
     return {
         p.relative_to(head_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(head_dir.rglob("*"))
         if p.is_file()
     }
-
-
-def _check_readable(head_dir: Path) -> None:
-    """config.json parses and model.safetensors has a readable header with tensors."""
-    try:
-        json.loads((head_dir / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{head_dir / 'config.json'} is not valid JSON: {err}") from None
-    try:
-        with safe_open(str(head_dir / "model.safetensors"), framework="numpy") as fh:
-            if not list(fh.keys()):
-                raise ValueError(f"{head_dir / 'model.safetensors'} holds no tensors")
-    except ValueError:
-        raise
-    except Exception as err:  # safetensors raises its own error types for a truncated file
-        raise ValueError(f"{head_dir / 'model.safetensors'} is not a readable safetensors file: {err}") from None
 
 
 def ensure_registered_model(client: MlflowClient, name: str) -> None:

@@ -62,7 +62,7 @@ def cfg_dict(tmp_path, prompts_path, target="embedded", **data):
             "extract_batch_size": 4,
             **data,
         },
-        "train": {"max_len": 64, "k_train": 4},
+        "train": {"max_len": 64, "k_train": 5},  # eval.ks (1, 3, 5) within it
         "eval": {"max_tokens": 16},
     }
 

@@ -198,3 +198,24 @@ def test_split_keeps_earlier_assignments_when_prompts_grow():
     train2, held2 = split_heldout(convs(48), 8, seed=0, previous=before)
     assert {c.id for c in held2} == {c.id for c in held}  # held-out set unchanged
     assert {c.id for c in train2} == {c.id for c in train} | {f"c{i}" for i in range(40, 48)}
+
+
+def test_skipped_rows_are_counted_and_named(tmp_path, caplog):
+    rows = [{"messages": [{"role": "user", "content": f"m{i}"}]} if i % 5 != 2 else {"prompt": f"p{i}"}
+            for i in range(400)]
+    rows[30] = {"messages": [{"role": "robot", "content": "beep"}]}
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with caplog.at_level("WARNING", logger="peagle.data.prompts"):
+        convs = load_prompts(data_cfg({"kind": "jsonl", "path": path}))
+    assert len(convs) == 319
+    assert (f"data.sources[0] (jsonl:{path}): kept 319 of 400 rows: 80 rows have no `messages` (first: line 3); "
+            "1 row has a turn whose `role` is not one of") in caplog.text
+
+
+def test_a_source_with_no_usable_row_is_an_error(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n" + "".join(json.dumps({"messages": [], "n": i}) + "\n" for i in range(4)))
+    with pytest.raises(ConfigError, match=r"data\.sources\[1\] \(jsonl:.*empty\.jsonl\): none of its 4 rows is usable: "
+                                          r"4 rows have no `messages` \(first: line 2\); fix the rows"):
+        load_prompts(data_cfg({"kind": "jsonl", "path": good}, {"kind": "jsonl", "path": str(path)}))

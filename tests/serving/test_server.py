@@ -68,3 +68,19 @@ def test_the_served_model_is_named_after_the_pulled_card_unless_told(tmp_path):
 def test_a_card_without_a_name_leaves_the_name_to_vllm(tmp_path):
     argv = api_server_argv(plan_serving(head_dir(tmp_path / "h", mask_hidden=True, card_target="org/t")))
     assert "--served-model-name" not in argv  # vLLM answers to the target's name
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "corrupt config"])
+def test_serve_refuses_a_truncated_or_corrupt_head_naming_the_file(tmp_path, damage):
+    from tests.peagle_cli import assert_refused, peagle
+
+    head = head_dir(tmp_path / "h", mask_hidden=True, card_target="org/t")
+    if damage == "truncated weights":
+        weights = head / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-20])  # a copy or download cut short
+        says = f"{weights} is not a readable safetensors file"
+    else:
+        (head / "config.json").write_text('{"architectures": [')
+        says = f"{head / 'config.json'} is not valid JSON"
+    assert_refused(peagle("serve", head), says, "The head is truncated or corrupt: pull it again",
+                   "or export it again (`peagle export CONFIG`)")

@@ -71,3 +71,19 @@ def test_pull_never_names_the_training_machines_target_path(registered, tmp_path
     line = read_serve_line((tmp_path / "there" / "README.md").read_text())
     assert (line.target_ref, line.head_ref) == (str(local_target), str(tmp_path / "there"))
     assert "/srv/train-box" not in (tmp_path / "there" / "README.md").read_text()
+
+
+def test_pull_from_a_sqlite_store_that_does_not_exist_is_refused_and_creates_none(registered, tmp_path, mlflow_uri):
+    """A mistyped store: MLflow would create an empty database there and say "no such model version"."""
+    from tests.peagle_cli import assert_refused, peagle
+
+    _, name = registered
+    store = mlflow_uri.removeprefix("sqlite:///")  # the session's store, an absolute path
+    relative = f"sqlite:///{store.lstrip('/')}"  # three slashes: relative to the working directory
+    result = peagle("pull", f"models:/{name}@champion", tmp_path / "out", "--tracking-uri", relative, cwd=tmp_path)
+    assert_refused(result, f"MLflow tracking URI {relative}: no database at {tmp_path / store.lstrip('/')}",
+                   f"did you mean {mlflow_uri}?")
+    missing = tmp_path / "mlfow.db"
+    result = peagle("pull", f"models:/{name}@champion", tmp_path / "out", env={"MLFLOW_TRACKING_URI": f"sqlite:///{missing}"})
+    assert_refused(result, f"no database at {missing} (a read never creates one)", "MLFLOW_TRACKING_URI")
+    assert not missing.exists() and not (tmp_path / "out").exists() and not (tmp_path / "tmp").exists()

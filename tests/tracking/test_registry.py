@@ -260,3 +260,15 @@ def test_the_model_card_is_the_version_description(tracker, tmp_path, make_head_
 def test_a_card_longer_than_mlflow_keeps_says_where_the_rest_is():
     text = card_description(CARD + "x" * 10_000)
     assert len(text) <= MAX_DESCRIPTION_CHARS and text.rstrip().endswith("in the version's files)")
+
+
+def test_the_gate_refuses_a_sqlite_store_that_does_not_exist(tmp_path, make_head_dir):
+    from peagle.config import load_config
+    from peagle.tracking.gate import champion_to_measure
+    from peagle.tracking.mlflow_run import TrackingStoreMissing
+
+    missing = tmp_path / "mlflow.db"
+    cfg = load_config("configs/tiny.yaml", {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{missing}"})
+    with pytest.raises(TrackingStoreMissing, match=f"no database at {missing}"):
+        champion_to_measure(cfg, make_head_dir(tmp_path / "head"))
+    assert not missing.exists()

@@ -108,6 +108,7 @@ def tiny_config(drafter_layers: int = 1, **train) -> PipelineConfig:  # noqa: F8
             "vllm": {"max_model_len": max(1024, 2 * base["max_len"])},
             "drafter": {"num_layers": drafter_layers},
             "train": base,
+            "eval": {"ks": [k for k in (1, 3) if k <= base["k_train"]]},  # the K a head of k_train is evaluated at
         }
     )
 
