@@ -203,8 +203,8 @@ def main() -> None:
 
     from peagle import stages
     from peagle.eval.online import evaluate_online
-    from peagle.eval.prompts import prompt_set_name
     from peagle.eval.plots import plot_online
+    from peagle.eval.prompts import prompt_set_name
     from peagle.methods import get_method
 
     console = Console()

@@ -7,8 +7,8 @@ import pytest
 
 from peagle.config import VllmConfig
 from peagle.eval.online import BASELINE, NGRAM, OnlineResult, OnlineRow, evaluate_online
-from peagle.eval.prompts import PromptSetUnavailable, load_prompt_set, load_prompt_sets, tokenize_prompts
 from peagle.eval.plots import plot_online
+from peagle.eval.prompts import PromptSetUnavailable, load_prompt_set, load_prompt_sets, tokenize_prompts
 from peagle.paths import REPO_ROOT
 from tests.train.test_partition import tiny_spec
 
@@ -233,8 +233,7 @@ def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
 
 
 def test_eval_prompt_files_are_checked_before_the_data_stage(tmp_path):
-    from peagle.config import load_config
-    from peagle.config import ConfigError
+    from peagle.config import ConfigError, load_config
     from peagle.eval.prompts import check_eval_prompts, load_completion_prompts
 
     cfg = load_config("configs/tiny.yaml")
