@@ -27,7 +27,7 @@ run, so a stopped invocation keeps the rows it finished (its header says "runnin
     .venv/bin/python bench/quality.py [--part ablation|variants|budgets|all] [--budgets 45 90 180] [--seeds 0]
     .venv/bin/python bench/quality.py --quick          # tiny random target and dataset, ~2 min
     .venv/bin/python bench/quality.py --config configs/demo.yaml --part budgets
-                                                       # -> results/quality_smollm2-135m-instruct.*
+                                                       # -> results/quality.* (the demo's real model)
     .venv/bin/python bench/quality.py --part budgets --budgets 300 --online   # + the heads in vLLM
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json
     .venv/bin/python bench/quality.py --part budgets --budgets 360 --online-saved   # serve heads trained before

@@ -1,7 +1,7 @@
 """Training throughput against the closest peer trainer: our P-EAGLE step vs speculators' on the same shapes.
 
-Both drafters are built for one dataset's target (the config's: the embedded target by
-default, ``--config configs/demo.yaml`` for the real model) with the same
+Both drafters are built for one dataset's target (the config's: the demo's real model by
+default, ``--config configs/tiny.yaml`` for the tiny test target) with the same
 shape (layers, heads, KV heads, head_dim, intermediate, draft vocabulary), the same COD
 settings (k_train depths, ratio, floor) and the same samples in the same order, fp32 on
 the CPU, each with its own recipe's trainable set and torch's AdamW, one sample per step
