@@ -25,9 +25,10 @@ def test_the_shipped_sets_do_not_overlap_their_training_prompts():
 
 
 def test_training_prompts_as_an_eval_set_are_refused_naming_the_set():
-    cfg = load_config(TINY, {"eval.prompts": ["chat", "data/prompts/code_train.jsonl"], "eval.num_prompts": 5})
+    cfg = load_config(TINY, {"eval.prompts": ["chat", "data/prompts/code_train.jsonl"], "eval.num_prompts": 5,
+                             "data.max_samples": None})  # every prompt of the file is trained on
     training = [c.messages for c in load_prompts(cfg.data)]
-    with pytest.raises(ConfigError, match=r"[1-5] of 5 prompts of eval set 'code_train' \(first: 'complete this python "
+    with pytest.raises(ConfigError, match=r"5 of 5 prompts of eval set 'code_train' \(first: 'complete this python "
                                           r"function.*drop them from data.sources"):
         check_no_overlap(training, check_eval_prompts(cfg))
 
