@@ -501,7 +501,7 @@ def test_a_full_disk_stops_the_stage_at_once_and_a_rerun_resumes(tmp_path, small
     assert full.returncode == 1, full.stdout
     assert f"the disk holding {run.data.root} ({disk.path}) is full" in full.stdout, full.stdout
     assert "No space left on device" in full.stdout and "rerun the same command" in full.stdout
-    kept = int(re.search(r"Kept in \S+: (\d+) train", full.stdout).group(1))
+    kept, kept_eval = map(int, re.search(r"Kept in \S+: (\d+) train, (\d+) eval", full.stdout).groups())
     assert kept > 0 and "12 regenerated responses" in full.stdout
     assert seconds < 300, f"{seconds:.0f} s"  # vLLM's start and the regeneration; the failure itself is immediate
     kept_shards = tree_bytes(run.data.train)
@@ -513,7 +513,8 @@ def test_a_full_disk_stops_the_stage_at_once_and_a_rerun_resumes(tmp_path, small
     assert "12 regenerated responses restored" in resumed.stdout and "regenerate:" not in resumed.stdout
     todo = int(re.search(r"data: (\d+) sequences .* to extract", resumed.stdout).group(1))
     stored = ShardReader(run.data.train, verify="full")
-    assert todo == len(stored) + len(ShardReader(run.data.eval)) - kept  # the kept samples were not extracted again
+    # the kept samples (where the disk filled decides how many of each split) were not extracted again
+    assert todo == len(stored) + len(ShardReader(run.data.eval)) - kept - kept_eval
     assert len(set(stored.sample_ids())) == len(stored)
     assert all(tree_bytes(run.data.train).get(name) == blob for name, blob in kept_shards.items()
                if name.startswith("shard-"))
