@@ -282,13 +282,8 @@ def evaluate_online(
         if set(labels) - set(heads):
             raise ValueError(f"{what} names heads {sorted(set(labels) - set(heads))} that are not in heads {sorted(heads)}")
     parallel = {label: get_method(methods.get(label, DEFAULT_METHOD)).parallel_drafting for label in heads}
-    if prompts and not isinstance(prompts[0][0] if prompts[0] else 0, int) and tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(target_path), revision=target_revision, trust_remote_code=trust_remote_code
-        )
-    if tokenizer is None and (completion_prompts or more_prompt_sets):
+    chat_prompts = bool(prompts) and not isinstance(prompts[0][0] if prompts[0] else 0, int)
+    if tokenizer is None and (chat_prompts or completion_prompts or more_prompt_sets):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(
