@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,7 +88,7 @@ def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
         # vLLM reads it while building the engine config: set it per engine, before LLM().
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_cfg.cpu_kvcache_space_gib)
     started = time.perf_counter()
-    in_process = cpu and "kv_transfer_config" not in kwargs and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    in_process = cpu and _may_run_in_process(kwargs)
     llm, host = _start_llm(model, kwargs, in_process=in_process)
     llm.peagle_startup_s = time.perf_counter() - started
     interrupted = False
@@ -100,6 +101,19 @@ def open_llm(model: str, vllm_cfg: VllmConfig, **options) -> Iterator:
         shutdown_llm(llm, timeout=0 if interrupted else None)
         del llm
         _release_memory(host)
+
+
+def _may_run_in_process(kwargs: dict) -> bool:
+    """Whether an engine may start its core in this process (see ``_start_llm``): not where the
+    user chose vLLM's own process, not for an extraction engine, and never where numba is or
+    would be loaded here. vLLM's in-process worker scans every imported module and fails on
+    numba's llvmlite, and vLLM's n-gram drafter imports numba: an n-gram engine in this process
+    would leave every later engine of the process a slow start."""
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ or "kv_transfer_config" in kwargs:
+        return False
+    if (kwargs.get("speculative_config") or {}).get("method") == "ngram":
+        return False
+    return not any(name in sys.modules for name in ("numba", "llvmlite"))
 
 
 def _start_llm(model: str, kwargs: dict, *, in_process: bool) -> tuple:
@@ -121,7 +135,7 @@ def _start_llm(model: str, kwargs: dict, *, in_process: bool) -> tuple:
 
     An in-process start that fails is retried in vLLM's own process (with a warning): the
     in-process worker scans every module this process has imported, and some break it
-    (numba's llvmlite, which vLLM's own n-gram drafter imports).
+    (numba's llvmlite, which ``_may_run_in_process`` already keeps away).
     """
     import vllm.envs
     from vllm import LLM

@@ -49,11 +49,11 @@ def test_bench_quick_writes_results(name, tmp_path):
         assert [r[5] for r in table["rows"] if r[1] == 1] == [1.0, 1.0]
     if name == "quality":  # both methods at the quick budget, the ablation's first and last recipe, one variant
         assert sorted(r[0] for r in table["rows"]) == ["eagle3", "peagle"]
-        # the demo config asks for a KV head per query head: the tiny target shares 2 among 4
+        # the drafter takes the tiny target's attention shape (4 query heads sharing 2 KV heads)
         # and no loss on drafts greedy verification never reads (train.unaccepted_weight 0)
         assert {r[0]: r[2] for r in table["rows"]} == {
-            "peagle": "K_train 3, lr 0.003, Muon 0.02, 1 layer, 4q/4kv heads, off-chain loss x0",
-            "eagle3": "TTT 3, lr 0.003, Muon 0.02, 1 layer, 4q/4kv heads, off-chain loss x0"}
+            "peagle": "K_train 3, lr 0.003, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0",
+            "eagle3": "TTT 3, lr 0.003, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0"}
         assert "partial" not in result["meta"]  # rewritten after every run, finished at the end
         # every run names the target build and CPU it measured (machines build the embedded target differently)
         assert all(r["target_revision"].startswith("local:") and r["cpu"] for r in result["meta"]["runs"])
@@ -67,7 +67,7 @@ def test_bench_quick_writes_results(name, tmp_path):
         staged = "staged: EAGLE-3 for half the budget, then P-EAGLE from its head"
         assert [r[0] for r in variants] == ["config recipe", "lr 6e-3", staged]
         # the recipe as trained: the variant's change in it
-        assert variants[1][2] == "K_train 3, lr 0.006, Muon 0.02, 1 layer, 4q/4kv heads, off-chain loss x0"
+        assert variants[1][2] == "K_train 3, lr 0.006, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0"
         recipe_k3, variant_k3, delta = float(variants[0][8]), float(variants[1][8]), variants[1][9]
         # three roundings to 3 places
         assert variants[0][9] == "" and float(delta) == pytest.approx(variant_k3 - recipe_k3, abs=2e-3)

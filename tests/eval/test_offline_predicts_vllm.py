@@ -57,7 +57,7 @@ def test_card_reports_acceptance_on_chat_and_completion_traffic(pipeline_run):
         rows = [r for r in completion.rows if r.method == label]
         assert rows and all(r.num_draft_tokens > 0 and r.acceptance_length > 1.0 for r in rows)
     card = (Path(result.head_dir) / "README.md").read_text()
-    chat, raw = card.split("### On completion traffic (raw documents, no chat template)")
+    chat, raw = card.split("### On code_completion_eval (completion traffic: raw documents, no chat template)")
     assert "prompt set code_eval," in chat and "prompt set code_completion_eval," in raw
     k = max(completion.acceptance_by_k("p-eagle"))
     assert f"| {k} | {completion.acceptance_by_k('p-eagle')[k]:.2f} | {completion.acceptance_by_k('eagle-3')[k]:.2f} |" in raw
