@@ -81,6 +81,7 @@ test-fast: install
 
 lint: install
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 clean-runs:
 	rm -rf .peagle/runs

@@ -202,9 +202,9 @@ def main() -> None:
     from rich.console import Console
 
     from peagle import stages
+    from peagle.data.prompt_sets import prompt_set_name
     from peagle.eval.online import evaluate_online
     from peagle.eval.plots import plot_online
-    from peagle.eval.prompts import prompt_set_name
     from peagle.methods import get_method
 
     console = Console()

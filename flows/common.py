@@ -1,7 +1,7 @@
 """What every peagle flow shares: parameters, run names, logs, the accelerator limit,
 retry rules, cache keys and Prefect artifacts.
 
-Caching: a cached task's key is computed by a named function of ``peagle.identity``
+Caching: a cached task's key is computed by a named function of ``flows.cache_keys``
 (``dataset_key``, ``training_key``, ``evaluation_key``) from the inputs that decide its
 output (config section hashes, prompt-file hashes, target revision, dataset manifests,
 head file hashes), never from machine-local paths. Results are stored as JSON

@@ -17,6 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.cache_keys import dataset_key, evaluation_key, training_key
 from flows.common import (
     RESULT_SERIALIZER,
     RETRIES,
@@ -34,7 +35,6 @@ from flows.common import (
 )
 from peagle import stages
 from peagle.config import PipelineConfig, load_config
-from peagle.identity import dataset_key, evaluation_key, training_key
 from peagle.layout import BEST, RunLayout
 from peagle.methods import get_method
 from peagle.tracking.gate import ChampionHead, champion_to_measure

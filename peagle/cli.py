@@ -59,7 +59,7 @@ def _library_output(cfg):
 def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Validate a config (types, unknown keys, impossible combinations, the evaluation prompt
     files it names) without running anything."""
-    from peagle.eval.prompts import check_eval_prompts
+    from peagle.data.prompt_sets import check_eval_prompts
 
     cfg = _load(config, set_)
     try:
@@ -221,12 +221,13 @@ def export_cmd(
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
     from peagle import stages
+    from peagle.export.contract import CONFIG_FILE
     from peagle.methods import available_methods
 
     cfg = _load(config, set_)
     run = RunLayout(cfg.run_dir)
     heads = {m: stages.exported_head_dir(cfg, m) for m in available_methods()
-             if (stages.exported_head_dir(cfg, m) / "config.json").exists()}
+             if (stages.exported_head_dir(cfg, m) / CONFIG_FILE).exists()}
     if not heads:
         console.print(f"[red]no exported head under {run.heads}: run `peagle export` first[/red]")
         raise typer.Exit(2)
@@ -263,7 +264,7 @@ def pull_cmd(
     """Download a registered head, verified against its registered file hashes, ready to serve."""
     from peagle.config import TrackingConfig
     from peagle.tracking.mlflow_run import read_client, resolve_tracking_uri
-    from peagle.tracking.registry import pull_head
+    from peagle.tracking.pull import pull_head
 
     try:
         client = read_client(resolve_tracking_uri(TrackingConfig(tracking_uri=tracking_uri)))

@@ -6,13 +6,12 @@ one mapping (a second ``train:`` section, say) is refused with both lines, a YAM
 boolean (``yes``, ``on``) is not a number, and no number may be infinite or NaN.
 Checks that need the target's own config (layer ids beyond its depth, a mask token it
 does not have) live in ``peagle.facts``, which runs them before any heavy work starts;
-the prompt files a config names are read by ``peagle.eval.prompts.check_eval_prompts``.
+the prompt files a config names are read by ``peagle.data.prompt_sets.check_eval_prompts``.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import typing
 from collections.abc import Iterable, Mapping
@@ -30,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from peagle.fileio import json_digest
 from peagle.methods import DEFAULT_METHOD, available_methods, get_method
 from peagle.paths import REPO_ROOT, peagle_home
 
@@ -259,7 +259,7 @@ class DrafterConfig(Strict):
     hidden_size: int | None = Field(None, ge=16)  # None: the target's hidden size
     num_heads: int | None = Field(None, ge=1)
     # None: the target's; "num_heads": a KV head per query head, whatever the target's shape (a
-    # P-EAGLE mask slot reads the context only through attention; bench/results/quality.md).
+    # P-EAGLE mask slot reads the context only through attention).
     num_kv_heads: Annotated[int, Field(ge=1)] | Literal[KV_PER_QUERY_HEAD] | None = None
     intermediate_size: int | None = Field(None, ge=16)
 
@@ -274,7 +274,7 @@ class TrainConfig(Strict):
     cod_ratio: float = Field(0.8, gt=0, le=1)
     cod_floor: float = Field(0.2, ge=0, le=1)
     loss_depth_weighting: Literal["uniform", "per_depth_mean"] = "uniform"
-    # P-EAGLE's recipe (peagle.methods.peagle owns these; bench/results/quality.md measured them):
+    # P-EAGLE's recipe (peagle.methods.peagle owns these; bench/quality.py measures them):
     # keep the target's lm_head (the far depths' gradients otherwise dominate it), train only
     # the mask token's embedding row, and the scale mask_hidden (h_shared) starts at.
     freeze_lm_head: bool = True
@@ -285,8 +285,7 @@ class TrainConfig(Strict):
     depth0_loss_share: float | None = Field(0.5, gt=0, lt=1)
     # The loss weight of a draft that greedy verification never reads: a shallower draft of the
     # same anchor misses the target's token (1: every element alike). 0 trains each depth for
-    # the drafts that are checked: P-EAGLE 4.90 against 4.64, EAGLE-3 5.12 against 5.08 on the
-    # demo at equal steps (bench/results/quality.md, 2 seeds).
+    # the drafts that are checked.
     unaccepted_weight: float = Field(0.0, ge=0, le=1)
     max_len: int = Field(768, ge=16)
     segments: int = Field(1, ge=1)
@@ -534,8 +533,7 @@ class PipelineConfig(Strict):
     def section_hash(self, *sections: str) -> str:
         """A stable hash of the named sections: the cache key of a stage's inputs."""
         payload = {s: getattr(self, s).model_dump(mode="json", by_alias=True) for s in sections}
-        blob = json.dumps(payload, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return json_digest(payload)
 
 
 class ConfigError(ValueError):

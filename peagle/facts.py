@@ -22,6 +22,17 @@ from peagle.config import KV_PER_QUERY_HEAD, ConfigError, PipelineConfig
 from peagle.fileio import write_json_atomic
 
 FACTS_VERSION = 1
+HEAD_SPEC_VERSION = 1  # head_spec.json, in every checkpoint
+
+
+def text_config(config):
+    """The language model's part of a target's config, whose fields peagle reads (a multimodal
+    config nests it under ``text_config``): a ``transformers`` config or its config.json dict."""
+    if isinstance(config, dict):
+        return config.get("text_config") or config
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return getattr(config, "text_config", None) or config
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -99,19 +110,9 @@ class TargetFacts:
 
 
 def load_dataset_facts(layout) -> TargetFacts:
-    """The target facts of a dataset directory (a ``peagle.layout.DataLayout``), checked.
-
-    A dataset written before the facts were split holds only ``head_spec.json`` (with a
-    drafter shape frozen at data time): refuse it with the fix instead of trusting it.
-    """
+    """The target facts of a dataset directory (a ``peagle.layout.DataLayout``), checked."""
     if layout.facts.exists():
         return TargetFacts.load(layout.facts)
-    if layout.legacy_head_spec.exists():
-        raise FileNotFoundError(
-            f"{layout.root} was built by an older peagle: it has head_spec.json but no {layout.facts.name}. "
-            "Rerun the data stage (`peagle data CONFIG`, or the data flow): it keeps the extracted hidden "
-            f"states and writes {layout.facts.name}"
-        )
     raise FileNotFoundError(f"{layout.facts} not found: build the dataset first (`peagle data CONFIG`)")
 
 
@@ -150,7 +151,7 @@ def target_facts_from_target(cfg: PipelineConfig, target_config, tokenizer) -> T
     ``target_config`` is the target's ``transformers`` config (text part for multimodal
     models); ``tokenizer`` its tokenizer. Raises ``ConfigError`` naming the key to fix.
     """
-    tc = getattr(target_config, "text_config", None) or target_config
+    tc = text_config(target_config)
     num_layers = int(tc.num_hidden_layers)
     vocab = int(tc.vocab_size)
     aux = list(cfg.data.aux_layer_ids) if cfg.data.aux_layer_ids else default_aux_layer_ids(num_layers)
@@ -297,15 +298,18 @@ class HeadSpec:
         return all(getattr(self, name) == getattr(facts, name) for name in _SHARED_TARGET_FIELDS)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        return json.dumps({"version": HEAD_SPEC_VERSION, **asdict(self)}, indent=2, sort_keys=True)
 
     def save(self, path: Path) -> None:
-        _write_json(path, asdict(self))
+        _write_json(path, {"version": HEAD_SPEC_VERSION, **asdict(self)})
 
     @classmethod
     def load(cls, path: Path) -> HeadSpec:
         data = _read_json(path, "trained head's spec (a checkpoint directory holds head_spec.json)")
-        data.pop("extra", None)  # written by peagle before the facts were split; always empty
+        version = data.pop("version", None)
+        if version != HEAD_SPEC_VERSION:
+            raise ValueError(f"{path}: head spec version {version} is not {HEAD_SPEC_VERSION}: the checkpoint was "
+                             "written by another peagle; train the head again (a new workdir, or delete the checkpoint)")
         return cls(**data)
 
 

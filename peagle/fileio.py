@@ -51,6 +51,13 @@ def is_disk_full(err: BaseException) -> bool:
     return error_number(err) in DISK_FULL
 
 
+def json_digest(value, length: int = 16) -> str:
+    """The first ``length`` hex digits of the sha256 of ``value`` as canonical JSON (sorted
+    keys): every stable key peagle derives (config sections, sample ids, cache keys)."""
+    blob = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
     """Hex sha256 of a file, read in chunks so shards of any size hash in bounded memory."""
     digest = hashlib.sha256()

@@ -5,8 +5,8 @@ which hash every shard and name the target and data config that built them), the
 fields that change its weights, and its drafting method. ``head_identity`` digests them.
 Four places ask, and so agree:
 
-- the Prefect training cache (``training_key``): a cached head is reused exactly when its
-  identity is unchanged;
+- the Prefect training cache (``flows.cache_keys.training_key``): a cached head is reused
+  exactly when its identity is unchanged;
 - the checkpoint directory (``peagle.stages.checkpoint_dir``, ``checkpoints/<method>/<identity[:12]>``):
   the same inputs resume there, changed ones train a new head beside the old one;
 - the trainer's resume check: a checkpoint directory continues only the run it began;
@@ -36,9 +36,6 @@ Bookkeeping, which never counts (``BOOKKEEPING``):
   ``train_result.json`` (``warm_start``).
 - ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``: where the
   ranks run, not what they compute.
-``optimizer`` and ``muon_learning_rate`` count only with ``optimizer: muon``: every head
-trained before the field existed trained with AdamW, and keeps its identity; so
-``max_train_seconds`` counts only when set.
 ``world_size`` and ``grad_accum`` count as their product (``micro_batches_per_step``): with
 ``micro_batch_size`` it sets the global batch, and step s trains the same samples however
 it splits into ranks x accumulation (``peagle.train.data``), so a head trained on 2 ranks
@@ -47,10 +44,9 @@ resumes on 1 with twice the accumulation (``peagle.train.checkpoint``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 
+from peagle.fileio import json_digest
 from peagle.methods import DraftingMethod, available_methods, get_method
 
 BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
@@ -59,20 +55,14 @@ LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "host
 SPLIT_OF_THE_BATCH = frozenset({"world_size", "grad_accum"})  # count as micro_batches_per_step
 
 
-def _digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
     """The config that decides a head's weights for ``method`` (default ``train.method``)."""
     method = get_method(method or cfg.train.method)
     others = {f for name in available_methods() for f in get_method(name).own_train_fields}
     ignored = BOOKKEEPING | LAUNCH | SPLIT_OF_THE_BATCH | (others - method.own_train_fields)
     train = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in ignored}
-    if cfg.train.optimizer == "adamw":
-        del train["optimizer"], train["muon_learning_rate"]
-    if cfg.train.max_train_seconds is None:
-        del train["max_train_seconds"]
+    if cfg.train.optimizer != "muon":
+        del train["muon_learning_rate"]  # read by Muon alone
     train["micro_batches_per_step"] = cfg.train.micro_batches_per_step
     train["method"] = method.name
     return {"drafter": cfg.drafter.model_dump(mode="json"), "train": train}
@@ -80,12 +70,12 @@ def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
 
 def training_hash(cfg, method: str | DraftingMethod | None = None) -> str:
     """Digest of ``training_fields``: the training half of a head's identity."""
-    return _digest(training_fields(cfg, method))
+    return json_digest(training_fields(cfg, method))
 
 
 def head_identity(cfg, dataset: Mapping[str, str], method: str | DraftingMethod | None = None) -> str:
     """A head's identity: its dataset (``dataset_manifests``), ``training_hash`` and method."""
-    return _digest({"dataset": dict(dataset), "training": training_hash(cfg, method)})
+    return json_digest({"dataset": dict(dataset), "training": training_hash(cfg, method)})
 
 
 def dataset_manifests(data_dir) -> dict[str, str]:
@@ -95,45 +85,3 @@ def dataset_manifests(data_dir) -> dict[str, str]:
 
     data = DataLayout(data_dir)
     return {split: sha256_file(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}
-
-
-# ----------------------------------------------------------------------------- Prefect cache keys
-# What decides each cached stage output, with no machine-local path: cached results live in
-# the run directory, shared by the CLI and a worker whose paths may differ.
-
-
-def _digest_parts(*parts) -> str:
-    return hashlib.sha256(json.dumps([str(p) for p in parts]).encode()).hexdigest()[:24]
-
-
-def dataset_key(cfg, target) -> str:
-    """The dataset: target+data config, prompt-file contents, target revision (``target``: a
-    ``peagle.stages.TargetInfo``), and what its served split is made of (``peagle.data.served``)."""
-    from peagle.data.served import served_key
-    from peagle.lineage import dataset_inputs
-
-    values = dataset_inputs(cfg, target)
-    return "data-" + _digest_parts(values["data_config_hash"], values["prompt_files"], values["target_revision"],
-                                   served_key(cfg))
-
-
-def training_key(cfg, data_dir, method: str | DraftingMethod) -> str:
-    """A trained head: its identity (the dataset actually built, the weight-changing fields, the method)."""
-    return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
-
-
-def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None = None, champion=None) -> str:
-    """Online acceptance: the heads (their training keys when known, else their files' hashes;
-    the card and the lineage file do not count), the registry champion measured beside them
-    (its content; ``peagle.tracking.gate.ChampionHead``), the target, vLLM and eval settings."""
-    from pathlib import Path
-
-    from peagle.fileio import sha256_file
-    from peagle.layout import LINEAGE_FILE
-    from peagle.lineage import revision_of
-
-    head = head_key or {label: {p.name: sha256_file(p) for p in sorted(Path(d).glob("*"))
-                                if p.is_file() and p.name not in ("README.md", LINEAGE_FILE)}
-                        for label, d in heads.items()}
-    return "eval-" + _digest_parts(head, sorted(heads), champion and champion.content, revision_of(cfg, target),
-                                   cfg.section_hash("vllm", "eval"), cfg.target.dtype)

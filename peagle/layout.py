@@ -28,7 +28,6 @@ from pathlib import Path
 BUILD_FILE = "build.json"
 SAMPLES_FILE = "samples.jsonl"
 TARGET_FACTS_FILE = "target_facts.json"
-LEGACY_HEAD_SPEC_FILE = "head_spec.json"  # a dataset of an older peagle (drafter shape frozen at data time)
 HEALTH_FILE = "health.json"
 VOCAB_FILE = "vocab.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -81,9 +80,6 @@ class DataLayout:
     def facts(self) -> Path:
         return self.root / TARGET_FACTS_FILE
 
-    @property
-    def legacy_head_spec(self) -> Path:
-        return self.root / LEGACY_HEAD_SPEC_FILE
 
     @property
     def vocab(self) -> Path:

@@ -224,7 +224,7 @@ def head_lineage(cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Pa
 
     data = DataLayout(data_dir)
     if not data.lineage.is_file():
-        return None, f"{data.lineage} is missing (the dataset was built by an older peagle)"
+        return None, f"{data.lineage} is missing (the dataset was built outside a pipeline run: `peagle data CONFIG` records it)"
     manifests = dataset_manifests(data_dir)
     trained = read_trainer_state(resolve_checkpoint(checkpoint)).config_hash
     if trained != head_identity(cfg, manifests, method):

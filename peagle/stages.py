@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
+from peagle.export.contract import CONFIG_FILE, WEIGHTS_FILE
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
 from peagle.methods import BASELINE, DraftingMethod, get_method
@@ -52,7 +53,7 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     """Resolve (or build) the target and check the config against it before heavy work; tell its
     revision (what the lineage and cache keys name it by) once per run. The evaluation prompt
     files are checked first: a missing or short one fails before a target is built or downloaded."""
-    from peagle.eval.prompts import check_eval_prompts
+    from peagle.data.prompt_sets import check_eval_prompts
     from peagle.lineage import target_revision
     from peagle.target import load_target_config_and_tokenizer, resolve_target
 
@@ -168,7 +169,8 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     if cfg.train.init_from != INIT_FROM_CHAMPION:
         return cfg
     from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
-    from peagle.tracking.registry import champion_version, download_champion
+    from peagle.tracking.pull import download_champion
+    from peagle.tracking.registry import champion_version
 
     client = make_client(resolve_tracking_uri(cfg.tracking))
     name = registered_model_name(cfg.tracking, cfg.target.model)
@@ -178,7 +180,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
         head = None
     else:
         head = RunLayout(cfg.run_dir).warm_start(champion.version)
-        if not (head / "model.safetensors").exists():
+        if not (head / WEIGHTS_FILE).exists():
             download_champion(client, name, head, overwrite=True)
         head = str(head)
     return with_train(cfg, init_from=head)
@@ -229,8 +231,7 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
     check_trained_on(spec, data, checkpoint)
     method = get_method(method or spec.method or cfg.train.method)
     vocab = DraftVocab.load(data.vocab)
-    k_train = spec.k_train or cfg.train.k_train  # a checkpoint of an older peagle does not record it
-    ks, limit = evaluable_ks(with_train(cfg, k_train=k_train), method)
+    ks, limit = evaluable_ks(with_train(cfg, k_train=spec.k_train), method)
     split, max_tokens = offline_split(data.root)
     return run_offline(drafter, None, ShardReader(split), spec, vocab, ks, cfg.eval.offline_max_samples, method,
                        max_k=limit, max_tokens=max_tokens, split=split.name)
@@ -282,14 +283,14 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
     heads = {head.name: str(head_dir or exported_head_dir(cfg, head))}
     heads |= {m.name: str(baseline_dir or exported_head_dir(cfg, m)) for m in baseline}
     for name, directory in heads.items():
-        if not (Path(directory) / "config.json").exists():
+        if not (Path(directory) / CONFIG_FILE).exists():
             raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
                                     f"run the train flow first (method {name})")
     return heads
 
 
 def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
-    from peagle.eval.prompts import load_eval_prompts as load
+    from peagle.data.prompt_sets import load_eval_prompts as load
 
     return load(cfg)
 
@@ -301,8 +302,8 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
     registry's champion (a ``peagle.tracking.gate.ChampionHead``) in the same run when given,
     its rows labelled ``champion-v<N>``, so the gate compares like with like: at the largest K,
     the only K the gate reads (``peagle.tracking.gate.head_score``), one engine."""
+    from peagle.data.prompt_sets import load_chat_prompt_sets, load_completion_prompts
     from peagle.eval.online import evaluate_online as run_online
-    from peagle.eval.prompts import load_chat_prompt_sets, load_completion_prompts
 
     methods = {get_method(m).label: get_method(m) for m in heads}
     paths = {get_method(m).label: Path(d) for m, d in heads.items()}

@@ -57,7 +57,7 @@ def test_an_eagle3_head_may_have_a_depth_of_its_own():
     assert head_spec_for(with_method(unset, "eagle3"), facts).num_layers == 3
 
 
-def test_facts_and_specs_round_trip_and_old_files_are_handled(tmp_path):
+def test_facts_and_specs_round_trip(tmp_path):
     cfg = demo()
     facts = facts_of_a_target(cfg)
     data = DataLayout(tmp_path / "data")
@@ -67,15 +67,6 @@ def test_facts_and_specs_round_trip_and_old_files_are_handled(tmp_path):
     spec = head_spec_for(cfg, facts)
     spec.save(tmp_path / "head_spec.json")
     assert HeadSpec.load(tmp_path / "head_spec.json") == spec
-    # A checkpoint of an older peagle: no method/k_train, an empty "extra".
-    old = {k: v for k, v in json.loads((tmp_path / "head_spec.json").read_text()).items()
-           if k not in ("method", "k_train")}
-    (tmp_path / "old.json").write_text(json.dumps({**old, "extra": {}}))
-    assert HeadSpec.load(tmp_path / "old.json").num_layers == spec.num_layers
-    # A dataset of an older peagle: only head_spec.json, whose drafter shape may be stale.
-    data.facts.rename(data.legacy_head_spec)
-    with pytest.raises(FileNotFoundError, match="older peagle.*Rerun the data stage"):
-        load_dataset_facts(data)
     with pytest.raises(FileNotFoundError, match="build the dataset first"):
         load_dataset_facts(DataLayout(tmp_path / "nothing"))
 
@@ -90,3 +81,15 @@ def test_run_layout_names_every_path(tmp_path):
     assert run.online_results == tmp_path / "eval" / "online_results.json"
     assert run.warm_start(3) == tmp_path / "warm_start" / "v3"
     assert run.revision("abc") == tmp_path / "revisions" / "abc"
+
+
+def test_a_head_spec_of_another_format_is_refused_with_the_fix(tmp_path):
+    cfg = demo()
+    spec = head_spec_for(cfg, facts_of_a_target(cfg))
+    spec.save(tmp_path / "head_spec.json")
+    data = json.loads((tmp_path / "head_spec.json").read_text())
+    assert data["version"] == 1 and json.loads(spec.to_json()) == data
+    del data["version"]
+    (tmp_path / "head_spec.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"head spec version None is not 1: .*train the head again"):
+        HeadSpec.load(tmp_path / "head_spec.json")

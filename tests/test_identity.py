@@ -37,7 +37,7 @@ def inputs(tmp_path):
 
 def key_of(cfg, target):
     """Every definition of a head's identity, side by side."""
-    from peagle.identity import training_key
+    from flows.cache_keys import training_key
 
     return {"identity": head_identity(cfg, DATASET), "lineage": lineage(cfg, target)["train_config_hash"],
             "prefect": training_key(cfg, Path("/nonexistent-data"), cfg.train.method)}
@@ -101,10 +101,10 @@ def test_resume_follows_the_identity(tiny_run, tmp_path):
         train_drafter(tiny_config(max_steps=1, learning_rate=1e-2), data_dir, str(target), out, progress=False)
 
 
-def test_the_optimizer_fields_count_only_with_muon():
-    """Heads trained before train.optimizer existed (AdamW) keep their identity; Muon's lr counts under Muon."""
-    cfg = tiny_config()
-    assert "optimizer" not in training_fields(cfg)["train"]
-    assert training_hash(with_train(cfg, muon_learning_rate=0.05)) == training_hash(cfg)
-    muon = with_train(cfg, optimizer="muon")
-    assert training_hash(with_train(muon, muon_learning_rate=0.05)) != training_hash(muon) != training_hash(cfg)
+def test_the_optimizer_counts_and_muons_lr_counts_under_muon():
+    """The optimizer changes the weights; Muon's learning rate only where Muon steps them."""
+    adamw = with_train(tiny_config(), optimizer="adamw")
+    assert training_fields(adamw)["train"]["optimizer"] == "adamw"
+    assert training_hash(with_train(adamw, muon_learning_rate=0.05)) == training_hash(adamw)
+    muon = with_train(adamw, optimizer="muon")
+    assert training_hash(with_train(muon, muon_learning_rate=0.05)) != training_hash(muon) != training_hash(adamw)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from peagle.config import VllmConfig
+from peagle.facts import text_config
 
 
 def target_num_layers(model: str, *, revision: str | None = None, trust_remote_code: bool = False) -> int:
@@ -32,8 +33,7 @@ def target_num_layers(model: str, *, revision: str | None = None, trust_remote_c
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text.num_hidden_layers)
+    return int(text_config(config).num_hidden_layers)
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -106,7 +106,7 @@ def extract_with_engine(
 
     from peagle.logs import console_stream
     from peagle.serving.extraction import request_hidden_states
-    from peagle.serving.generation import engine_max_model_len, engine_vocab_size
+    from peagle.serving.pool import engine_max_model_len, engine_vocab_size
 
     max_len, vocab = engine_max_model_len(llm), engine_vocab_size(llm)
     total = len(sequences) if hasattr(sequences, "__len__") else None

@@ -45,7 +45,6 @@ and are reused by any build with the same key, a rebuild included.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -85,7 +84,7 @@ from peagle.data.store import (
 from peagle.data.synthesize import synthesize_prompts
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
-from peagle.fileio import atomic_open, is_disk_full, publish_dir, write_json_atomic
+from peagle.fileio import atomic_open, is_disk_full, json_digest, publish_dir, write_json_atomic
 from peagle.layout import SAMPLES_FILE, SPLITS, DataLayout, RunLayout
 from peagle.logs import console_stream
 
@@ -142,7 +141,6 @@ class BuildPlan:
     replaces: str | None = None  # config hash of the dataset in ``final`` that this build replaces
     reuse: tuple[Path, ...] = ()  # samples.jsonl files of other builds whose responses may be reused
     obsolete: tuple[Path, ...] = ()  # unfinished rebuilds of other configurations, removed on commit
-    trusts_unkeyed: bool = False  # samples.jsonl lines without a regeneration key are this config's
 
     @property
     def in_place(self) -> bool:
@@ -162,7 +160,7 @@ def build_dataset(
     """
     from transformers import AutoTokenizer
 
-    from peagle.eval.prompts import check_eval_prompts
+    from peagle.data.prompt_sets import check_eval_prompts
 
     eval_sets = check_eval_prompts(cfg)  # the served split and the evaluate stage read them
     config_hash = cfg.section_hash("target", "data")
@@ -186,7 +184,6 @@ def build_dataset(
                                   draft_vocab_size)
         vocab.save(layout.vocab)
         final_facts.save(layout.facts)
-        layout.legacy_head_spec.unlink(missing_ok=True)  # an older peagle's, with a stale drafter shape
         commit(plan, config_hash, key)
     except KeyboardInterrupt:
         log.warning(f"data: interrupted. {kept_summary(plan)} Rerun the same command to go on from there.")
@@ -210,7 +207,7 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
                  mend: bool) -> list[Record]:
     """Regenerate, render and extract whatever ``plan.layout`` does not hold yet; the records."""
     layout = plan.layout
-    records = plan_records(cfg, prompts, previous_samples(plan), key, plan.trusts_unkeyed)
+    records = plan_records(cfg, prompts, previous_samples(plan), key)
     mend_corrupt_shards(layout, mend)
     max_len = min(cfg.data.max_seq_len, cfg.vllm.max_model_len - 1)  # extraction needs one spare position
     meta = {"config_hash": cfg.section_hash("target", "data"), "target": cfg.target.model,
@@ -294,7 +291,7 @@ def plan_build(run: RunLayout, config_hash: str, *, force: bool, repair: bool) -
         for other in others:
             log.info(f"data: {other.root} holds an unfinished rebuild of another configuration; `peagle data "
                      "--force` with that configuration finishes it, or delete it")
-        return BuildPlan(data, data, trusts_unkeyed=old == config_hash)
+        return BuildPlan(data, data)
     if repair:
         raise ConfigError(
             f"{data.root} holds a dataset of another configuration (config hash {old}, now {config_hash}): "
@@ -340,7 +337,7 @@ def regeneration_key(cfg: PipelineConfig, target_revision: str | None) -> str:
         "seed": cfg.data.seed,
         "max_model_len": cfg.vllm.max_model_len,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return json_digest(payload)
 
 
 # ----------------------------------------------------------------------------- disk
@@ -442,17 +439,16 @@ def previous_samples(plan: BuildPlan) -> dict[str, dict]:
     return merged
 
 
-def plan_records(cfg: PipelineConfig, prompts: list[Conversation], previous: dict[str, dict], key: str | None,
-                 trusts_unkeyed: bool = False) -> list[Record]:
+def plan_records(cfg: PipelineConfig, prompts: list[Conversation], previous: dict[str, dict],
+                 key: str | None) -> list[Record]:
     """Every prompt as a Record, with earlier regenerated responses of the same ``key``
-    (``regeneration_key``; None: regeneration is off) restored. ``trusts_unkeyed``: lines
-    written without a key (an older peagle's) belong to this configuration."""
+    (``regeneration_key``; None: regeneration is off) restored."""
     splits = {sample_id: rec.get("split") for sample_id, rec in previous.items()}
     train, heldout = split_heldout(prompts, cfg.data.heldout_samples, cfg.data.seed, splits)
     records = []
     for split, convs in (("train", train), ("eval", heldout)):
         for conv in convs:
-            records.append(_record(conv, split, previous.get(conv.id), key, trusts_unkeyed))
+            records.append(_record(conv, split, previous.get(conv.id), key))
     restored = sum(r.regen is not None for r in records)
     log.info(
         f"data: {len(train)} train + {len(heldout)} held-out prompts"
@@ -461,10 +457,10 @@ def plan_records(cfg: PipelineConfig, prompts: list[Conversation], previous: dic
     return records
 
 
-def _record(conv: Conversation, split: str, previous: dict | None, key: str | None, trusts_unkeyed: bool) -> Record:
+def _record(conv: Conversation, split: str, previous: dict | None, key: str | None) -> Record:
     reusable = (
         key is not None and previous and previous.get("regen") and previous.get("split") == split
-        and (previous.get("regen_key") == key or (trusts_unkeyed and "regen_key" not in previous))
+        and previous.get("regen_key") == key
     )
     if reusable:
         return Record(conv.id, split, conv.source, previous["messages"], regen=previous["regen"], regen_key=key,

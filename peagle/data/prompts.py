@@ -22,8 +22,6 @@ fixed by ``data.seed``, so the same config always yields the same prompts.
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import logging
 import random
 from collections import Counter
@@ -33,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from peagle.config import SCHEMA_FIELDS, ConfigError, DataConfig, PromptSource, resolve_repo_path
+from peagle.fileio import json_digest
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +59,7 @@ class Conversation:
 
 
 def conversation_id(messages: list[dict]) -> str:
-    blob = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return json_digest([[m["role"], m["content"]] for m in messages])
 
 
 def make_conversation(messages: list[dict], source: str) -> Conversation:

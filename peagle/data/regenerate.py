@@ -103,7 +103,8 @@ def regenerate_responses(
     """
     from tqdm.auto import tqdm
 
-    from peagle.serving.generation import check_sampling_supported, engine_max_model_len
+    from peagle.serving.generation import check_sampling_supported
+    from peagle.serving.pool import engine_max_model_len
 
     if not getattr(tokenizer, "chat_template", None) and not all(is_completion(c) for c in conversations):
         raise ValueError(

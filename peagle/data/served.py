@@ -22,12 +22,12 @@ measures heads, it does not train them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 
 from peagle.config import PipelineConfig, resolve_repo_path
+from peagle.fileio import json_digest, sha256_file
 from peagle.layout import MANIFEST_FILE, DataLayout
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,8 @@ def served_key(cfg: PipelineConfig) -> str:
     generation budget, the largest K, the engine's length limit."""
     first = cfg.eval.prompts[0]
     path = resolve_repo_path(first)
-    source = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else first
-    parts = [source, cfg.eval.num_prompts, cfg.eval.max_tokens, max(cfg.eval.ks), cfg.vllm.max_model_len]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+    source = sha256_file(path) if path.is_file() else first
+    return json_digest([source, cfg.eval.num_prompts, cfg.eval.max_tokens, max(cfg.eval.ks), cfg.vllm.max_model_len])
 
 
 def served_manifest(data: DataLayout) -> dict | None:
@@ -56,8 +55,7 @@ def served_manifest(data: DataLayout) -> dict | None:
 
 def eval_token_prompts(cfg: PipelineConfig, tokenizer) -> list[list[int]]:
     """The evaluation prompts as token ids, exactly as the online evaluation sends them."""
-    from peagle.eval.online import fit_prompts
-    from peagle.eval.prompts import load_eval_prompts, tokenize_prompts
+    from peagle.data.prompt_sets import fit_prompts, load_eval_prompts, tokenize_prompts
 
     prompts = tokenize_prompts(load_eval_prompts(cfg), tokenizer)
     return fit_prompts(prompts, cfg.vllm.max_model_len, cfg.eval.max_tokens, max(cfg.eval.ks))
@@ -71,8 +69,7 @@ def served_is_current(cfg: PipelineConfig, data: DataLayout) -> bool:
 def served_tokens_to_extract(cfg: PipelineConfig, tokenizer, data: DataLayout) -> tuple[int, int]:
     """(tokens, longest sequence) the served split will still store: every eval prompt plus
     its generation budget, none when the split is current or cannot be built here."""
-    from peagle.eval.online import NoPromptFits
-    from peagle.eval.prompts import PromptSetUnavailable
+    from peagle.data.prompt_sets import NoPromptFits, PromptSetUnavailable
 
     if served_is_current(cfg, data):
         return 0, 0
@@ -106,9 +103,8 @@ def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, la
     back to the held-out split (the online evaluation will say the same about its prompts).
     """
     from peagle.data.extract import extract_with_engine
+    from peagle.data.prompt_sets import NoPromptFits, PromptSetUnavailable
     from peagle.data.store import ShardWriter
-    from peagle.eval.online import NoPromptFits
-    from peagle.eval.prompts import PromptSetUnavailable
     from peagle.serving.generation import generate_from_token_ids
 
     key = served_key(cfg)

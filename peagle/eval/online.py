@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from peagle.config import VllmConfig
-from peagle.eval.prompts import tokenize_prompts
-from peagle.export.contract import NGRAM, ngram_speculative_config, speculative_config
+from peagle.data.prompt_sets import fit_prompts, tokenize_prompts
+from peagle.export.contract import CONFIG_FILE, NGRAM, WEIGHTS_FILE, ngram_speculative_config, speculative_config
 from peagle.fileio import write_json_atomic
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
 
@@ -156,16 +156,12 @@ class OnlineResult:
 # ---------------------------------------------------------------- measuring
 
 
-class NoPromptFits(ValueError):
-    """Every prompt is too long for the engine's context with the generation budget."""
-
-
 def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, vllm_cfg: VllmConfig) -> None:
     """Fail before any engine starts: missing heads, bad levels, too small an engine."""
     for label, head in heads.items():
         if label == BASELINE:
             raise ValueError(f"{BASELINE!r} is reserved for the no-speculation run; rename that head")
-        if not (Path(head) / "config.json").exists() or not (Path(head) / "model.safetensors").exists():
+        if not (Path(head) / CONFIG_FILE).exists() or not (Path(head) / WEIGHTS_FILE).exists():
             raise FileNotFoundError(f"head {label!r}: {head} has no config.json/model.safetensors; export it first")
     if not ks or any(k < 1 for k in ks):
         raise ValueError(f"ks={list(ks)}: list speculative token counts K >= 1")
@@ -178,20 +174,6 @@ def _check_inputs(heads: Mapping[str, Path], ks, concurrency, max_tokens: int, v
         )
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
-
-
-def fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, max_k: int) -> list[list[int]]:
-    """Drop prompts too long to generate ``max_tokens`` (+ K slots) in the engine's context."""
-    room = max_model_len - max_tokens - max_k - 1
-    kept = [p for p in prompts if 0 < len(p) <= room]
-    if len(kept) < len(prompts):
-        dropped = len(prompts) - len(kept)
-        log.warning("dropped %d prompt(s) longer than %d tokens (max_model_len - max_tokens - K)", dropped, room)
-    if not kept:
-        raise NoPromptFits(
-            f"no prompt fits: every prompt exceeds {room} tokens; raise vllm.max_model_len or lower max_tokens"
-        )
-    return kept
 
 
 def measure(llm, prompts: list[list[int]], *, concurrency: int, max_tokens: int):

@@ -11,7 +11,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from peagle.config import EMBEDDED_TARGET, PipelineConfig
-from peagle.export.contract import NGRAM, draft_vocab_size, speculative_config
+from peagle.export.contract import CARD_FILE, NGRAM, draft_vocab_size, speculative_config
 from peagle.facts import HeadSpec
 from peagle.fileio import write_text_atomic
 from peagle.layout import CheckpointLayout
@@ -340,7 +340,7 @@ def write_card(head_dir: Path, card: ModelCardInfo, checkpoint: Path) -> Path:
     The architecture it states is the checkpoint's the head was exported from.
     """
     spec = HeadSpec.load(CheckpointLayout(checkpoint).head_spec)
-    return write_text_atomic(Path(head_dir) / "README.md", render_model_card(card, spec))
+    return write_text_atomic(Path(head_dir) / CARD_FILE, render_model_card(card, spec))
 
 
 def write_run_card(head_dir: Path, cfg: PipelineConfig, data, online, offline, checkpoint: Path, *,
@@ -349,4 +349,4 @@ def write_run_card(head_dir: Path, cfg: PipelineConfig, data, online, offline, c
     once for what trained and for the architecture."""
     spec = HeadSpec.load(CheckpointLayout(checkpoint).head_spec)
     card = run_card(cfg, data, online, offline, spec, method=method)
-    return write_text_atomic(Path(head_dir) / "README.md", render_model_card(card, spec))
+    return write_text_atomic(Path(head_dir) / CARD_FILE, render_model_card(card, spec))

@@ -10,6 +10,7 @@ it to everything except ``lm_head``, maps ``d2t`` to ``draft_id_to_target_id``, 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +57,9 @@ def fc_input_size(spec: HeadSpec) -> int:
     return len(spec.aux_layer_ids) * spec.target_hidden_size
 
 
-def expected_tensors(spec: HeadSpec, method=None) -> dict[str, TensorRule]:
-    """Every tensor the head of ``method`` (a name or ``DraftingMethod``) ships, with its
-    shape: nothing more, nothing less. The method adds its own (P-EAGLE: ``mask_hidden``)."""
-    from peagle.methods import DEFAULT_METHOD, get_method
-
+def expected_tensors(spec: HeadSpec, method_tensors: Mapping[str, TensorRule] | None = None) -> dict[str, TensorRule]:
+    """Every tensor a head ships, with its shape: nothing more, nothing less. ``method_tensors``
+    are its drafting method's own (``DraftingMethod.head_tensors``; P-EAGLE's ``mask_hidden``)."""
     h, v, vd = spec.hidden_size, spec.vocab_size, draft_vocab_size(spec)
     q_out = spec.num_heads * spec.head_dim
     kv_out = spec.num_kv_heads * spec.head_dim
@@ -88,7 +87,7 @@ def expected_tensors(spec: HeadSpec, method=None) -> dict[str, TensorRule]:
     rules["layers.0.hidden_norm.weight"] = TensorRule((h,), "float", "norms the projected hidden in layer 0")
     if ships_d2t(spec):
         rules["d2t"] = TensorRule((vd,), "int64", "offsets: target_id = i + d2t[i]")
-    return rules | get_method(method or DEFAULT_METHOD).head_tensors(spec)
+    return rules | dict(method_tensors or {})
 
 
 def rope_parameters(spec: HeadSpec) -> dict:

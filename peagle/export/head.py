@@ -30,10 +30,10 @@ from peagle.export.contract import (
     ships_d2t,
 )
 from peagle.export.validate import (
-    TargetFacts,
+    CheckedTarget,
     ValidationReport,
+    checked_target_from_spec,
     read_target,
-    target_facts_from_spec,
     validate_head,
 )
 from peagle.facts import HeadSpec, load_dataset_facts
@@ -115,7 +115,7 @@ def head_tensors(
     untrained ``mask_hidden``, so nothing can serve it with parallel drafting by mistake).
     """
     method = get_method(method)
-    rules = expected_tensors(spec, method)
+    rules = expected_tensors(spec, method.head_tensors(spec))
     state_dict = {k: v for k, v in state_dict.items() if k not in method.omitted_tensors}
     from_vocab = {"d2t": vocab.d2t, "t2d": vocab.t2d}
     for name, maps_tensor in from_vocab.items():
@@ -152,10 +152,10 @@ def head_tensors(
     return out
 
 
-def _target_for_checks(spec: HeadSpec, target_path, target_embed) -> tuple[TargetFacts, str | None]:
+def _target_for_checks(spec: HeadSpec, target_path, target_embed) -> tuple[CheckedTarget, str | None]:
     """The target to validate against: its directory when known, else the spec's numbers."""
     path = target_path or (spec.target if Path(spec.target).is_dir() else None)
-    target = read_target(path, with_embed=target_embed is None) if path else target_facts_from_spec(spec)
+    target = read_target(path, with_embed=target_embed is None) if path else checked_target_from_spec(spec)
     if target_embed is not None:
         target.embed = target_embed
     return target, (str(path) if path else None)
@@ -208,7 +208,7 @@ def export_head(
 
 
 def validate_export(
-    tmp: Path, target: TargetFacts, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg,
+    tmp: Path, target: CheckedTarget, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg,
     method: str | DraftingMethod = DEFAULT_METHOD,
 ) -> ValidationReport:
     """Static checks always; the vLLM round trip only when asked and the target is a path."""

@@ -23,6 +23,7 @@ import torch
 
 from peagle.export.contract import expected_tensors
 from peagle.facts import DrafterShape, HeadSpec, TargetFacts, head_spec
+from peagle.methods import DEFAULT_METHOD, get_method
 
 MARKER = 0  # the residual dimension both models keep at 1
 MASK_TOKEN = "<|mask|>"
@@ -66,7 +67,7 @@ def random_head_state_dict(spec: HeadSpec, *, seed: int = 0, std: float = 0.02) 
     """A drafter state dict with the head's names and random values (norms at one)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for name, rule in expected_tensors(spec).items():
+    for name, rule in expected_tensors(spec, get_method(DEFAULT_METHOD).head_tensors(spec)).items():
         if rule.kind != "float":
             continue
         if name.endswith("norm.weight"):

@@ -31,7 +31,7 @@ from peagle.export.contract import (
 )
 from peagle.facts import HeadSpec
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
-from peagle.model.target_weights import read_target_tensor
+from peagle.model.target_weights import read_target_tensor, target_config
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class HeadValidationError(ValueError):
 
 
 @dataclass
-class TargetFacts:
+class CheckedTarget:
     """The parts of the target a head must agree with; ``embed`` only when available."""
 
     vocab_size: int
@@ -111,16 +111,12 @@ class TargetFacts:
 # ---------------------------------------------------------------- the target side
 
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def load_target_embedding(target_dir: Path) -> torch.Tensor | None:
     """The target's input embedding table, read from its safetensors without loading the rest."""
     return read_target_tensor(target_dir, "embed_tokens.weight")
 
 
-def read_target(target_path: str | Path, *, revision: str | None = None, with_embed: bool = True) -> TargetFacts:
+def read_target(target_path: str | Path, *, revision: str | None = None, with_embed: bool = True) -> CheckedTarget:
     """Vocabulary, widths and depth of the target (a local directory or a cached hub id)."""
     target_dir = Path(target_path)
     if not target_dir.is_dir():
@@ -138,8 +134,8 @@ def read_target(target_path: str | Path, *, revision: str | None = None, with_em
     config_file = target_dir / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{target_dir}: no config.json; pass the target model's directory")
-    tc = _text_config(json.loads(config_file.read_text()))
-    return TargetFacts(
+    tc = target_config(target_dir)
+    return CheckedTarget(
         vocab_size=int(tc["vocab_size"]),
         hidden_size=int(tc["hidden_size"]),
         num_layers=int(tc["num_hidden_layers"]),
@@ -148,8 +144,8 @@ def read_target(target_path: str | Path, *, revision: str | None = None, with_em
     )
 
 
-def target_facts_from_spec(spec: HeadSpec) -> TargetFacts:
-    return TargetFacts(spec.vocab_size, spec.target_hidden_size, spec.target_num_layers, None, "head spec")
+def checked_target_from_spec(spec: HeadSpec) -> CheckedTarget:
+    return CheckedTarget(spec.vocab_size, spec.target_hidden_size, spec.target_num_layers, None, "head spec")
 
 
 # ---------------------------------------------------------------- static checks
@@ -172,7 +168,7 @@ def _load_config(report: ValidationReport) -> dict | None:
     return config
 
 
-def _check_config(report: ValidationReport, config: dict, target: TargetFacts, parallel_drafting: bool) -> None:
+def _check_config(report: ValidationReport, config: dict, target: CheckedTarget, parallel_drafting: bool) -> None:
     archs = config.get("architectures") or []
     if not archs or archs[0] not in ACCEPTED_ARCHITECTURES:
         report.problem(
@@ -244,7 +240,7 @@ def _check_mask_ids(report: ValidationReport, config: dict, parallel_drafting: b
         report.warnings.append(f"mask id only under {sorted(ids)}; write both {names} to serve every vLLM version")
 
 
-def spec_from_config(config: dict, target: TargetFacts) -> HeadSpec:
+def spec_from_config(config: dict, target: CheckedTarget) -> HeadSpec:
     """The HeadSpec a head's config.json describes (to derive the tensors it must hold)."""
     heads = int(config["num_attention_heads"])
     return HeadSpec(
@@ -387,7 +383,7 @@ def _equal_in(a: torch.Tensor, b: torch.Tensor, dtypes: set[torch.dtype]) -> boo
     return any(torch.equal(a.to(d), b.to(d)) for d in dtypes)
 
 
-def _check_mask_row(report: ValidationReport, tensors: dict, config: dict, target: TargetFacts) -> None:
+def _check_mask_row(report: ValidationReport, tensors: dict, config: dict, target: CheckedTarget) -> None:
     embed = tensors.get("embed_tokens.weight")
     mask_id = config.get("mask_token_id", config.get("ptd_token_id"))
     if embed is None or mask_id is None or not 0 <= mask_id < embed.shape[0]:
@@ -423,7 +419,7 @@ def _check_mask_row(report: ValidationReport, tensors: dict, config: dict, targe
 
 
 def static_check(
-    head_dir: Path, target: TargetFacts, *, method: str | DraftingMethod = DEFAULT_METHOD,
+    head_dir: Path, target: CheckedTarget, *, method: str | DraftingMethod = DEFAULT_METHOD,
     report: ValidationReport | None = None,
 ) -> ValidationReport:
     """All checks that need no engine for a head of ``method``; fills and returns a report (does not raise)."""
@@ -444,7 +440,7 @@ def static_check(
         return report
     _check_omitted(report, tensors, method)
     shipped = {name: t for name, t in tensors.items() if _normalise(name) not in method.omitted_tensors}
-    _check_names_shapes_dtypes(report, shipped, expected_tensors(spec, method), float_dtype)
+    _check_names_shapes_dtypes(report, shipped, expected_tensors(spec, method.head_tensors(spec)), float_dtype)
     _check_vocab_maps(report, tensors, config)
     if method.parallel_drafting:
         _check_mask_row(report, tensors, config, target)
@@ -540,7 +536,7 @@ def _judge_vllm_check(report: ValidationReport, check: VllmCheck, min_acceptance
 
 def validate_head(
     head_dir: str | Path,
-    target_path: str | Path | TargetFacts,
+    target_path: str | Path | CheckedTarget,
     *,
     vllm_cfg=None,
     load_in_vllm: bool = True,
@@ -555,14 +551,14 @@ def validate_head(
     """Check a head of ``method`` against the vLLM contract, then (``load_in_vllm``) serve it
     with its target, drafting as the method does.
 
-    ``target_path`` is the target's directory (or ``TargetFacts``); ``target_embed``
+    ``target_path`` is the target's directory (or ``CheckedTarget``); ``target_embed``
     overrides the embedding table read from it. Raises ``HeadValidationError`` listing
     every problem and its fix; returns the report (with vLLM's numbers) when all pass.
     """
     head_dir = Path(head_dir)
     if not head_dir.is_dir():
         raise HeadValidationError(head_dir, [Problem("the head directory does not exist", "pass an exported head")])
-    if isinstance(target_path, TargetFacts):
+    if isinstance(target_path, CheckedTarget):
         target = target_path
     else:
         target = read_target(target_path, revision=target_revision, with_embed=target_embed is None)
@@ -571,8 +567,8 @@ def validate_head(
     report = static_check(head_dir, target, method=method)
     report.raise_if_failed()
     if load_in_vllm:
-        if isinstance(target_path, TargetFacts):
-            raise ValueError("load_in_vllm needs the target's path, not TargetFacts")
+        if isinstance(target_path, CheckedTarget):
+            raise ValueError("load_in_vllm needs the target's path, not CheckedTarget")
         from peagle.config import VllmConfig
 
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from peagle.methods.base import DraftingMethod, Objective
+from peagle.methods.base import DraftingMethod
 
 CATALOGUE = {
     "peagle": "peagle.methods.peagle",
@@ -76,7 +76,6 @@ __all__ = [
     "CATALOGUE",
     "DEFAULT_METHOD",
     "DraftingMethod",
-    "Objective",
     "available_methods",
     "get_method",
     "register_method",

@@ -1,4 +1,4 @@
-"""What a drafting method is: the questions every stage asks it, and the trainer's ``Objective``.
+"""What a drafting method is: the questions every stage asks it.
 
 A method answers, for a head it trains: its name and labels, whether vLLM drafts with it in
 parallel (``parallel_drafting``), how it is trained (``objective``), how it drafts offline
@@ -10,47 +10,17 @@ override what differs; ``peagle.methods`` lists the methods by name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing a method must stay cheap: config validation lists them
+    from collections.abc import Callable
+
     import torch
 
     from peagle.export.contract import TensorRule
     from peagle.facts import HeadSpec
     from peagle.train.batch import Batch
-
-
-@dataclass
-class Objective:
-    """What the trainer runs for a method: how examples are built, batched and scored.
-
-    A micro-batch stays a list of examples until it runs: with ``train.segments`` > 1 each
-    segment is collated (its mask built) only when it is reached, so the whole
-    micro-batch's [N, N] mask never exists (``peagle.train.partition.segment_batches``).
-    """
-
-    name: str
-    make_example: Callable[[Any, Any], Any]  # (sample, torch.Generator) -> Example
-    collate: Callable[[list], Any]  # examples -> Batch (padded, with its attention mask)
-    loss: Callable[[Any, Any, Any], Any]  # (model, batch, denominator) -> LossOutput
-    depths: int  # K the loss and the per-depth metrics run over
-    weighting: Any  # a peagle.train.loss.Weighting: how the micro-batch's normaliser is counted
-
-    def denominator(self, examples: list) -> Any:
-        """The whole micro-batch's normaliser: every segment's loss is divided by it."""
-        from peagle.train.partition import examples_denominator
-
-        return examples_denominator(examples, self.weighting, self.depths)
-
-    def batches(self, examples: list, segments: int):
-        """The micro-batch as ``segments`` batches (Algorithm 1), built one at a time."""
-        if segments == 1:
-            return iter([self.collate(examples)])
-        from peagle.train.partition import segment_batches
-
-        return segment_batches(examples, segments, self.collate)
+    from peagle.train.objective import Objective
 
 
 def starts_from_trained_rows(spec: HeadSpec, train) -> bool:

@@ -38,11 +38,12 @@ import torch
 from torch import nn
 
 from peagle.facts import HeadSpec
-from peagle.methods.base import DraftingMethod, Objective, starts_from_trained_rows
+from peagle.methods.base import DraftingMethod, starts_from_trained_rows
 from peagle.model.drafter import DrafterOutput
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
 from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
 from peagle.train.masks import PrecomputedMask
+from peagle.train.objective import Objective
 from peagle.train.partition import select_elements
 
 # ----------------------------------------------------------------------------- examples

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from peagle.methods.base import DraftingMethod, Objective, starts_from_trained_rows
+from peagle.methods.base import DraftingMethod, starts_from_trained_rows
+from peagle.train.objective import Objective
 
 
 class PEagle(DraftingMethod):
@@ -55,7 +56,7 @@ class PEagle(DraftingMethod):
         )
 
     def prepare_drafter(self, drafter, train) -> None:
-        """The recipe's trainable set and ``mask_hidden``'s scale (``bench/results/quality.md``).
+        """The recipe's trainable set and ``mask_hidden``'s scale (``bench/quality.py`` measures them).
 
         Freezing lm_head / the embeddings keeps the target's own rows, so it needs a drafter
         that starts from them: as wide as the target, or warm started from a head.

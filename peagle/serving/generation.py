@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peagle.serving.pool import EnginePool, spread_over_replicas
+from peagle.serving.pool import is_extraction_engine, spread_over_replicas
 
 # Set in a request's kv_transfer_params: our connector then writes no hidden states for it.
 SKIP_KEY = "skip_hidden_states"
@@ -20,27 +20,6 @@ class Completion:
     text: str  # everything the model emitted, special/reasoning tokens included, minus the stop token
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort"
-
-
-def engine_max_model_len(llm) -> int:
-    """The context length the engine was started with."""
-    if isinstance(llm, EnginePool):
-        return llm.info.max_model_len
-    return int(llm.llm_engine.model_config.max_model_len)
-
-
-def engine_vocab_size(llm) -> int:
-    if isinstance(llm, EnginePool):
-        return llm.info.vocab_size
-    return int(llm.llm_engine.model_config.get_vocab_size())
-
-
-def is_extraction_engine(llm) -> bool:
-    """True for an engine started with vLLM's ``extract_hidden_states`` method."""
-    if isinstance(llm, EnginePool):
-        return llm.info.is_extraction
-    spec = llm.llm_engine.vllm_config.speculative_config
-    return spec is not None and spec.method == "extract_hidden_states"
 
 
 def check_sampling_supported(llm, temperature: float) -> None:

@@ -214,8 +214,6 @@ def _replica_main(rank, env, parent_pid, model, vllm_cfg, options, inbox, outbox
     os.environ.update(env)  # before vLLM touches any device
     try:
         with open_llm(model, vllm_cfg, **options) as llm:
-            from peagle.serving.generation import engine_max_model_len, engine_vocab_size, is_extraction_engine
-
             info = ReplicaInfo(engine_max_model_len(llm), engine_vocab_size(llm), is_extraction_engine(llm),
                                llm.peagle_startup_s)
             outbox.put(("ready", rank, None, info))
@@ -245,3 +243,27 @@ def _sendable(err: Exception) -> BaseException | str:
         return err
     except Exception:
         return f"{type(err).__name__}: {err}"
+
+
+# What an engine was started with: asked of a vLLM engine or of a pool (its replicas' report).
+
+
+def engine_max_model_len(llm) -> int:
+    """The context length the engine was started with."""
+    if isinstance(llm, EnginePool):
+        return llm.info.max_model_len
+    return int(llm.llm_engine.model_config.max_model_len)
+
+
+def engine_vocab_size(llm) -> int:
+    if isinstance(llm, EnginePool):
+        return llm.info.vocab_size
+    return int(llm.llm_engine.model_config.get_vocab_size())
+
+
+def is_extraction_engine(llm) -> bool:
+    """True for an engine started with vLLM's ``extract_hidden_states`` method."""
+    if isinstance(llm, EnginePool):
+        return llm.info.is_extraction
+    spec = llm.llm_engine.vllm_config.speculative_config
+    return spec is not None and spec.method == "extract_hidden_states"

@@ -16,7 +16,7 @@ _EXPORTS = {
     "PromotionDecision": "peagle.tracking.registry",
     "register_head": "peagle.tracking.registry",
     "promote_if_better": "peagle.tracking.registry",
-    "download_champion": "peagle.tracking.registry",
+    "download_champion": "peagle.tracking.pull",
     "weighted_score": "peagle.tracking.registry",
     "scrub": "peagle.tracking.scrub",
 }

@@ -52,14 +52,8 @@ def champion_to_measure(cfg: PipelineConfig, challenger_dir: str | Path) -> Cham
     """The champion to serve beside ``challenger_dir``'s head, downloaded into the run directory;
     None when there is none yet or it is that very head (nothing to compare)."""
     from peagle.tracking.mlflow_run import read_client, registered_model_name, resolve_tracking_uri
-    from peagle.tracking.registry import (
-        TAG_CONTENT,
-        TAG_FILES,
-        champion_version,
-        download_version,
-        head_content_digest,
-        verify_head_files,
-    )
+    from peagle.tracking.pull import download_version, verify_head_files
+    from peagle.tracking.registry import TAG_CONTENT, TAG_FILES, champion_version, head_content_digest
 
     client = read_client(resolve_tracking_uri(cfg.tracking))
     champion = champion_version(client, registered_model_name(cfg.tracking, cfg.target.model))

@@ -21,8 +21,6 @@ credentials come from MLflow's own environment variables (MLFLOW_TRACKING_TOKEN,
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
@@ -55,6 +53,7 @@ from mlflow.utils.validation import (
 )
 
 from peagle.config import ConfigError, PipelineConfig, TrackingConfig
+from peagle.fileio import json_digest
 from peagle.fileio import sha256_file as file_sha256
 from peagle.paths import REPO_ROOT, peagle_home
 from peagle.tracking.scrub import scrub, scrub_text
@@ -206,8 +205,7 @@ def _safe_key(key: str) -> str:
 
 def config_hash(cfg: PipelineConfig) -> str:
     """A stable hash of the whole resolved config (two runs with one hash ran the same recipe)."""
-    blob = json.dumps(cfg.model_dump(mode="json", by_alias=True), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return json_digest(cfg.model_dump(mode="json", by_alias=True))
 
 
 def git_state(repo_dir: Path) -> dict[str, str]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -31,14 +29,13 @@ from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_
 from safetensors import safe_open
 
 from peagle.config import TrackingConfig
-from peagle.fileio import publish_dir
+from peagle.export.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from peagle.tracking.mlflow_run import Tracker, file_sha256, make_client, registered_model_name, resolve_tracking_uri
 from peagle.tracking.scrub import scrub_text
 
 CHAMPION = "champion"
 CHALLENGER = "challenger"
-HEAD_FILES = ("config.json", "model.safetensors")  # what vLLM needs from a head directory
-CARD = "README.md"  # the model card (peagle.export.contract.CARD_FILE)
+HEAD_FILES = (CONFIG_FILE, WEIGHTS_FILE)  # what vLLM needs from a head directory
 MAX_DESCRIPTION_CHARS = 5000  # MLflow's model_versions.description column
 
 TAG_CONTENT = "peagle.content_sha256"  # head_content_digest of the registered head
@@ -52,6 +49,7 @@ TAG_CHAMPION_SCORE = "peagle.promotion.champion_score"  # the champion's score m
 TAG_MARGIN = "peagle.promotion.margin"
 TAG_DECIDED_AT = "peagle.promotion.decided_at"
 TAG_SUPERSEDED_BY = "peagle.superseded_by"
+TAG_TARGET = "target"  # the version tag naming the target the head drafts for (config target.model)
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,7 @@ def weighted_score(acceptance_by_benchmark: dict[str, float], weights: dict[str,
     return sum(w * float(acceptance_by_benchmark[b]) for b, w in weights.items() if w > 0) / total
 
 
-def _client(client_or_tracker: MlflowClient | Tracker) -> MlflowClient:
+def client_of(client_or_tracker: MlflowClient | Tracker) -> MlflowClient:
     return client_or_tracker.client if isinstance(client_or_tracker, Tracker) else client_or_tracker
 
 
@@ -130,7 +128,7 @@ def register_head(
     """
     from peagle.lineage import lineage_tags, read_head_lineage
 
-    client = _client(client)
+    client = client_of(client)
     head_dir = Path(head_dir)
     files = head_file_manifest(head_dir)
     artifact_path = f"heads/{head_dir.name}"
@@ -147,7 +145,7 @@ def register_head(
     version_tags.update(lineage_tags(read_head_lineage(head_dir)))
     version_tags[TAG_FILES] = json.dumps(files, sort_keys=True)
     ensure_registered_model(client, name)
-    card = head_dir / CARD
+    card = head_dir / CARD_FILE
     description = card_description(card.read_text()) if card.is_file() else None
     version = client.create_model_version(name, source=source, run_id=run_id, tags=version_tags,
                                           description=description)
@@ -165,7 +163,7 @@ def card_description(card: str) -> str:
     body = body.strip() + "\n"
     if len(body) <= MAX_DESCRIPTION_CHARS:
         return body
-    note = f"\n\n... (cut to {MAX_DESCRIPTION_CHARS} characters; the whole card is {CARD} in the version's files)\n"
+    note = f"\n\n... (cut to {MAX_DESCRIPTION_CHARS} characters; the whole card is {CARD_FILE} in the version's files)\n"
     return body[: MAX_DESCRIPTION_CHARS - len(note)] + note
 
 
@@ -173,14 +171,14 @@ def describe_with_card(client: MlflowClient | Tracker, name: str, version: str) 
     """Give a version without a description its registered card as one (a version registered
     before peagle set descriptions). A description someone wrote stays. Returns whether it
     was set."""
-    client = _client(client)
+    client = client_of(client)
     registered = client.get_model_version(name, str(version))
     if registered.description:
         return False
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"{client.get_model_version_download_uri(name, registered.version).rstrip('/')}/{CARD}",
+                artifact_uri=f"{client.get_model_version_download_uri(name, registered.version).rstrip('/')}/{CARD_FILE}",
                 dst_path=tmp, tracking_uri=client.tracking_uri)
         except (MlflowException, OSError):
             return False  # a version registered without a card
@@ -200,8 +198,8 @@ def head_content_digest(head_dir: Path) -> str:
     exports of the same checkpoint can differ byte-wise; nor the model card (documentation).
     """
     head_dir = Path(head_dir)
-    h = hashlib.sha256((head_dir / "config.json").read_bytes())
-    with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f:
+    h = hashlib.sha256((head_dir / CONFIG_FILE).read_bytes())
+    with safe_open(str(head_dir / WEIGHTS_FILE), framework="pt") as f:
         for key in sorted(f.keys()):
             t = f.get_tensor(key).contiguous()
             h.update(f"{key}:{t.dtype}:{list(t.shape)}".encode())
@@ -211,13 +209,13 @@ def head_content_digest(head_dir: Path) -> str:
 
 def tag_head_content(client: MlflowClient | Tracker, name: str, version: str, head_dir: Path) -> None:
     """Record what the version serves, so publishing the same head again finds it (``registered_twin``)."""
-    _client(client).set_model_version_tag(name, str(version), TAG_CONTENT, head_content_digest(head_dir))
+    client_of(client).set_model_version_tag(name, str(version), TAG_CONTENT, head_content_digest(head_dir))
 
 
 def model_versions(client: MlflowClient | Tracker, name: str) -> list[ModelVersion]:
     """Every version of the registered model ``name``; none when it does not exist yet."""
     try:
-        return list(_client(client).search_model_versions(f"name='{name}'"))
+        return list(client_of(client).search_model_versions(f"name='{name}'"))
     except MlflowException:
         return []
 
@@ -244,7 +242,7 @@ def champion_and_match(
 
 def champion_version(client: MlflowClient | Tracker, name: str) -> ModelVersion | None:
     """The version holding the ``champion`` alias, or None when there is none yet."""
-    client = _client(client)
+    client = client_of(client)
     try:
         aliases = client.get_registered_model(name).aliases
     except MlflowException as err:
@@ -271,7 +269,7 @@ def promote_if_better(
     as ``score`` (``peagle.tracking.gate.measured_champions``); a champion not measured there
     is not compared with: its stored score came from another run (other prompts, K or hardware).
     """
-    client = _client(client)
+    client = client_of(client)
     version = str(version)
     measured = {str(v): float(s) for v, s in (measured or {}).items()}
     if not all(math.isfinite(s) and s >= 0 for s in (score, *measured.values())):
@@ -325,143 +323,3 @@ def _decide(champion: ModelVersion | None, version: str, score: float, margin: f
     if score > needed:
         return True, f"promoted: {comparison}"
     return False, f"refused: {comparison} (must be strictly greater)"
-
-
-# ---------------------------------------------------------------------------------------
-# Serve
-
-
-def download_champion(client: MlflowClient | Tracker, name: str, dst: str | Path, *, overwrite: bool = False) -> Path:
-    """Download the champion head into ``dst`` (config.json + model.safetensors + card),
-    verified file by file against the sizes and hashes recorded at registration."""
-    client = _client(client)
-    champion = champion_version(client, name)
-    if champion is None:
-        raise LookupError(f"registered model {name!r} has no champion yet; run the pipeline until a "
-                          "validated head is promoted")
-    return download_version(client, champion, dst, overwrite=overwrite)
-
-
-def download_version(
-    client: MlflowClient | Tracker,
-    version: ModelVersion,
-    dst: str | Path,
-    *,
-    overwrite: bool = False,
-    finish: Callable[[Path], None] | None = None,
-) -> Path:
-    """Download a registered head into ``dst``, verified against its registered file hashes.
-
-    ``finish`` may change the verified copy (``pull_head`` localizes the card) before it
-    is renamed into place, so ``dst`` never holds an unverified or half-finished head.
-    """
-    client = _client(client)
-    dst = Path(dst).resolve()
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"{dst} is not empty; choose another directory or pass overwrite=True")
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        local = Path(mlflow.artifacts.download_artifacts(
-            artifact_uri=client.get_model_version_download_uri(version.name, version.version),
-            dst_path=str(staging),
-            tracking_uri=client.tracking_uri,
-        ))
-        verify_head_files(local, json.loads(version.tags.get(TAG_FILES, "{}")))
-        if finish is not None:
-            finish(local)
-        publish_dir(local, dst)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return dst
-
-
-# ---------------------------------------------------------------------------------------
-# Pull (registry consumers)
-
-TAG_TARGET = "target"  # the version tag naming the target the head drafts for (config target.model)
-_MODEL_URI = re.compile(r"^models:/(?P<name>[^@]+?)(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>[0-9]+))$")
-
-
-@dataclass(frozen=True)
-class PulledHead:
-    path: Path
-    name: str
-    version: str
-    target_ref: str
-    serve_line: str | None  # the localized card's `vllm serve` line (None: the version has no card)
-
-
-def resolve_model_uri(client: MlflowClient | Tracker, uri: str) -> ModelVersion:
-    """``models:/<name>@<alias>`` or ``models:/<name>/<version>`` -> that model version."""
-    client = _client(client)
-    match = _MODEL_URI.match(uri)
-    if not match:
-        raise ValueError(f"{uri!r} is not a model version URI; use models:/<name>@<alias> "
-                         "(e.g. models:/peagle-embedded@champion) or models:/<name>/<version>")
-    name, alias, number = match["name"], match["alias"], match["version"]
-    try:
-        return client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)
-    except MlflowException as err:
-        if err.error_code not in (ErrorCode.Name(RESOURCE_DOES_NOT_EXIST), "INVALID_PARAMETER_VALUE"):
-            raise
-        raise LookupError(f"{uri}: no such model version on {client.tracking_uri} ({err.message})") from None
-
-
-def pull_target_ref(version: ModelVersion, target: str | None) -> str:
-    """The target the pulled card names: ``target`` as given (a local path made absolute), else
-    the hub id recorded with the version. A local or embedded training target is never
-    guessed: its path on the training machine means nothing here."""
-    from peagle.export.card import hub_id
-
-    if target:
-        local = Path(target).expanduser()
-        return str(local.resolve()) if local.exists() else target
-    recorded = version.tags.get(TAG_TARGET)
-    if hub_id(recorded):
-        return recorded
-    raise ValueError(
-        f"version {version.version} of {version.name!r} was trained for target {recorded!r}, which is not a hub id; "
-        "pass --target with the target's hub id or local path (the embedded target's path is printed by "
-        "`peagle target build`)"
-    )
-
-
-def pull_head(client: MlflowClient | Tracker, uri: str, dst: str | Path, *, target: str | None = None,
-              overwrite: bool = False) -> PulledHead:
-    """Download the version ``uri`` names into ``dst`` (verified), with a card whose serve line
-    names ``dst``, the target (see ``pull_target_ref``) and the registered name as the served model."""
-    from peagle.export.card import localize_card, read_serve_line
-    from peagle.export.contract import CARD_FILE
-
-    version = resolve_model_uri(client, uri)
-    target_ref = pull_target_ref(version, target)
-    dst = Path(dst).resolve()
-
-    def localize(local: Path) -> None:
-        card = local / CARD_FILE
-        if card.is_file() and read_serve_line(card.read_text()):  # a card without one stays as written
-            card.write_text(localize_card(card.read_text(), target_ref=target_ref, head_ref=str(dst),
-                                          served_name=version.name))
-
-    path = download_version(client, version, dst, overwrite=overwrite, finish=localize)
-    card = path / CARD_FILE
-    line = read_serve_line(card.read_text()) if card.is_file() else None
-    return PulledHead(path, version.name, str(version.version), target_ref, line.command() if line else None)
-
-
-def verify_head_files(head_dir: Path, expected: dict[str, dict]) -> None:
-    """Every recorded file is present with its recorded size and sha256; vLLM's files parse."""
-    problems = []
-    for rel, meta in expected.items():
-        path = head_dir / rel
-        if not path.is_file():
-            problems.append(f"{rel} missing")
-        elif path.stat().st_size != meta["bytes"]:
-            problems.append(f"{rel} has {path.stat().st_size} bytes, expected {meta['bytes']}")
-        elif file_sha256(path) != meta["sha256"]:
-            problems.append(f"{rel} sha256 differs from the registered one")
-    if problems:
-        raise ValueError(f"downloaded head {head_dir} is incomplete or corrupt: {'; '.join(problems)}")
-    head_file_manifest(head_dir)  # required files present and readable even without a record

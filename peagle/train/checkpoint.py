@@ -242,16 +242,12 @@ def read_head_spec(checkpoint: Path) -> HeadSpec:
 
 
 def check_same_head(checkpoint: Path, spec: HeadSpec) -> None:
-    """Refuse to resume ``checkpoint`` into another head (e.g. ``drafter.num_layers`` changed).
-
-    A checkpoint of an older peagle records no method/k_train: those are not compared then.
-    """
+    """Refuse to resume ``checkpoint`` into another head (e.g. ``drafter.num_layers`` changed)."""
     old = read_head_spec(checkpoint)
     differ = {
         f.name: (getattr(old, f.name), getattr(spec, f.name))
         for f in fields(HeadSpec)
         if getattr(old, f.name) != getattr(spec, f.name)
-        and not (f.name in ("method", "k_train") and getattr(old, f.name) is None)
     }
     if differ:
         detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in differ.items())
@@ -519,7 +515,7 @@ def load_consolidated(engine, checkpoint: Path, written_by: int) -> None:
     if not path.is_file():
         raise FileNotFoundError(
             f"{checkpoint} was written by {written_by} ranks and this run has {world_size}, but it has no "
-            f"{OPTIMIZER_FILE} (an older peagle wrote it): resume with train.world_size={written_by}"
+            f"{OPTIMIZER_FILE} (a checkpoint cut short while it was written): resume with train.world_size={written_by}"
         )
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as fh:

@@ -176,7 +176,7 @@ def acceptance_weights(correct: torch.Tensor, row: torch.Tensor, anchor: torch.T
     ``unaccepted_weight`` where a shallower draft of its anchor misses (None: 1 everywhere).
 
     A deeper draft is only read when every shallower one was right, so its loss elsewhere
-    trains the slot for drafts nobody checks (bench/results/quality.md, the off-chain loss variants)."""
+    trains the slot for drafts nobody checks (bench/quality.py's off-chain loss variants)."""
     if unaccepted_weight >= 1.0 or depth.numel() == 0:
         return None
     ok = chain_accepted(correct, row, anchor, depth)

@@ -36,11 +36,12 @@ from peagle.fileio import write_text_atomic
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import METRICS_FILE, TRAIN_SPLIT
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
-from peagle.methods import Objective, get_method
+from peagle.methods import get_method
 from peagle.train import checkpoint as ckpt
 from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
+from peagle.train.objective import Objective
 
 STAT_KEYS = ("kl_sum", "correct", "count")
 

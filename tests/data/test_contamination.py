@@ -4,8 +4,8 @@ import pytest
 
 from peagle.config import ConfigError, load_config
 from peagle.data.contamination import check_no_overlap, request_key
+from peagle.data.prompt_sets import check_eval_prompts
 from peagle.data.prompts import load_prompts
-from peagle.eval.prompts import check_eval_prompts
 from peagle.paths import REPO_ROOT
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"

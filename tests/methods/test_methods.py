@@ -102,7 +102,7 @@ def test_a_registered_method_trains_evaluates_and_exports(decayed, tiny_run, tmp
     from peagle.data.vocab import VOCAB_FILE, DraftVocab
     from peagle.eval.offline import evaluate_offline
     from peagle.export.head import export_from_checkpoint
-    from peagle.export.validate import static_check, target_facts_from_spec
+    from peagle.export.validate import checked_target_from_spec, static_check
     from peagle.facts import HeadSpec
     from peagle.model import PEagleDrafter
     from peagle.train.trainer import train_drafter
@@ -133,4 +133,4 @@ def test_a_registered_method_trains_evaluates_and_exports(decayed, tiny_run, tmp
     head = export_from_checkpoint(checkpoint, data_dir, tmp_path / "head", target_path=str(target), method=decayed)
     card = (head / "README.md").read_text()
     assert "# P-EAGLE (depth decay) head for" in card and '"parallel_drafting": true' in card
-    assert static_check(head, target_facts_from_spec(spec), method=decayed.name).ok
+    assert static_check(head, checked_target_from_spec(spec), method=decayed.name).ok

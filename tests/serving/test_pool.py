@@ -9,8 +9,8 @@ import pytest
 from peagle.config import VllmConfig
 from peagle.serving import EngineStartError
 from peagle.serving.engine import engine_kwargs
-from peagle.serving.generation import engine_max_model_len, generate_from_token_ids
-from peagle.serving.pool import EnginePool, ReplicaLostError, even_chunks, open_engines
+from peagle.serving.generation import generate_from_token_ids
+from peagle.serving.pool import EnginePool, ReplicaLostError, engine_max_model_len, even_chunks, open_engines
 
 CFG = VllmConfig(max_model_len=256, max_num_seqs=8, cpu_kvcache_space_gib=1)
 DP2 = CFG.model_copy(update={"data_parallel_size": 2})

@@ -12,6 +12,7 @@ import pytest
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import recorded_lineage
 from peagle.tracking.mlflow_run import Tracker
+from peagle.tracking.pull import download_champion
 from peagle.tracking.registry import (
     CHALLENGER,
     CHAMPION,
@@ -23,7 +24,6 @@ from peagle.tracking.registry import (
     card_description,
     champion_and_match,
     describe_with_card,
-    download_champion,
     head_content_digest,
     promote_if_better,
     register_head,

@@ -6,7 +6,8 @@ import pytest
 
 from peagle.config import TrackingConfig
 from peagle.tracking.mlflow_run import Tracker
-from peagle.tracking.registry import download_champion, promote_if_better, register_head
+from peagle.tracking.pull import download_champion
+from peagle.tracking.registry import promote_if_better, register_head
 
 
 @pytest.mark.slow

@@ -190,21 +190,6 @@ def test_bad_inputs_fail_before_training(tiny_run, tmp_path):
         train_drafter(tiny_config(max_steps=1, drafter_layers=2), data_dir, str(target), out, progress=False)
 
 
-def test_a_dataset_of_an_older_peagle_names_the_fix(tiny_run, tmp_path):
-    """A data dir with only the old head_spec.json (drafter shape frozen at data time) is refused."""
-    import shutil
-
-    from peagle.layout import DataLayout
-    from peagle.train.trainer import train_drafter
-
-    data_dir, target = tiny_run
-    old = DataLayout(tmp_path / "data")
-    shutil.copytree(data_dir, old.root)
-    old.facts.rename(old.legacy_head_spec)
-    with pytest.raises(FileNotFoundError, match=r"older peagle.*Rerun the data stage.*target_facts\.json"):
-        train_drafter(tiny_config(), old.root, str(target), tmp_path / "out", progress=False)
-
-
 def test_launcher_streams_output_and_reports_a_failing_child(caplog, tmp_path):
     from peagle.train.launch import TrainingFailed, run_streaming, training_command
 

@@ -226,3 +226,24 @@ def tokenize_prompts(prompts: Sequence, tokenizer) -> list[list[int]]:
         ids = enc["input_ids"] if isinstance(enc, Mapping) or hasattr(enc, "keys") else enc
         out.append([int(t) for t in ids])
     return out
+
+
+# ----------------------------------------------------------------------------- fitting an engine
+
+
+class NoPromptFits(ValueError):
+    """Every prompt is too long for the engine's context with the generation budget."""
+
+
+def fit_prompts(prompts: list[list[int]], max_model_len: int, max_tokens: int, max_k: int) -> list[list[int]]:
+    """Drop prompts too long to generate ``max_tokens`` (+ K slots) in the engine's context."""
+    room = max_model_len - max_tokens - max_k - 1
+    kept = [p for p in prompts if 0 < len(p) <= room]
+    if len(kept) < len(prompts):
+        dropped = len(prompts) - len(kept)
+        log.warning("dropped %d prompt(s) longer than %d tokens (max_model_len - max_tokens - K)", dropped, room)
+    if not kept:
+        raise NoPromptFits(
+            f"no prompt fits: every prompt exceeds {room} tokens; raise vllm.max_model_len or lower max_tokens"
+        )
+    return kept

@@ -1,0 +1,47 @@
+"""Prefect's cache keys: what decides each cached stage output, with no machine-local path.
+
+Cached results live in the run directory, shared by the CLI and a worker whose paths may
+differ. A head's key is its identity (``peagle.identity.head_identity``), so the training
+cache, the checkpoint directory and the lineage agree on when a head is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from peagle.data.served import served_key
+from peagle.export.contract import CARD_FILE
+from peagle.fileio import json_digest, sha256_file
+from peagle.identity import dataset_manifests, head_identity
+from peagle.layout import LINEAGE_FILE
+from peagle.lineage import dataset_inputs, revision_of
+from peagle.methods import DraftingMethod
+
+
+def _digest_parts(*parts) -> str:
+    return json_digest([str(p) for p in parts], length=24)
+
+
+def dataset_key(cfg, target) -> str:
+    """The dataset: target+data config, prompt-file contents, target revision (``target``: a
+    ``peagle.stages.TargetInfo``), and what its served split is made of (``peagle.data.served``)."""
+    values = dataset_inputs(cfg, target)
+    return "data-" + _digest_parts(values["data_config_hash"], values["prompt_files"], values["target_revision"],
+                                   served_key(cfg))
+
+
+def training_key(cfg, data_dir, method: str | DraftingMethod) -> str:
+    """A trained head: its identity (the dataset actually built, the weight-changing fields, the method)."""
+    return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
+
+
+def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None = None, champion=None) -> str:
+    """Online acceptance: the heads (their training keys when known, else their files' hashes;
+    the card and the lineage file do not count), the registry champion measured beside them
+    (its content; ``peagle.tracking.gate.ChampionHead``), the target, vLLM and eval settings."""
+    head = head_key or {label: {p.name: sha256_file(p) for p in sorted(Path(d).glob("*"))
+                                if p.is_file() and p.name not in (CARD_FILE, LINEAGE_FILE)}
+                        for label, d in heads.items()}
+    return "eval-" + _digest_parts(head, sorted(heads), champion and champion.content, revision_of(cfg, target),
+                                   cfg.section_hash("vllm", "eval"), cfg.target.dtype)

@@ -1,0 +1,28 @@
+"""The import contracts (pyproject.toml's [tool.importlinter]) hold, and no module of peagle or
+flows imports itself through others: a cycle is where the next import-order bug comes from."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_cycles() -> list[list[str]]:
+    import grimp
+    import networkx as nx
+
+    graph = grimp.build_graph("peagle", "flows", exclude_type_checking_imports=True, cache_dir=None)
+    edges = nx.DiGraph((m, i) for m in graph.modules for i in graph.find_modules_directly_imported_by(m))
+    return [sorted(c) for c in nx.strongly_connected_components(edges) if len(c) > 1]
+
+
+def test_no_module_imports_itself_through_others():
+    assert module_cycles() == []
+
+
+def test_the_import_contracts_are_kept():
+    out = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
