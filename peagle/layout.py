@@ -80,7 +80,6 @@ class DataLayout:
     def facts(self) -> Path:
         return self.root / TARGET_FACTS_FILE
 
-
     @property
     def vocab(self) -> Path:
         return self.root / VOCAB_FILE

@@ -26,3 +26,14 @@ def test_the_import_contracts_are_kept():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout
+
+
+def test_loading_a_config_and_importing_the_flows_loads_no_torch():
+    """`peagle config check`, the CLI and a Prefect worker importing the flows start in well under a
+    second; torch (seconds to import) loads only when a stage computes."""
+    code = ("import sys; from peagle.config import load_config; load_config('configs/demo.yaml'); "
+            "import peagle.cli, peagle.stages, flows.stages, flows.pipeline, flows.retrain; "
+            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

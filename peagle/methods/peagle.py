@@ -10,9 +10,12 @@ depths it was trained for (K <= k_train).
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
-from peagle.train.objective import Objective
+
+if TYPE_CHECKING:  # the default method is imported by config validation: no torch at import
+    from peagle.train.objective import Objective
 
 
 class PEagle(DraftingMethod):
@@ -33,6 +36,7 @@ class PEagle(DraftingMethod):
         from peagle.train.batch import build_peagle_example, collate
         from peagle.train.loss import Depth0Share, peagle_loss
         from peagle.train.masks import PrecomputedMask
+        from peagle.train.objective import Objective
 
         share = train.depth0_loss_share if train.loss_depth_weighting == "uniform" else None
         weighting = Depth0Share(share) if share is not None else train.loss_depth_weighting
