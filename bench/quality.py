@@ -9,12 +9,17 @@ calibration run of the same method and recipe, so the LR schedule fits the budge
 would in a real run of that length. "train s" is the sum of the run's own step times
 (``metrics.jsonl``: no launch, no evaluation), which is what the plot's x axis shows.
 
-Two parts, both written to ``bench/results/quality.{md,json,png}``:
+The parts, all written to ``bench/results/quality.{md,json,png}``:
 
 - ``ablation``: P-EAGLE recipes at one budget, each adding one choice to the one before
   (from a plain starting recipe to the config's), so each row's delta is what that choice buys.
 - ``variants``: the config's P-EAGLE recipe and recipes that each change one thing of it, at
   one budget (``--ablation-budget``), so each row's delta is what that one change buys.
+- ``data``: the config's P-EAGLE recipe on the first N answers of the train split
+  (``train.max_samples``, ``--sizes``) for the steps of one budget: how acceptance grows with data.
+- ``copying``: trains nothing; evaluates the saved runs' checkpoints again for what every new run
+  records: vLLM's n-gram lookup walked on the same tokens, and each head's hits split by whether
+  n-gram lookup drafts the token right (does the head learn what copying from the context gives?).
 - ``budgets``: the config's P-EAGLE recipe and its EAGLE-3 baseline at several budgets.
   With ``--online``, each method's head of the largest budget is then served in vLLM (the
   pipeline's ``evaluate_online``: K = 5, concurrency 1 and 4, against no speculation), so the
@@ -29,6 +34,8 @@ run, so a stopped invocation keeps the rows it finished (its header says "runnin
     .venv/bin/python bench/quality.py --config configs/demo.yaml --part budgets
                                                        # -> results/quality.* (the demo's real model)
     .venv/bin/python bench/quality.py --part budgets --budgets 300 --online   # + the heads in vLLM
+    .venv/bin/python bench/quality.py --config configs/demo.yaml --part data --sizes 72 144 --ablation-budget 400
+    .venv/bin/python bench/quality.py --config configs/demo.yaml --part copying
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json
     .venv/bin/python bench/quality.py --part budgets --budgets 360 --online-saved   # serve heads trained before
     .venv/bin/python bench/quality.py --config my.yaml --part budgets --step-seconds peagle=0.28 eagle3=0.53
@@ -82,51 +89,26 @@ ABLATION = [
 # A variant key, not a config field: that share of the budget trains an EAGLE-3 head first, and
 # the P-EAGLE run warm starts from it (train.init_from) for the rest (staged training).
 STAGED = "staged_eagle3_share"
-# Each variant changes ONE thing of the config's P-EAGLE recipe (the combined row: the two best
-# single changes; the staged row: a stage before it); its row's delta is against the config
-# recipe at the same budget and seed (candidates for the config's default).
+# Each variant changes ONE thing of the config's P-EAGLE recipe; its row's delta is against the
+# config recipe at the same budget and seed (candidates for the config's and the code's defaults).
 VARIANTS = [
-    ("lr 6e-3", {"train.learning_rate": 6e-3}),
-    ("lr 1.5e-3", {"train.learning_rate": 1.5e-3}),
-    ("lr 1e-3", {"train.learning_rate": 1e-3}),
-    ("depth 0 at its uniform share", {"train.depth0_loss_share": None}),
-    ("COD ratio 1 (every depth at every anchor)", {"train.cod_ratio": 1.0}),
-    ("k_train 5 (the served K)", {"train.k_train": 5}),
-    ("3 drafter layers", {"drafter.num_layers": 3}),
+    # What the mask slots' inputs cost: each slot given the token before its target, as an
+    # EAGLE-3 step has it. An upper bound for one-pass drafting on the same data (not servable):
+    # reaching EAGLE-3 means the gap is information; falling short means the slots' path is at fault.
+    ("mask slots given the true previous token (upper bound)", {"train.mask_slot_inputs": "true_previous"}),
+    ("cross-entropy on the target's token (not KL)", {"train.loss": "cross_entropy"}),
+    ("embeddings: every row trains", {"train.train_embeddings": "all"}),
     ("4 drafter layers", {"drafter.num_layers": 4}),
-    ("k_train 5 and lr 1.5e-3 (the two best single changes together)",
-     {"train.k_train": 5, "train.learning_rate": 1.5e-3}),
-    ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
-    ("Muon (lr 0.02) on the decoder's matrices, AdamW on the rest", {"train.optimizer": "muon"}),
-    ("Muon at lr 0.04", {"train.optimizer": "muon", "train.muon_learning_rate": 0.04}),
-    ("Muon at lr 0.01", {"train.optimizer": "muon", "train.muon_learning_rate": 0.01}),
-    ("depth 0 at 0.4 of the loss", {"train.depth0_loss_share": 0.4}),
-    ("lm_head trains (as EAGLE-3's does)", {"train.freeze_lm_head": False}),
-    # The mask slots' inputs are constant: all they learn of the context comes through attention,
-    # and the embedded target (so the drafter by default) has one KV head for its 3 query heads.
-    ("3 KV heads (one per query head)", {"drafter.num_kv_heads": 3}),
-    # More ways for a mask slot to read the context: twice the heads (each as wide as the target's).
-    ("6 query and KV heads", {"drafter.num_heads": 6, "drafter.num_kv_heads": 6}),
-    ("3 KV heads, MLP twice as wide", {"drafter.num_kv_heads": 3, "drafter.intermediate_size": 1024}),
-    ("3 KV heads, 4 layers", {"drafter.num_kv_heads": 3, "drafter.num_layers": 4}),
+    ("6 drafter layers", {"drafter.num_layers": 6}),
     # The paper trains deeper than it serves (K_train 8, served at 5: +3-4%).
-    ("k_train 6 (one deeper than served)", {"train.k_train": 6}),
-    ("k_train 7 (two deeper than served)", {"train.k_train": 7}),
-    # Greedy verification reads a depth's draft only where every shallower one was right: the
-    # parallel depths' loss elsewhere trains slots for drafts nobody checks.
-    ("parallel depths: no loss where a shallower draft misses", {"train.unaccepted_weight": 0.0}),
-    ("parallel depths: a quarter of the loss where a shallower draft misses", {"train.unaccepted_weight": 0.25}),
-    # With no loss off the chain, the parallel depths' mean still divides by all their elements,
-    # so their share of the gradient grows only as the chain is accepted: re-weigh depth 0.
-    ("depth 0 at 0.35 of the loss", {"train.depth0_loss_share": 0.35}),
-    ("depth 0 at 0.65 of the loss", {"train.depth0_loss_share": 0.65}),
-    # Under Muon the AdamW lr moves only what the mask slots start from (mask row, mask_hidden) and the norms.
-    ("AdamW lr 3e-3 (mask row, mask_hidden, norms)", {"train.learning_rate": 3e-3}),
-    ("Muon lr 0.04 (the config's Muon, twice its lr)", {"train.muon_learning_rate": 0.04}),
-    # Past some number of one-answer steps P-EAGLE stops gaining: fewer, larger steps in the same
-    # time (a given --step-seconds scales with the answers a step trains on).
-    ("grad_accum 2 (2 answers a step, half the steps)", {"train.grad_accum": 2}),
-    ("grad_accum 4 (4 answers a step, a quarter of the steps)", {"train.grad_accum": 4}),
+    ("k_train 8 (three deeper than served)", {"train.k_train": 8}),
+    ("AdamW on every weight (no Muon)", {"train.optimizer": "adamw"}),
+    ("lm_head trains (as EAGLE-3's does)", {"train.freeze_lm_head": False}),
+    ("depth 0 at its uniform share", {"train.depth0_loss_share": None}),
+    # Greedy verification reads a depth's draft only where every shallower one was right; the
+    # config charges no loss elsewhere. This variant charges every draft alike.
+    ("every draft's loss counts, read by verification or not", {"train.unaccepted_weight": 1.0}),
+    ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -176,10 +158,34 @@ def measure(cfg, target, data_dir: Path) -> dict:
                       "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": get_method(t.method).num_layers(cfg),
                       "optimizer": t.optimizer, "muon_lr": t.muon_learning_rate,
                       "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
-                      "unaccepted_weight": t.unaccepted_weight},
+                      "unaccepted_weight": t.unaccepted_weight, "loss": t.loss,
+                      "mask_slot_inputs": spec.mask_slot_inputs},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
-            "checkpoint": str(trained.last_checkpoint),
+            "checkpoint": str(trained.last_checkpoint), "train_answers": train_answers(cfg, data_dir),
             **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint)}
+
+
+def train_answers(cfg, data_dir: Path) -> int:
+    """Answers the run trained on: train.max_samples, or the whole train split."""
+    from peagle.data.store import ShardReader
+    from peagle.layout import DataLayout
+
+    return cfg.train.max_samples or len(ShardReader(DataLayout(data_dir).train, verify=False))
+
+
+def reevaluate(bench: Bench, runs: list[dict]) -> list[dict]:
+    """The saved runs that record no n-gram comparison and whose checkpoints are still here,
+    evaluated offline again (the rest of each row kept)."""
+    again = []
+    for r in runs:
+        if r.get("versus_ngram") or not Path(r["checkpoint"]).is_dir():
+            continue
+        cfg = bench.cfg(r["method"], {}, {}, "copying")
+        again.append({**r, "train_answers": r.get("train_answers") or train_answers(cfg, bench.data_dir),
+                      **offline_acceptance(cfg, bench.target, bench.data_dir, Path(r["checkpoint"]))})
+        print(f"[quality] copying {r['part']} {r['recipe']} {r['method']} seed {r['seed']}: n-gram AL "
+              f"{again[-1]['ngram_acceptance_length']}, head AL {again[-1]['acceptance_length']}", flush=True)
+    return again
 
 
 def parse_step_seconds(pairs: list[str] | None) -> dict[str, float]:
@@ -423,8 +429,10 @@ def trained_as(run: dict) -> str:
     attention = f", {t['heads']}q/{t['kv_heads']}kv heads" if "kv_heads" in t else ""
     weight = off_chain_weight(run)
     off_chain = f", off-chain loss x{weight:g}" if weight < 1.0 else ""
+    loss = ", cross-entropy" if t.get("loss", "kl") == "cross_entropy" else ""
+    slots = ", true previous tokens in the mask slots" if t.get("mask_slot_inputs", "mask") != "mask" else ""
     return (f"{depth}, lr {t['lr']:g}{optimizer}, {t['layers']} layer{'' if t['layers'] == 1 else 's'}{attention}"
-            f"{off_chain}")
+            f"{off_chain}{loss}{slots}")
 
 
 def train_seconds_note(runs: list[dict]) -> str:
@@ -468,7 +476,69 @@ def add_tables(run: Run, meta: dict) -> None:
                       note="the eagle3 row is the baseline at the same budget; offline split: "
                            + ", ".join(sorted({split.split for *_, split in ablation})))
     add_variants_table(run, meta, ks)
+    add_data_table(run, meta, ks)
+    add_copying_table(run, meta)
     add_online_table(run, meta)
+
+
+def add_data_table(run: Run, meta: dict, ks: list[str]) -> None:
+    """Acceptance against the answers trained on: the data part's runs, and the budgets part's
+    P-EAGLE runs of the same steps on the whole train split."""
+    sized = [r for r in meta["runs"] if r["part"] == "data"]
+    if not sized:
+        return
+    steps = {r["steps"] for r in sized}
+    whole = [r for r in meta["runs"] if r["part"] == "budgets" and r["method"] == "peagle" and r["steps"] in steps]
+    groups: dict[tuple, list[dict]] = {}
+    for r in sized + whole:
+        groups.setdefault((answers_trained(r), r["steps"], setting(r)), []).append(r)
+    k5 = ks[min(len(ks), 5) - 1]
+    rows = [[n or "all", steps_, f"{steps_ / n:.1f}" if n else "", len(rs),
+             f"{statistics.fmean(r['train_seconds'] for r in rs):.0f}",
+             *[f"{statistics.fmean(r['acceptance_length'][k] for r in rs):.3f}" for k in ks],
+             " / ".join(f"{r['acceptance_length'][k5]:.3f}" for r in rs)]
+            for (n, steps_, _), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0] or math.inf))]
+    run.add_table("Data size: the config's P-EAGLE recipe on the first N answers, for the same steps",
+                  ["answers", "steps", "epochs", "seeds", "train s", *[f"K={k}" for k in ks],
+                   f"K={k5} per seed"], rows,
+                  note="the whole train split's row is the budgets part's P-EAGLE run of the same steps")
+
+
+def answers_trained(run: dict) -> int:
+    """Answers a run trained on: its train.max_samples, or the whole train split."""
+    return int((run.get("overrides") or {}).get("train.max_samples") or run.get("train_answers") or 0)
+
+
+def add_copying_table(run: Run, meta: dict) -> None:
+    """Per run group: n-gram lookup's and the head's acceptance at the largest K on the same tokens,
+    and per draft position the share n-gram lookup drafts right and the head's accuracy there and
+    elsewhere (``peagle.eval.offline``'s ``versus_ngram``)."""
+    measured = [r for r in meta["runs"] if r.get("versus_ngram")]
+    if not measured:
+        return
+    groups: dict[tuple, list[dict]] = {}
+    for r in measured:
+        groups.setdefault((r["part"], r["recipe"], r["method"], r["budget_s"], answers_trained(r)), []).append(r)
+    rows = []
+    for (part, label, method, budget, answers), rs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0] != "budgets", kv[0][0], kv[0][3], kv[0][1], kv[0][2])):
+        k = max(rs[0]["acceptance_length"], key=int)
+
+        def mean(key: str, i: int, rs=rs) -> float:
+            return statistics.fmean(r["versus_ngram"][key][i] for r in rs)
+
+        depths = range(len(rs[0]["versus_ngram"]["ngram_right"]))
+        rows.append([part, label, method, f"{budget:g}", answers or "all", len(rs),
+                     f"{statistics.fmean(r['ngram_acceptance_length'][k] for r in rs):.2f}",
+                     f"{statistics.fmean(r['acceptance_length'][k] for r in rs):.2f}",
+                     " ".join(f"{mean('ngram_right', i):.2f}" for i in depths),
+                     " ".join(f"{mean('head_right_where_ngram_right', i):.2f}" for i in depths),
+                     " ".join(f"{mean('head_right_where_ngram_wrong', i):.2f}" for i in depths)])
+    run.add_table("Copying: each head beside vLLM's n-gram lookup on the same tokens, per draft position",
+                  ["part", "recipe", "method", "budget s", "answers", "seeds", "n-gram AL", "head AL",
+                   "n-gram right (share)", "head right where n-gram right", "head right where n-gram wrong"], rows,
+                  note="AL at the largest K, both walked as vLLM decodes on the served split; per position k = "
+                       "1..K over every drafting anchor (not only where the earlier drafts were accepted)")
 
 
 def add_online_table(run: Run, meta: dict) -> None:
@@ -654,7 +724,9 @@ def result_name(config: str, quick: bool) -> str:
 
 def main() -> None:
     parser = head_parser(__doc__)
-    parser.add_argument("--part", choices=["ablation", "variants", "budgets", "all"], default="all")
+    parser.add_argument("--part", choices=["ablation", "variants", "budgets", "data", "copying", "all"], default="all")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[72, 144],
+                        help="the data part's train.max_samples (answers), each for the steps of --ablation-budget")
     parser.add_argument("--budgets", type=float, nargs="+", default=[45, 90, 180], help="training seconds per run")
     parser.add_argument("--ablation-budget", type=float, default=90)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -731,6 +803,11 @@ def main() -> None:
         if args.online_saved:
             results.write(confirm_online(bench, saved_heads(results.saved().get("runs", []), max(budgets), seeds[0])))
             return
+        if args.part == "copying":
+            for row in reevaluate(bench, results.saved().get("runs", [])):
+                results.add(row)
+            results.write()
+            return
         for seed in seeds:
             if args.part in ("ablation", "all"):
                 recipe = dict(OLD_RECIPE)
@@ -747,6 +824,10 @@ def main() -> None:
                             results.add(bench.staged("variants", label, change[STAGED], ablation_budget, seed))
                         else:
                             results.add(bench.run("variants", label, "peagle", change, ablation_budget, seed))
+            if args.part in ("data", "all"):
+                for size in ([4] if args.quick else args.sizes):
+                    results.add(bench.run("data", f"first {size} answers", "peagle", {"train.max_samples": size},
+                                          ablation_budget, seed))
             if args.part in ("budgets", "all"):
                 for budget in budgets:  # the pair back to back: both see about the same machine load
                     for method in args.methods:

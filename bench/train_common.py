@@ -232,7 +232,9 @@ def offline_acceptance(cfg, target, data_dir: Path, checkpoint: Path) -> dict:
 
     off = evaluate_offline(cfg, target, data_dir, Path(checkpoint))
     return {"acceptance_length": {str(k): v for k, v in off.acceptance_length.items()},
-            "per_position": off.per_position, "num_anchors": off.num_anchors, "offline_split": off.split}
+            "per_position": off.per_position, "num_anchors": off.num_anchors, "offline_split": off.split,
+            "ngram_acceptance_length": {str(k): v for k, v in off.ngram_acceptance_length.items()},
+            "versus_ngram": off.versus_ngram}
 
 
 def train_settings(train, threads: int) -> dict:

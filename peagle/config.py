@@ -274,6 +274,15 @@ class TrainConfig(Strict):
     cod_ratio: float = Field(0.8, gt=0, le=1)
     cod_floor: float = Field(0.2, ge=0, le=1)
     loss_depth_weighting: Literal["uniform", "per_depth_mean"] = "uniform"
+    # "kl": forward KL to the target's whole distribution over the draft vocabulary;
+    # "cross_entropy": the target's greedy token only (what greedy verification accepts).
+    loss: Literal["kl", "cross_entropy"] = "kl"
+    # What P-EAGLE's mask slots read: "mask" (the mask token, as vLLM drafts) or, as a measurement
+    # only, "true_previous" (each slot the real token before its target, as an EAGLE-3 step has
+    # it): the upper bound of one-pass drafting on the same data. Such a head cannot be served.
+    mask_slot_inputs: Literal["mask", "true_previous"] = "mask"
+    # Train on the first N answers of the train split only (None: all): a data-size curve, a trial.
+    max_samples: int | None = Field(None, ge=1)
     # P-EAGLE's recipe (peagle.methods.peagle owns these; bench/quality.py measures them):
     # keep the target's lm_head (the far depths' gradients otherwise dominate it), train only
     # the mask token's embedding row, and the scale mask_hidden (h_shared) starts at.
@@ -491,6 +500,20 @@ class PipelineConfig(Strict):
             )
         if max(self.eval.ks) + self.eval.max_tokens > self.vllm.max_model_len:
             raise ValueError("eval.max_tokens + max(eval.ks) must fit in vllm.max_model_len")
+        return self
+
+    @model_validator(mode="after")
+    def _mask_slot_inputs_measured_only(self):
+        """``train.mask_slot_inputs: true_previous`` is an offline measurement of one parallel head:
+        nothing serves it, so no baseline or online comparison may be asked of the same run."""
+        if self.train.mask_slot_inputs == "mask":
+            return self
+        if not get_method(self.train.method).parallel_drafting or self.train.eagle3_baseline:
+            raise ValueError(
+                "train.mask_slot_inputs: true_previous measures a parallel-drafting head offline (the upper "
+                "bound of one-pass drafting); it cannot be served: set train.method: peagle and "
+                "train.eagle3_baseline: false, and measure it offline (bench/quality.py's variants part does)"
+            )
         return self
 
     @model_validator(mode="after")

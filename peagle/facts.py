@@ -270,6 +270,8 @@ class HeadSpec:
     draft_vocab_size: int | None = None  # Vd; set once the draft vocabulary is built
     method: str | None = None  # train.method it was trained with (None: not a trained head)
     k_train: int | None = None  # train.k_train it was trained with
+    # train.mask_slot_inputs it was trained with: anything but "mask" is a measurement, not servable
+    mask_slot_inputs: str = "mask"
 
     @property
     def as_wide_as_target(self) -> bool:
@@ -318,12 +320,13 @@ _SHARED_TARGET_FIELDS = ("target", "target_revision", "target_num_layers", "targ
 
 
 def head_spec(facts: TargetFacts, shape: DrafterShape, method: str | None = None,
-              k_train: int | None = None) -> HeadSpec:
+              k_train: int | None = None, mask_slot_inputs: str = "mask") -> HeadSpec:
     """A head of ``shape`` drafting for the target of ``facts``."""
     shared = {name: getattr(facts, name) for name in _SHARED_TARGET_FIELDS}
-    return HeadSpec(**shared, **asdict(shape), method=method, k_train=k_train)
+    return HeadSpec(**shared, **asdict(shape), method=method, k_train=k_train, mask_slot_inputs=mask_slot_inputs)
 
 
 def head_spec_for(cfg: PipelineConfig, facts: TargetFacts) -> HeadSpec:
     """The head ``cfg`` trains on a dataset of ``facts``: derived when training starts."""
-    return head_spec(facts, drafter_shape(cfg, facts), cfg.train.method, cfg.train.k_train)
+    return head_spec(facts, drafter_shape(cfg, facts), cfg.train.method, cfg.train.k_train,
+                     cfg.train.mask_slot_inputs)

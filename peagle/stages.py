@@ -234,7 +234,7 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
     ks, limit = evaluable_ks(with_train(cfg, k_train=spec.k_train), method)
     split, max_tokens = offline_split(data.root)
     return run_offline(drafter, None, ShardReader(split), spec, vocab, ks, cfg.eval.offline_max_samples, method,
-                       max_k=limit, max_tokens=max_tokens, split=split.name)
+                       max_k=limit, max_tokens=max_tokens, split=split.name, mask_slot_inputs=spec.mask_slot_inputs)
 
 
 def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:

@@ -49,7 +49,7 @@ from peagle.data.vocab import DraftVocab
 from peagle.facts import HeadSpec
 from peagle.layout import DataLayout
 from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
-from peagle.train.batch import NUM_AUX_LAYERS, Batch
+from peagle.train.batch import NUM_AUX_LAYERS, Batch, slot_input_ids
 from peagle.train.loss import TargetHead
 
 Reference = Literal["data", "target"]
@@ -65,6 +65,11 @@ class OfflineResult:
     reference: str = "data"
     num_drafts: dict[int, int] = field(default_factory=dict)  # K -> drafts the walk made
     split: str = ""  # the split simulated on
+    # vLLM's n-gram lookup (no head) simulated the same way on the same split: K -> acceptance length
+    ngram_acceptance_length: dict[int, float] = field(default_factory=dict)
+    # Per draft position k = 1..max(ks), over every drafting anchor: the share of positions n-gram
+    # lookup drafts right, and the head's accuracy where it does and where it does not.
+    versus_ngram: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -101,15 +106,21 @@ def reference_tokens(
     return out
 
 
-def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor,
-                    loss_mask: torch.Tensor) -> torch.Tensor:
-    """Long [A]: leading drafts (of [A, K]) that match the reference at positions p+2..p+K+1."""
-    a, k = drafts.shape
+def right_drafts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor,
+                 loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Bool [A, K] draft k equals the reference at p+1+k, Bool [A, K] that position is an answer token)."""
+    k = drafts.shape[1]
     positions = anchors[:, None] + 1 + torch.arange(1, k + 1)[None, :]
     inside = positions < reference.numel()
     clamped = positions.clamp_max(reference.numel() - 1)
-    ok = inside & loss_mask[clamped] & (drafts == reference[clamped])
-    return ok.long().cumprod(1).sum(1)
+    counted = inside & loss_mask[clamped]
+    return counted & (drafts == reference[clamped]), counted
+
+
+def accepted_counts(drafts: torch.Tensor, anchors: torch.Tensor, reference: torch.Tensor,
+                    loss_mask: torch.Tensor) -> torch.Tensor:
+    """Long [A]: leading drafts (of [A, K]) that match the reference at positions p+2..p+K+1."""
+    return right_drafts(drafts, anchors, reference, loss_mask)[0].long().cumprod(1).sum(1)
 
 
 def generated_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
@@ -143,10 +154,12 @@ def walk_drafts(accepted_at: torch.Tensor, loss_mask: torch.Tensor, k: int, max_
 # ----------------------------------------------------------------------------- drafting
 
 
-def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, device) -> Batch:
+def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, device,
+                 mask_slot_inputs: str = "mask") -> Batch:
     """One row: depth 0 for anchors 0..max(anchors) (context), depths 1..k-1 for ``anchors``.
 
-    ``supervised`` marks the elements whose drafts are read (all elements of ``anchors``).
+    ``supervised`` marks the elements whose drafts are read (all elements of ``anchors``);
+    ``mask_slot_inputs`` as the head trained (``peagle.train.batch.slot_input_ids``).
     """
     last = int(anchors.max())
     context = torch.arange(last + 1)
@@ -157,7 +170,7 @@ def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, device) 
     n = anchor.numel()
     is_deep = depth > 0
     tokens = sample.token_ids.long()
-    input_ids = torch.where(is_deep, spec.mask_token_id, tokens[(anchor + 1).clamp_max(tokens.numel() - 1)])
+    input_ids = slot_input_ids(tokens, anchor, depth, spec.mask_token_id, mask_slot_inputs)
     wanted = torch.isin(anchor, anchors)
     batch = Batch(
         input_ids=input_ids[None],
@@ -192,6 +205,7 @@ def draft_tokens(
     k: int,
     method: str | DraftingMethod = DEFAULT_METHOD,
     chunk_anchors: int = 1024,
+    mask_slot_inputs: str = "mask",
 ) -> torch.Tensor:
     """Long [A, K]: the target ids the drafter proposes after each of the sorted ``anchors``."""
     method = get_method(method)
@@ -200,10 +214,43 @@ def draft_tokens(
     out = []
     for start in range(0, anchors.numel(), chunk_anchors):
         chunk = anchors[start : start + chunk_anchors]
-        batch = _draft_batch(sample, spec, chunk, k, device)
+        batch = _draft_batch(sample, spec, chunk, k, device, mask_slot_inputs)
         anchor, depth, tokens = method.draft(drafter, batch, k, lambda ids: ids + to_target[ids])
         out.append(_drafts_from(anchor.cpu(), depth.cpu(), tokens.cpu(), chunk, k))
     return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.long)
+
+
+def ngram_drafts(token_ids: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+    """Long [A, K]: what vLLM's n-gram lookup proposes after each sorted anchor p (its context
+    x_0..x_{p+1}, the prompt included), -1 where it proposes nothing."""
+    from peagle.data.health import NgramLookup
+
+    lookup = NgramLookup(token_ids.tolist())
+    out = torch.full((anchors.numel(), k), -1, dtype=torch.long)
+    for row, p in enumerate(anchors.tolist()):
+        draft = lookup.draft(p + 2, k)
+        out[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+    return out
+
+
+class NgramComparison:
+    """Per draft position: where n-gram lookup is right, and the head's hits there and elsewhere."""
+
+    def __init__(self, k: int):
+        self.positions, self.ngram_right = torch.zeros(k), torch.zeros(k)
+        self.head_where_right, self.head_where_wrong = torch.zeros(k), torch.zeros(k)
+
+    def add(self, head_right: torch.Tensor, ngram_right: torch.Tensor, counted: torch.Tensor) -> None:
+        self.positions += counted.sum(0)
+        self.ngram_right += ngram_right.sum(0)
+        self.head_where_right += (head_right & ngram_right).sum(0)
+        self.head_where_wrong += (head_right & counted & ~ngram_right).sum(0)
+
+    def shares(self) -> dict[str, list[float]]:
+        wrong = self.positions - self.ngram_right
+        return {"ngram_right": (self.ngram_right / self.positions.clamp_min(1)).tolist(),
+                "head_right_where_ngram_right": (self.head_where_right / self.ngram_right.clamp_min(1)).tolist(),
+                "head_right_where_ngram_wrong": (self.head_where_wrong / wrong.clamp_min(1)).tolist()}
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -235,12 +282,15 @@ def evaluate_offline(
     chunk_anchors: int = 1024,
     max_tokens: int | None = None,
     split: str = "",
+    mask_slot_inputs: str = "mask",
 ) -> OfflineResult:
     """Simulated acceptance of ``drafter`` on the first ``max_samples`` samples of ``reader``.
 
     ``target_head`` is only read with ``reference="target"`` (may be None otherwise);
     ``max_k`` (the method's ``max_eval_k``) refuses larger K; ``max_tokens`` is the
-    requests' generation budget (the served split's; None: each whole span).
+    requests' generation budget (the served split's; None: each whole span); ``mask_slot_inputs``
+    as the head trained (``train.mask_slot_inputs``). vLLM's n-gram lookup is walked beside the
+    head on the same tokens (``ngram_acceptance_length``, ``versus_ngram``).
     """
     method = get_method(method)
     ks = _check_inputs(ks, spec, vocab, max_k)
@@ -248,6 +298,8 @@ def evaluate_offline(
     was_training = drafter.training
     drafter.eval()
     walks: dict[int, list[int]] = {kk: [] for kk in ks}
+    ngram_walks: dict[int, list[int]] = {kk: [] for kk in ks}
+    versus = NgramComparison(k)
     num_anchors = num_samples = 0
     try:
         for i in range(min(len(reader), max_samples or len(reader))):
@@ -257,14 +309,18 @@ def evaluate_offline(
             num_samples += 1
             if anchors.numel() == 0:
                 continue
-            drafts = draft_tokens(drafter, sample, spec, vocab, anchors, k, method, chunk_anchors)
+            drafts = draft_tokens(drafter, sample, spec, vocab, anchors, k, method, chunk_anchors, mask_slot_inputs)
             with torch.no_grad():
                 ref = reference_tokens(sample, reference, target_head, vocab)
-            accepted_at = torch.zeros(loss_mask.numel(), dtype=torch.long)
-            accepted_at[anchors] = accepted_counts(drafts, anchors, ref, loss_mask)
+            lookup = ngram_drafts(sample.token_ids.long(), anchors, k)
+            head_right, counted = right_drafts(drafts, anchors, ref, loss_mask)
+            versus.add(head_right, right_drafts(lookup, anchors, ref, loss_mask)[0], counted)
             num_anchors += anchors.numel()
-            for kk in ks:
-                walks[kk] += walk_drafts(accepted_at, loss_mask, kk, max_tokens)
+            for found, walked in ((drafts, walks), (lookup, ngram_walks)):
+                accepted_at = torch.zeros(loss_mask.numel(), dtype=torch.long)
+                accepted_at[anchors] = accepted_counts(found, anchors, ref, loss_mask)
+                for kk in ks:
+                    walked[kk] += walk_drafts(accepted_at, loss_mask, kk, max_tokens)
     finally:
         drafter.train(was_training)
     if not walks[k]:
@@ -282,6 +338,8 @@ def evaluate_offline(
         reference=reference,
         num_drafts={kk: len(w) for kk, w in walks.items()},
         split=split,
+        ngram_acceptance_length={kk: 1.0 + sum(w) / len(w) for kk, w in ngram_walks.items() if w},
+        versus_ngram=versus.shares(),
     )
 
 
@@ -321,7 +379,7 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     def eval_fn(drafter: nn.Module) -> float:
         result = evaluate_offline(  # the drafter being trained carries its own spec
             drafter, head, reader, drafter.spec, vocab, ks, cfg.eval.offline_max_samples, method, reference, limit,
-            max_tokens=max_tokens, split=split.name,
+            max_tokens=max_tokens, split=split.name, mask_slot_inputs=drafter.spec.mask_slot_inputs,
         )
         return result.acceptance_length[max(ks)]
 

@@ -41,7 +41,7 @@ from peagle.facts import HeadSpec
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
 from peagle.model.drafter import DrafterOutput
 from peagle.train.batch import Batch, Example, build_peagle_example, collate
-from peagle.train.loss import LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
+from peagle.train.loss import LossKind, LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
 from peagle.train.masks import PrecomputedMask
 from peagle.train.objective import Objective
 from peagle.train.partition import select_elements
@@ -189,12 +189,13 @@ def eagle3_loss(
     denominator: float | torch.Tensor | None = None,
     k: int | None = None,
     unaccepted_weight: float = 1.0,
+    kind: LossKind = "kl",
 ) -> LossOutput:
     """TTT loss over a batch of ``build_eagle3_example`` examples (same ``LossOutput`` as P-EAGLE).
 
     Step j charges the supervised depth-j elements; ``denominator`` / ``weighting`` as in
     ``kl_loss`` (pass the whole batch's normaliser when the batch is a segment);
-    ``unaccepted_weight`` as in ``peagle_loss``.
+    ``unaccepted_weight`` and ``kind`` as in ``peagle_loss``.
     """
     logits, target_logits, depths, rows, anchors = [], [], [], [], []
     for st in ttt_passes(drafter, batch, ttt_steps):
@@ -205,7 +206,7 @@ def eagle3_loss(
         rows.append(supervised_rows(st.logits_mask))
         anchors.append(st.batch.anchor[st.logits_mask])
     return kl_loss(torch.cat(logits), torch.cat(target_logits), torch.cat(depths), k or ttt_steps, weighting,
-                   denominator, (torch.cat(rows), torch.cat(anchors)), unaccepted_weight)
+                   denominator, (torch.cat(rows), torch.cat(anchors)), unaccepted_weight, kind)
 
 
 # ----------------------------------------------------------------------------- the method
@@ -233,7 +234,7 @@ class Eagle3(DraftingMethod):
 
         def loss(model, batch: Batch, denominator) -> LossOutput:
             return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denominator, k=steps,
-                               unaccepted_weight=train.unaccepted_weight)
+                               unaccepted_weight=train.unaccepted_weight, kind=train.loss)
 
         return Objective(
             name=self.name,

@@ -25,7 +25,7 @@ class PEagle(DraftingMethod):
     parallel_drafting = True
     own_train_fields = frozenset(
         {"k_train", "cod_ratio", "cod_floor", "freeze_lm_head", "train_embeddings", "mask_hidden_init_std",
-         "depth0_loss_share"}
+         "depth0_loss_share", "mask_slot_inputs"}
     )
     card_summary = ("A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
                     "tokens in one forward pass. Trained with peagle.")
@@ -43,12 +43,13 @@ class PEagle(DraftingMethod):
 
         def make_example(sample, generator):
             return build_peagle_example(
-                sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator
+                sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator,
+                mask_slot_inputs=train.mask_slot_inputs,
             )
 
         def loss(model, batch, denominator):
             return peagle_loss(model, target_head, batch, weighting, denominator, k=train.k_train,
-                               unaccepted_weight=train.unaccepted_weight)
+                               unaccepted_weight=train.unaccepted_weight, kind=train.loss)
 
         return Objective(
             name=self.name,

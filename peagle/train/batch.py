@@ -204,6 +204,20 @@ def _document(
     return _Document(tokens, loss_mask, sample.hidden[:max_len].float(), anchors)
 
 
+def slot_input_ids(tokens, hidden_row, depth, mask_token_id: int, mask_slot_inputs: str = "mask"):
+    """Each element's input token: x_{p+1} at depth 0; deeper, the mask token, or with
+    "true_previous" the real token x_{p+1+d} before the slot's target x_{p+2+d}. Works on numpy
+    arrays and torch tensors alike (``tokens`` indexed by row)."""
+    where = torch.where if isinstance(tokens, torch.Tensor) else np.where
+    last = len(tokens) - 1
+    next_token = tokens[(hidden_row + 1).clip(max=last)]
+    if mask_slot_inputs == "mask":
+        return where(depth > 0, mask_token_id, next_token)
+    if mask_slot_inputs == "true_previous":
+        return tokens[(hidden_row + 1 + depth).clip(max=last)]
+    raise ValueError(f"mask_slot_inputs {mask_slot_inputs!r} is not 'mask' or 'true_previous'")
+
+
 def build_peagle_example(
     sample: SampleLike | list[SampleLike],
     spec: HeadSpec,
@@ -212,8 +226,12 @@ def build_peagle_example(
     cod_floor: float,
     max_len: int,
     generator: torch.Generator | None = None,
+    mask_slot_inputs: str = "mask",
 ) -> Example:
     """COD-sample the elements of one document (or several packed ones) into an Example.
+
+    ``mask_slot_inputs="true_previous"`` gives each mask slot the real token before its target
+    instead of the mask token (``slot_input_ids``): a measurement, not what vLLM drafts with.
 
     Packed documents get consecutive anchor ranges and their own doc id; positions restart
     at 0 in each. Their total token count must fit ``max_len``. After COD every field is
@@ -238,7 +256,7 @@ def build_peagle_example(
     loss_mask = docs[0].loss_mask if len(docs) == 1 else np.concatenate([d.loss_mask for d in docs])
     is_mask = depth > 0
     fields = {
-        "input_ids": np.where(is_mask, spec.mask_token_id, tokens[hidden_row + 1]),
+        "input_ids": slot_input_ids(tokens, hidden_row, depth, spec.mask_token_id, mask_slot_inputs),
         "is_mask": is_mask,
         "position_ids": local + depth,
         "anchor": local + anchor_start[doc],

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,16 @@ class BatchPlan:
                 f"{self.grad_accum} = {self.world_size * self.samples_per_step}); generate more data "
                 "(data.max_samples) or lower train.micro_batch_size / train.grad_accum / train.world_size"
             )
+
+
+def training_samples(samples: Sequence, max_samples: int | None) -> Sequence:
+    """The first ``max_samples`` of the train split (``train.max_samples``; None: all of it)."""
+    if max_samples is None:
+        return samples
+    if max_samples > len(samples):
+        raise ValueError(f"train.max_samples is {max_samples} but the train split holds {len(samples)} answers: "
+                         "lower train.max_samples, or build more data (data.max_samples)")
+    return Subset(samples, range(max_samples))
 
 
 def epoch_permutation(num_samples: int, epoch: int, seed: int) -> list[int]:

@@ -273,10 +273,10 @@ def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
     if cfg.train.max_train_seconds:
         return None  # as many as the time budget allows
     from peagle.data.store import ShardReader
-    from peagle.train.data import BatchPlan
+    from peagle.train.data import BatchPlan, training_samples
 
     try:
-        samples = len(ShardReader(DataLayout(data_dir).train, verify=False))
+        samples = len(training_samples(ShardReader(DataLayout(data_dir).train, verify=False), cfg.train.max_samples))
     except (OSError, ValueError, KeyError):
         return None
     plan = BatchPlan(samples, cfg.train.world_size, cfg.train.micro_batch_size, cfg.train.grad_accum)

@@ -1,4 +1,5 @@
-"""The training loss: forward KL(target || drafter) over the draft vocabulary.
+"""The training loss: forward KL(target || drafter) over the draft vocabulary, or (``train.loss:
+cross_entropy``) cross-entropy on the target's greedy token.
 
 The target's distribution at a position comes from its stored final (pre-norm) hidden
 state through the target's own final RMSNorm and the lm_head rows of the draft
@@ -82,6 +83,19 @@ def forward_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
+LossKind = Literal["kl", "cross_entropy"]
+
+
+def element_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, kind: LossKind) -> torch.Tensor:
+    """Per-row loss: forward KL to the target's distribution, or cross-entropy on its argmax
+    (the token greedy verification accepts; the rest of the distribution is not trained on)."""
+    if kind == "kl":
+        return forward_kl(draft_logits, target_logits)
+    if kind == "cross_entropy":
+        return F.cross_entropy(draft_logits.float(), target_logits.argmax(-1), reduction="none")
+    raise ValueError(f"loss {kind!r} is not 'kl' or 'cross_entropy'")
+
+
 def depth_statistics(kl: torch.Tensor, correct: torch.Tensor, depth: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Per-depth KL sums, top-1 agreement counts and element counts (Float [K] each)."""
     zeros = kl.new_zeros(k)
@@ -116,8 +130,10 @@ def kl_loss(
     denominator: float | torch.Tensor | None = None,
     chain: tuple[torch.Tensor, torch.Tensor] | None = None,
     unaccepted_weight: float = 1.0,
+    kind: LossKind = "kl",
 ) -> LossOutput:
-    """Loss over M supervised elements ([M, Vd] logits, Long [M] depths).
+    """Loss over M supervised elements ([M, Vd] logits, Long [M] depths); ``kind`` is what each
+    element's loss is (``element_loss``), the statistics report the KL either way.
 
     ``chain`` (each element's batch row and anchor, Long [M] each) with ``unaccepted_weight`` < 1
     weighs the KL of drafts greedy verification never reads (``acceptance_weights``; the
@@ -128,10 +144,11 @@ def kl_loss(
     per-depth counts of the whole batch.
     """
     kl = forward_kl(draft_logits, target_logits)
+    trained = kl if kind == "kl" else element_loss(draft_logits, target_logits, kind)
     correct = draft_logits.argmax(-1) == target_logits.argmax(-1)
     stats = depth_statistics(kl, correct, depth, k)
     weights = None if chain is None else acceptance_weights(correct, *chain, depth, unaccepted_weight)
-    weighted = kl if weights is None else kl * weights
+    weighted = trained if weights is None else trained * weights
     if weighting == "uniform":
         denom = float(kl.numel()) if denominator is None else float(denominator)
         loss = weighted.sum() / max(denom, 1.0)
@@ -196,6 +213,7 @@ def peagle_loss(
     denominator: float | torch.Tensor | None = None,
     k: int | None = None,
     unaccepted_weight: float = 1.0,
+    kind: LossKind = "kl",
 ) -> LossOutput:
     """Run the drafter over a batch and score its supervised elements against the target.
 
@@ -217,4 +235,4 @@ def peagle_loss(
     if k is None:
         k = int(batch.depth.max()) + 1 if batch.depth.numel() else 1
     chain = (supervised_rows(supervised), batch.anchor[supervised])
-    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator, chain, unaccepted_weight)
+    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator, chain, unaccepted_weight, kind)

@@ -39,7 +39,7 @@ from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
 from peagle.methods import get_method
 from peagle.train import checkpoint as ckpt
 from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock
-from peagle.train.data import BatchPlan, EpochSamples, epoch_loader
+from peagle.train.data import BatchPlan, EpochSamples, epoch_loader, training_samples
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
 from peagle.train.objective import Objective
 
@@ -122,7 +122,8 @@ def load_training_inputs(data_dir: Path, cfg: PipelineConfig) -> TrainingInputs:
             f"{data.root}: {data.facts.name} says draft_vocab_size={facts.draft_vocab_size} but "
             f"{data.vocab.name} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
         )
-    return TrainingInputs(spec=head_spec_for(cfg, facts), samples=ShardReader(data.train), draft_ids=vocab.draft_ids)
+    samples = training_samples(ShardReader(data.train), cfg.train.max_samples)
+    return TrainingInputs(spec=head_spec_for(cfg, facts), samples=samples, draft_ids=vocab.draft_ids)
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -135,11 +135,12 @@ def test_a_variant_compares_with_the_config_recipe_of_its_own_off_chain_weight()
     # Config recipes of two invocations at the same steps: every element charged (1.0), and the config's (0).
     before = _with_weight({**_run("config recipe", 4.6, "local:aaaa"), "part": "budgets"}, 1.0)
     now = _with_weight({**_run("config recipe", 4.9, "local:aaaa"), "part": "budgets"}, 0.0)
-    share = _with_weight(_run("depth 0 at 0.35 of the loss", 5.0, "local:aaaa"), 0.0)
-    weight = _with_weight(_run("parallel depths: no loss where a shallower draft misses", 4.9, "local:aaaa"), 0.0)
+    share = _with_weight(_run("depth 0 at its uniform share", 5.0, "local:aaaa"), 0.0)
+    weight = _with_weight(_run("every draft's loss counts, read by verification or not", 5.2, "local:aaaa"), 1.0)
     rows = {r[0].split(" [")[0]: r for r in _variants_rows([before, now, share, weight])}
-    assert rows["depth 0 at 0.35 of the loss"][7] == "+0.100"  # against the recipe it changed (x0)
-    assert rows["parallel depths: no loss where a shallower draft misses"][7] == "+0.300"  # the change of weight
+    assert rows["depth 0 at its uniform share"][7] == "+0.100"  # against the recipe it changed (x0)
+    # the change of weight: against the config recipe of the other weight
+    assert rows["every draft's loss counts, read by verification or not"][7] == "+0.300"
 
 
 def test_saved_heads_are_the_budget_and_seed_asked_for_with_their_checkpoints(tmp_path):

@@ -65,9 +65,19 @@ def test_bench_quick_writes_results(name, tmp_path):
         assert [r[1] for r in ablation] == ["peagle", "peagle", "eagle3"]
         variants = result["tables"][2]["rows"]
         staged = "staged: EAGLE-3 for half the budget, then P-EAGLE from its head"
-        assert [r[0] for r in variants] == ["config recipe", "lr 6e-3", staged]
+        oracle = "mask slots given the true previous token (upper bound)"
+        assert [r[0] for r in variants] == ["config recipe", oracle, staged]
         # the recipe as trained: the variant's change in it
-        assert variants[1][2] == "K_train 3, lr 0.006, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0"
+        assert variants[1][2] == ("K_train 3, lr 0.003, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0, "
+                                  "true previous tokens in the mask slots")
+        # the data part: the first 4 answers for the budget's steps, beside none of the whole split's
+        # (its budgets run trained other steps)
+        data = result["tables"][3]
+        assert data["title"].startswith("Data size") and [r[0] for r in data["rows"]] == [4]
+        # every run is walked beside vLLM's n-gram lookup on the same tokens
+        copying = result["tables"][4]
+        assert copying["title"].startswith("Copying") and len(copying["rows"]) >= 5
+        assert all(float(r[6]) >= 1.0 and len(r[8].split()) == 3 for r in copying["rows"])
         recipe_k3, variant_k3, delta = float(variants[0][8]), float(variants[1][8]), variants[1][9]
         # three roundings to 3 places
         assert variants[0][9] == "" and float(delta) == pytest.approx(variant_k3 - recipe_k3, abs=2e-3)

@@ -16,10 +16,12 @@ from test_partition import make_models, tiny_spec  # noqa: E402
 from peagle.data.store import ShardReader, ShardWriter  # noqa: E402
 from peagle.data.vocab import vocab_from_ids  # noqa: E402
 from peagle.eval.offline import (  # noqa: E402
+    _draft_batch,
     accepted_counts,
     draft_tokens,
     drafting_anchors,
     evaluate_offline,
+    ngram_drafts,
     reference_tokens,
     walk_drafts,
 )
@@ -198,8 +200,9 @@ def test_eagle3_drafts_equal_the_training_time_test_wherever_the_earlier_drafts_
     assert right[0] == compared[0]  # the sample was built from the first drafts
 
 
-def brute_walk(drafter, spec, vocab, sample, k, max_tokens=None):
-    """Decode each generated span as vLLM does: draft after the last token, accept, jump."""
+def brute_walk(drafter, spec, vocab, sample, k, max_tokens=None, drafts_after=None):
+    """Decode each generated span as vLLM does: draft after the last token, accept, jump
+    (``drafts_after(p)``: the drafts after anchor p; default the drafter's)."""
     mask, out, q = sample.loss_mask.tolist(), [], 0
     while q < len(mask):
         if not mask[q]:
@@ -210,7 +213,7 @@ def brute_walk(drafter, spec, vocab, sample, k, max_tokens=None):
             last += 1
         p, produced = q - 1, 1  # x_q came from prefill; the first draft follows it
         while p + 2 <= last and (max_tokens is None or produced < max_tokens):
-            drafts = brute_peagle(drafter, spec, vocab, sample, p)[:k]
+            drafts = (drafts_after or (lambda p: brute_peagle(drafter, spec, vocab, sample, p)))(p)[:k]
             a = brute_accepted(drafts, p, sample.token_ids, sample.loss_mask)
             out.append(a)
             p, produced = p + a + 1, produced + a + 1
@@ -256,3 +259,87 @@ def test_evaluate_offline_from_a_shard_store(tmp_path):
         evaluate_offline(drafter, head, reader, spec, vocab, [5], 3, max_k=4)
     with pytest.raises(ValueError, match="target head"):
         evaluate_offline(drafter, None, reader, spec, vocab, [2], 3, reference="target")
+
+
+def brute_lookup(ids: list[int], end: int, k: int) -> list[int]:
+    """vLLM's prompt lookup by search: the tokens after the latest earlier occurrence of the
+    longest suffix (4 down to 2 tokens) of ids[:end], at most k, not past ``end``."""
+    for n in (4, 3, 2):
+        for start in range(end - n - 1, -1, -1):
+            if end >= n and ids[start:start + n] == ids[end - n:end]:
+                return ids[start + n:min(start + n + k, end)]
+    return []
+
+
+def repeating_sample(spec, n=60, seed=0):
+    """A prompt, then an answer that says one phrase again and again between random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, spec.vocab_size - 1, (n,), generator=g)
+    phrase = tokens[8:14].clone()
+    for start in (20, 33, 47):
+        tokens[start:start + 6] = phrase
+    loss_mask = torch.arange(n) >= 8
+    return SimpleNamespace(token_ids=tokens, loss_mask=loss_mask, hidden=torch.randn(n, 4, spec.target_hidden_size,
+                                                                                     generator=g))
+
+
+def test_ngram_lookup_drafts_what_followed_the_longest_earlier_match():
+    spec, *_ = setup()
+    sample = repeating_sample(spec)
+    anchors = drafting_anchors(sample.loss_mask)
+    drafts = ngram_drafts(sample.token_ids, anchors, K)
+    ids = sample.token_ids.tolist()
+    for row, p in enumerate(anchors.tolist()):
+        want = brute_lookup(ids, p + 2, K)
+        assert drafts[row].tolist() == want + [-1] * (K - len(want)), p
+    assert (drafts[:, 0] >= 0).sum() >= 10  # the repeats are found
+
+
+def test_n_gram_lookup_is_walked_beside_the_head_and_splits_its_hits(tmp_path):
+    spec, drafter, head, vocab = setup(seed=2)
+    samples = [repeating_sample(spec, seed=s) for s in (0, 1)]
+    with ShardWriter(tmp_path / "eval", [2, 3, 4, 6], spec.target_hidden_size, "float32", 64) as writer:
+        for i, s in enumerate(samples):
+            writer.add(f"s{i}", s.token_ids, s.loss_mask, s.hidden)
+    reader = ShardReader(tmp_path / "eval")
+    result = evaluate_offline(drafter, head, reader, spec, vocab, [2, 4], method="peagle", max_k=4)
+    positions, lookup_right, head_where_right, head_where_wrong = (torch.zeros(K) for _ in range(4))
+    for k in (2, 4):
+        def lookup_after(p, s, k=k):
+            return torch.tensor(brute_lookup(s.token_ids.tolist(), p + 2, k), dtype=torch.long)
+
+        walk = [a for s in samples for a in brute_walk(drafter, spec, vocab, s, k,
+                                                       drafts_after=lambda p, s=s: lookup_after(p, s))]
+        assert result.ngram_acceptance_length[k] == pytest.approx(1 + sum(walk) / len(walk), abs=1e-12)
+    assert result.ngram_acceptance_length[4] > 1.2  # the repeats are copied
+    for s in samples:
+        ids = s.token_ids.tolist()
+        for p in drafting_anchors(s.loss_mask).tolist():
+            mine = brute_peagle(drafter, spec, vocab, s, p).tolist()
+            lookup = brute_lookup(ids, p + 2, K)
+            for j in range(K):
+                pos = p + 2 + j
+                if pos >= len(ids) or not s.loss_mask[pos]:
+                    continue
+                positions[j] += 1
+                hit = j < len(lookup) and lookup[j] == ids[pos]
+                lookup_right[j] += hit
+                (head_where_right if hit else head_where_wrong)[j] += mine[j] == ids[pos]
+    versus = result.versus_ngram
+    assert versus["ngram_right"] == pytest.approx((lookup_right / positions).tolist())
+    assert versus["head_right_where_ngram_right"] == pytest.approx((head_where_right / lookup_right).tolist())
+    assert versus["head_right_where_ngram_wrong"] == pytest.approx(
+        (head_where_wrong / (positions - lookup_right)).tolist())
+
+
+def test_a_true_previous_head_is_evaluated_on_the_inputs_it_trained_with():
+    spec, *_ = setup()
+    sample = repeating_sample(spec)
+    anchors = torch.tensor([9, 12, 30])
+    plain = _draft_batch(sample, spec, anchors, K, "cpu")
+    oracle = _draft_batch(sample, spec, anchors, K, "cpu", mask_slot_inputs="true_previous")
+    deep = oracle.depth[0] > 0
+    assert (plain.input_ids[0][deep] == spec.mask_token_id).all()
+    want = sample.token_ids[(oracle.anchor[0] + 1 + oracle.depth[0])[deep]]
+    assert torch.equal(oracle.input_ids[0][deep], want) and torch.equal(oracle.is_mask, plain.is_mask)
+    assert torch.equal(oracle.input_ids[0][~deep], plain.input_ids[0][~deep])

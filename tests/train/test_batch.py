@@ -107,3 +107,18 @@ def test_bad_samples_are_named():
         build_peagle_example(bad, SPEC, 3, 0.8, 0.2, 64)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         build_peagle_example(sample(1), SPEC, 3, 0.8, 0.2, 64)
+
+
+def test_true_previous_slots_read_the_real_token_before_their_target():
+    """The upper-bound measurement: each mask slot (p, d) reads x_{p+1+d}, the token before the one it
+    predicts, and still takes mask_hidden (is_mask) as its feature; depth 0 is unchanged."""
+    s = sample(30, loss_from=12)
+    plain = build_peagle_example(s, SPEC, 4, 1.0, 1.0, 64)
+    ex = build_peagle_example(s, SPEC, 4, 1.0, 1.0, 64, mask_slot_inputs="true_previous")
+    deep = ex.depth > 0
+    assert deep.any() and torch.equal(ex.is_mask, plain.is_mask) and torch.equal(ex.depth, plain.depth)
+    assert torch.equal(ex.input_ids[deep], s.token_ids[ex.anchor[deep] + 1 + ex.depth[deep]])
+    assert torch.equal(ex.input_ids[~deep], plain.input_ids[~deep])
+    assert (plain.input_ids[deep] == SPEC.mask_token_id).all()
+    with pytest.raises(ValueError, match="'mask' or 'true_previous'"):
+        build_peagle_example(s, SPEC, 4, 1.0, 1.0, 64, mask_slot_inputs="oracle")

@@ -195,3 +195,16 @@ def test_unaccepted_weight_charges_the_drafts_verification_never_reads_less(weig
     plain = peagle_loss(drafter, head, batch, "uniform", k=4)
     torch.testing.assert_close(plain.loss, kl.mean())
     assert got.metrics == plain.metrics  # the statistics still count every element
+
+
+def test_cross_entropy_trains_on_the_targets_greedy_token_and_reports_the_kl():
+    g = torch.Generator().manual_seed(1)
+    draft, target = torch.randn(9, 40, generator=g), torch.randn(9, 40, generator=g)
+    depth = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3])
+    ce = kl_loss(draft, target, depth, 4, "uniform", kind="cross_entropy")
+    kl = kl_loss(draft, target, depth, 4, "uniform")
+    torch.testing.assert_close(ce.loss, torch.nn.functional.cross_entropy(draft, target.argmax(-1)))
+    torch.testing.assert_close(kl.loss, forward_kl(draft, target).mean())
+    assert ce.metrics == kl.metrics  # the statistics are the KL and top-1 agreement either way
+    with pytest.raises(ValueError, match="'kl' or 'cross_entropy'"):
+        kl_loss(draft, target, depth, 4, "uniform", kind="mse")

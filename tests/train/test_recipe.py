@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
-from test_deepspeed import MASK_ID, one_thread, tiny_config, tiny_run, tiny_spec  # noqa: F401 (fixtures)
+from test_deepspeed import MASK_ID, one_thread, read_metrics, tiny_config, tiny_run, tiny_spec  # noqa: F401 (fixtures)
 
 from peagle.config import ConfigError
 from peagle.data.vocab import DraftVocab
@@ -116,3 +116,34 @@ def test_depth0_share_is_the_default_weighting_and_yields_to_an_explicit_one():
     assert peagle.objective(chosen, tiny_spec(), None).weighting == "per_depth_mean"
     with pytest.raises(ConfigError, match="train.depth0_loss_share"):
         tiny_config(depth0_loss_share=1.0)
+
+
+def test_max_samples_trains_on_the_first_answers_and_names_a_split_too_small(tiny_run, tmp_path):
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    train_drafter(tiny_config(max_samples=3, epochs=2), data_dir, str(target), tmp_path / "three", progress=False)
+    steps = [r["step"] for r in read_metrics(tmp_path / "three") if "loss" in r]
+    assert steps[-1] == 6  # 3 answers, one a step, twice
+    with pytest.raises(ValueError, match=r"train.max_samples is 999 but the train split holds 16 answers"):
+        train_drafter(tiny_config(max_samples=999), data_dir, str(target), tmp_path / "many", progress=False)
+
+
+def test_a_true_previous_head_trains_records_it_and_is_refused_export(tiny_run, tmp_path):
+    """The upper-bound measurement trains and is evaluated like any head, but vLLM feeds mask
+    tokens: export refuses it by name, and a run that would serve or compare it online is refused."""
+    from peagle.export.head import ExportError, export_from_checkpoint
+    from peagle.facts import HeadSpec
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    cfg = tiny_config(max_steps=2, mask_slot_inputs="true_previous")
+    train_drafter(cfg, data_dir, str(target), tmp_path / "oracle", progress=False)
+    ckpt = tmp_path / "oracle" / "step-000002"
+    assert HeadSpec.load(ckpt / "head_spec.json").mask_slot_inputs == "true_previous"
+    with pytest.raises(ExportError, match="train.mask_slot_inputs: true_previous"):
+        export_from_checkpoint(ckpt, data_dir, tmp_path / "head", target_path=str(target))
+    with pytest.raises(ConfigError, match="cannot be served"):
+        tiny_config(mask_slot_inputs="true_previous", eagle3_baseline=True)
+    with pytest.raises(ConfigError, match="cannot be served"):
+        tiny_config(mask_slot_inputs="true_previous", method="eagle3")
