@@ -134,11 +134,16 @@ def checkpoint_dir(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
     (``peagle.identity``: the dataset, the weight-changing config, the method), so the same
     inputs resume and changed ones (a deeper drafter, a grown dataset) train a new head
     beside the old one, which stays usable."""
+    return head_checkpoint_dir(method_config(cfg, method, data_dir), data_dir)
+
+
+def head_checkpoint_dir(resolved: PipelineConfig, data_dir: Path) -> Path:
+    """``checkpoint_dir`` of a config already resolved for its head (``method_config``)."""
     from peagle.identity import dataset_manifests, head_identity
 
-    method = get_method(method)
-    identity = head_identity(method_config(cfg, method, data_dir), dataset_manifests(data_dir), method)
-    return RunLayout(cfg.run_dir).checkpoints(method.name, identity)
+    method = get_method(resolved.train.method)
+    identity = head_identity(resolved, dataset_manifests(data_dir), method)
+    return RunLayout(resolved.run_dir).checkpoints(method.name, identity)
 
 
 def trained_checkpoint(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
@@ -198,17 +203,17 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
     from peagle.train.launch import launch_training
 
     check_dataset(data_dir)  # before the champion download and the launch: no dataset, or a corrupt one, fails now
-    method = method or cfg.train.method
+    resolved = method_config(cfg, method or cfg.train.method, Path(data_dir))  # the head, once
     on_metrics = None
     if mlflow_run_id:
         from peagle.tracking.mlflow_run import stage_run
 
         on_metrics = stage_run(cfg.tracking, mlflow_run_id).log_step_records
     return launch_training(
-        method_config(resolve_init_from(cfg), method, Path(data_dir)),
+        resolve_init_from(resolved),
         Path(data_dir),
         target.path,
-        checkpoint_dir(cfg, method, Path(data_dir)),
+        head_checkpoint_dir(resolved, Path(data_dir)),
         eval_factory="peagle.eval.offline:offline_eval_fn",
         on_metrics=on_metrics,
     )

@@ -13,11 +13,11 @@ _EXPORTS = {
     "RunLogger": "peagle.tracking.mlflow_run",
     "resolve_tracking_uri": "peagle.tracking.mlflow_run",
     "registered_model_name": "peagle.tracking.mlflow_run",
-    "PromotionDecision": "peagle.tracking.registry",
+    "PromotionDecision": "peagle.tracking.gate",
     "register_head": "peagle.tracking.registry",
-    "promote_if_better": "peagle.tracking.registry",
+    "promote_if_better": "peagle.tracking.gate",
     "download_champion": "peagle.tracking.pull",
-    "weighted_score": "peagle.tracking.registry",
+    "weighted_score": "peagle.tracking.gate",
     "scrub": "peagle.tracking.scrub",
 }
 

@@ -7,15 +7,18 @@ gate refused, say) was trained on exactly them. Bookkeeping and where training s
 
 Promote on a comparison made in one evaluation run: the evaluate stage downloads the
 current champion and serves it beside the new head (same prompts, K, vLLM settings and
-hardware); the gate (``peagle.tracking.registry.promote_if_better``) compares the two scores
-measured there. The champion's score stored from its own run stays on its version as
+hardware); the gate (``promote_if_better``, its decision alone ``decide_promotion``) compares
+the two scores measured there. The champion's score stored from its own run stays on its version as
 history, never the basis of a comparison.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,8 +91,6 @@ def served_method(head_dir: Path) -> str:
 def head_score(cfg: PipelineConfig, online, label: str) -> float:
     """Weighted acceptance length of the head labelled ``label`` in ``online`` at the largest
     evaluated K over the configured benchmarks (0 when it has no rows)."""
-    from peagle.tracking.registry import weighted_score
-
     acceptance = online.acceptance_by_k(label)
     value = acceptance[max(acceptance)] if acceptance else 0.0
     return weighted_score({name: value for name in cfg.tracking.benchmark_weights}, cfg.tracking.benchmark_weights)
@@ -143,3 +144,126 @@ def plan_retraining(cfg: PipelineConfig, target, *, force: bool = False) -> Retr
     message = (f"nothing new: {trained} was trained on these inputs (same prompt files, target revision "
                f"{current['target_revision']}, same config); no data generated, nothing trained")
     return RetrainPlan(False, [], before, current, False, message)
+
+
+# ----------------------------------------------------------------------------- whether to promote
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    promoted: bool
+    reason: str
+    champion_before: str | None  # version numbers as MLflow reports them ("3")
+    champion_after: str | None
+
+
+def weighted_score(acceptance_by_benchmark: dict[str, float], weights: dict[str, float]) -> float:
+    """Weighted mean acceptance over the weighted benchmarks (unweighted ones are ignored).
+
+    A weighted benchmark without a measurement is an error: scoring it as 0 would quietly
+    make a head look worse, scoring it as absent would make it look better.
+    """
+    if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+        raise ValueError(f"tracking.benchmark_weights {weights} must be non-negative with a positive sum")
+    missing = [b for b, w in weights.items() if w > 0 and b not in acceptance_by_benchmark]
+    if missing:
+        raise ValueError(
+            f"no acceptance measured for weighted benchmark(s) {missing} "
+            f"(measured: {sorted(acceptance_by_benchmark)}); evaluate them or drop their weights"
+        )
+    total = sum(w for w in weights.values() if w > 0)
+    return sum(w * float(acceptance_by_benchmark[b]) for b, w in weights.items() if w > 0) / total
+
+
+def decide_promotion(champion: str | None, champion_stored_score: str | None, version: str, score: float,
+                     margin: float, validated: bool, measured: Mapping[str, float]) -> tuple[bool, str]:
+    """(promote?, why): the gate's decision alone, from the champion's version (None: no champion)
+    and its stored score (history, never compared), the head's ``score`` and the champion scores
+    ``measured`` in the head's own evaluation run."""
+    if not validated:
+        return False, "refused: the head did not pass validation"
+    if champion is None:
+        return True, f"promoted: first validated head (score {score:.4f}), no champion yet"
+    if champion == version:
+        return False, f"version {version} is already the champion"
+    stored = champion_stored_score
+    history = f"; its stored score from its own run, {float(stored):.4f}, is history" if stored else ""
+    if champion not in measured:
+        return False, (
+            f"refused: champion v{champion} was not measured in this evaluation run{history}. "
+            "The gate compares heads measured together (same prompts, K, vLLM and hardware): run the "
+            "evaluate stage again, which serves the champion beside the head"
+        )
+    champion_score = measured[champion]
+    needed = champion_score * (1 + margin)
+    comparison = (f"score {score:.4f} vs champion v{champion} {champion_score:.4f} measured in the same "
+                  f"run, x (1 + margin {margin:g}) = {needed:.4f}{history}")
+    if score > needed:
+        return True, f"promoted: {comparison}"
+    return False, f"refused: {comparison} (must be strictly greater)"
+
+
+def promote_if_better(
+    client,
+    name: str,
+    version: str | int,
+    score: float,
+    margin: float,
+    validated: bool,
+    *,
+    measured: Mapping[str, float] | None = None,
+) -> PromotionDecision:
+    """Move ``champion`` to ``version`` only if it is validated and its score beats the
+    champion's by ``margin`` (relative): ``score > champion_score * (1 + margin)``.
+
+    ``measured`` maps champion versions to their scores measured in the same evaluation run
+    as ``score`` (``peagle.tracking.gate.measured_champions``); a champion not measured there
+    is not compared with: its stored score came from another run (other prompts, K or hardware).
+    ``client``: an ``MlflowClient`` or a ``Tracker``. The decision is ``decide_promotion``'s; this
+    writes it on the version (tags) and moves the alias.
+    """
+    from peagle.tracking.registry import (
+        CHAMPION,
+        TAG_CHAMPION_BEFORE,
+        TAG_CHAMPION_SCORE,
+        TAG_DECIDED_AT,
+        TAG_DECISION,
+        TAG_MARGIN,
+        TAG_REASON,
+        TAG_SCORE,
+        TAG_SUPERSEDED_BY,
+        TAG_VALIDATED,
+        champion_version,
+        client_of,
+    )
+
+    client = client_of(client)
+    version = str(version)
+    measured = {str(v): float(s) for v, s in (measured or {}).items()}
+    if not all(math.isfinite(s) and s >= 0 for s in (score, *measured.values())):
+        raise ValueError(f"scores must be finite acceptances >= 0, got {score} and {measured}")
+    if margin < 0:
+        raise ValueError(f"promotion margin must be >= 0, got {margin}")
+    client.get_model_version(name, version)  # a clear error for an unknown version
+    champion = champion_version(client, name)
+    before = str(champion.version) if champion else None
+    promoted, reason = decide_promotion(before, champion.tags.get(TAG_SCORE) if champion else None, version, score,
+                                        margin, validated, measured)
+
+    client.set_model_version_tag(name, version, TAG_SCORE, repr(float(score)))
+    client.set_model_version_tag(name, version, TAG_VALIDATED, str(bool(validated)).lower())
+    if before in measured:
+        client.set_model_version_tag(name, version, TAG_CHAMPION_SCORE, repr(measured[before]))
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, version)
+        if before:
+            client.set_model_version_tag(name, before, TAG_SUPERSEDED_BY, version)
+    for key, value in {
+        TAG_DECISION: "promoted" if promoted else "refused",
+        TAG_REASON: reason,
+        TAG_CHAMPION_BEFORE: before or "none",
+        TAG_MARGIN: repr(float(margin)),
+        TAG_DECIDED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }.items():
+        client.set_model_version_tag(name, version, key, value)
+    return PromotionDecision(promoted, reason, before, version if promoted else before)

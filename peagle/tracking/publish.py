@@ -29,9 +29,9 @@ def promotion_score(cfg: PipelineConfig, online) -> float:
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
     """Register the ``train.method`` head as a model version (alias challenger); promote it only if
     it beats the champion measured in the same evaluation run (``online``)."""
-    from peagle.tracking.gate import measured_champions
+    from peagle.tracking.gate import measured_champions, promote_if_better
     from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
+    from peagle.tracking.registry import TAG_TARGET, register_head
 
     method = get_method(cfg.train.method)
     name = registered_model_name(cfg.tracking, cfg.target.model)
@@ -51,7 +51,7 @@ def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
 @dataclass
 class PublishOutcome:
     version: str
-    promotion: object  # peagle.tracking.registry.PromotionDecision
+    promotion: object  # peagle.tracking.gate.PromotionDecision
     reused: bool  # an identical head was already registered: nothing new registered
 
 
@@ -59,9 +59,9 @@ def publish_once(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
     """Register and gate the head unless an identical one (same files) is registered already;
     a new version carries its lineage (its ``lineage.json``: what retraining compares) and its
     content hash."""
+    from peagle.tracking.gate import PromotionDecision
     from peagle.tracking.mlflow_run import registered_model_name
     from peagle.tracking.registry import (
-        PromotionDecision,
         champion_version,
         describe_with_card,
         registered_twin,

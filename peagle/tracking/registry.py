@@ -1,23 +1,19 @@
-"""The registry gate between training and serving.
+"""The MLflow registry's reads and writes: versions, their tags and aliases.
 
 Every exported head becomes a version of the target's registered model and takes the
 ``challenger`` alias, with its lineage (the head's ``lineage.json``) as tags. The ``champion``
-alias (what deployments pull) moves only to a head that passed validation and whose weighted
-acceptance beats the champion's, both measured in the same evaluation run
-(``peagle.tracking.gate``), by the configured margin; every decision is written on the version as tags, so the registry
-itself explains why a head is or is not serving. The version's description (what the MLflow
-UI shows on its page) is the head's model card as registered.
+alias (what deployments pull) is moved by the gate (``peagle.tracking.gate.promote_if_better``),
+which writes every decision on the version as tags, so the registry itself explains why a head
+is or is not serving. The version's description (what the MLflow UI shows on its page) is the
+head's model card as registered. A consumer's pull is ``peagle.tracking.pull``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import tempfile
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import mlflow.artifacts
@@ -50,32 +46,6 @@ TAG_MARGIN = "peagle.promotion.margin"
 TAG_DECIDED_AT = "peagle.promotion.decided_at"
 TAG_SUPERSEDED_BY = "peagle.superseded_by"
 TAG_TARGET = "target"  # the version tag naming the target the head drafts for (config target.model)
-
-
-@dataclass(frozen=True)
-class PromotionDecision:
-    promoted: bool
-    reason: str
-    champion_before: str | None  # version numbers as MLflow reports them ("3")
-    champion_after: str | None
-
-
-def weighted_score(acceptance_by_benchmark: dict[str, float], weights: dict[str, float]) -> float:
-    """Weighted mean acceptance over the weighted benchmarks (unweighted ones are ignored).
-
-    A weighted benchmark without a measurement is an error: scoring it as 0 would quietly
-    make a head look worse, scoring it as absent would make it look better.
-    """
-    if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-        raise ValueError(f"tracking.benchmark_weights {weights} must be non-negative with a positive sum")
-    missing = [b for b, w in weights.items() if w > 0 and b not in acceptance_by_benchmark]
-    if missing:
-        raise ValueError(
-            f"no acceptance measured for weighted benchmark(s) {missing} "
-            f"(measured: {sorted(acceptance_by_benchmark)}); evaluate them or drop their weights"
-        )
-    total = sum(w for w in weights.values() if w > 0)
-    return sum(w * float(acceptance_by_benchmark[b]) for b, w in weights.items() if w > 0) / total
 
 
 def client_of(client_or_tracker: MlflowClient | Tracker) -> MlflowClient:
@@ -250,76 +220,3 @@ def champion_version(client: MlflowClient | Tracker, name: str) -> ModelVersion 
             return None
         raise
     return client.get_model_version(name, aliases[CHAMPION]) if CHAMPION in aliases else None
-
-
-def promote_if_better(
-    client: MlflowClient | Tracker,
-    name: str,
-    version: str | int,
-    score: float,
-    margin: float,
-    validated: bool,
-    *,
-    measured: Mapping[str, float] | None = None,
-) -> PromotionDecision:
-    """Move ``champion`` to ``version`` only if it is validated and its score beats the
-    champion's by ``margin`` (relative): ``score > champion_score * (1 + margin)``.
-
-    ``measured`` maps champion versions to their scores measured in the same evaluation run
-    as ``score`` (``peagle.tracking.gate.measured_champions``); a champion not measured there
-    is not compared with: its stored score came from another run (other prompts, K or hardware).
-    """
-    client = client_of(client)
-    version = str(version)
-    measured = {str(v): float(s) for v, s in (measured or {}).items()}
-    if not all(math.isfinite(s) and s >= 0 for s in (score, *measured.values())):
-        raise ValueError(f"scores must be finite acceptances >= 0, got {score} and {measured}")
-    if margin < 0:
-        raise ValueError(f"promotion margin must be >= 0, got {margin}")
-    client.get_model_version(name, version)  # a clear error for an unknown version
-    champion = champion_version(client, name)
-    before = str(champion.version) if champion else None
-    promoted, reason = _decide(champion, version, score, margin, validated, measured)
-
-    client.set_model_version_tag(name, version, TAG_SCORE, repr(float(score)))
-    client.set_model_version_tag(name, version, TAG_VALIDATED, str(bool(validated)).lower())
-    if before in measured:
-        client.set_model_version_tag(name, version, TAG_CHAMPION_SCORE, repr(measured[before]))
-    if promoted:
-        client.set_registered_model_alias(name, CHAMPION, version)
-        if before:
-            client.set_model_version_tag(name, before, TAG_SUPERSEDED_BY, version)
-    for key, value in {
-        TAG_DECISION: "promoted" if promoted else "refused",
-        TAG_REASON: reason,
-        TAG_CHAMPION_BEFORE: before or "none",
-        TAG_MARGIN: repr(float(margin)),
-        TAG_DECIDED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }.items():
-        client.set_model_version_tag(name, version, key, value)
-    return PromotionDecision(promoted, reason, before, version if promoted else before)
-
-
-def _decide(champion: ModelVersion | None, version: str, score: float, margin: float, validated: bool,
-            measured: Mapping[str, float]):
-    if not validated:
-        return False, "refused: the head did not pass validation"
-    if champion is None:
-        return True, f"promoted: first validated head (score {score:.4f}), no champion yet"
-    if str(champion.version) == version:
-        return False, f"version {version} is already the champion"
-    stored = champion.tags.get(TAG_SCORE)
-    history = f"; its stored score from its own run, {float(stored):.4f}, is history" if stored else ""
-    if str(champion.version) not in measured:
-        return False, (
-            f"refused: champion v{champion.version} was not measured in this evaluation run{history}. "
-            "The gate compares heads measured together (same prompts, K, vLLM and hardware): run the "
-            "evaluate stage again, which serves the champion beside the head"
-        )
-    champion_score = measured[str(champion.version)]
-    needed = champion_score * (1 + margin)
-    comparison = (f"score {score:.4f} vs champion v{champion.version} {champion_score:.4f} measured in the same "
-                  f"run, x (1 + margin {margin:g}) = {needed:.4f}{history}")
-    if score > needed:
-        return True, f"promoted: {comparison}"
-    return False, f"refused: {comparison} (must be strictly greater)"

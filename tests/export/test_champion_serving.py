@@ -173,8 +173,9 @@ def random_head(golden_pair, tmp_path_factory):
 def champion_dir(random_head, golden_pair, tmp_path_factory):
     """Register the head in a tmp SQLite store, promote it, and download the champion."""
     from peagle.tracking import Tracker
+    from peagle.tracking.gate import promote_if_better
     from peagle.tracking.pull import download_champion
-    from peagle.tracking.registry import CHAMPION, promote_if_better, register_head
+    from peagle.tracking.registry import CHAMPION, register_head
 
     head, _, _ = random_head
     target, _ = golden_pair

@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from peagle.config import TrackingConfig
 from peagle.export.card import read_serve_line
 from peagle.export.selftest import build_golden_pair
+from peagle.tracking.gate import promote_if_better
 from peagle.tracking.mlflow_run import Tracker
-from peagle.tracking.registry import TAG_TARGET, promote_if_better, register_head
+from peagle.tracking.registry import TAG_TARGET, register_head
 
 pytestmark = pytest.mark.slow
 K = 5  # what the exported card advertises (no acceptance measured: the paper's serving K)

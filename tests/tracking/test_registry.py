@@ -11,6 +11,7 @@ import pytest
 
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import recorded_lineage
+from peagle.tracking.gate import decide_promotion, promote_if_better, weighted_score
 from peagle.tracking.mlflow_run import Tracker
 from peagle.tracking.pull import download_champion
 from peagle.tracking.registry import (
@@ -25,11 +26,9 @@ from peagle.tracking.registry import (
     champion_and_match,
     describe_with_card,
     head_content_digest,
-    promote_if_better,
     register_head,
     registered_twin,
     tag_head_content,
-    weighted_score,
 )
 
 _names = itertools.count()
@@ -272,3 +271,16 @@ def test_the_gate_refuses_a_sqlite_store_that_does_not_exist(tmp_path, make_head
     with pytest.raises(TrackingStoreMissing, match=f"no database at {missing}"):
         champion_to_measure(cfg, make_head_dir(tmp_path / "head"))
     assert not missing.exists()
+
+
+def test_the_gates_decision_is_a_pure_function_of_what_was_measured():
+    """No registry needed: the decision reads the champion's version, its stored score (history)
+    and the scores measured in the head's own evaluation run."""
+    assert decide_promotion(None, None, "1", 0.5, 0.0, True, {}) == (
+        True, "promoted: first validated head (score 0.5000), no champion yet")
+    assert decide_promotion(None, None, "1", 0.5, 0.0, False, {})[0] is False
+    assert decide_promotion("1", "9.0", "1", 0.5, 0.0, True, {"1": 0.1})[1] == "version 1 is already the champion"
+    refused, why = decide_promotion("1", "0.1", "2", 5.0, 0.0, True, {})
+    assert not refused and "not measured in this evaluation run" in why and "is history" in why
+    assert decide_promotion("1", "9.0", "2", 1.1, 0.05, True, {"1": 1.0})[0]  # 1.1 > 1.0 x 1.05: history ignored
+    assert not decide_promotion("1", None, "2", 1.05, 0.05, True, {"1": 1.0})[0]  # strictly greater

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from peagle.config import TrackingConfig
+from peagle.tracking.gate import promote_if_better
 from peagle.tracking.mlflow_run import Tracker
 from peagle.tracking.pull import download_champion
-from peagle.tracking.registry import promote_if_better, register_head
+from peagle.tracking.registry import register_head
 
 
 @pytest.mark.slow

@@ -21,9 +21,9 @@ from peagle.config import load_config
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import hub_revision, lineage
 from peagle.stages import TargetInfo, prepare_target, with_train
-from peagle.tracking.gate import plan_retraining
+from peagle.tracking.gate import plan_retraining, promote_if_better
 from peagle.tracking.mlflow_run import Tracker
-from peagle.tracking.registry import promote_if_better, register_head
+from peagle.tracking.registry import register_head
 
 REPO = Path(__file__).resolve().parents[2]
 _models = itertools.count()
