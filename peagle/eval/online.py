@@ -54,6 +54,17 @@ class OnlineRow:
     parallel_drafting: bool | None = None
     engine_start_s: float = 0.0
 
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Output tokens per target forward pass over every decode step, drafting or not (each
+        request's first token comes from its prefill): the figure speed follows. vLLM's acceptance
+        length counts only the steps that drafted; a head drafts at every step, so for a head the two
+        agree, but n-gram lookup drafts only where its lookup matches, so its acceptance length is
+        higher than its tokens per step. Accepted tokens past a request's max_tokens make it a
+        slight overestimate."""
+        steps = self.output_tokens - self.requests - self.num_accepted_tokens
+        return (self.output_tokens - self.requests) / steps if self.k and self.num_drafts and steps > 0 else None
+
 
 @dataclass
 class OnlineResult:
@@ -99,17 +110,26 @@ class OnlineResult:
         return [m for m in self.methods() if m != NGRAM]
 
     def acceptance_by_k(self, method: str, concurrency: int | None = None) -> dict[int, float]:
-        """K -> acceptance length for one method (at the lowest concurrency unless given): the model card's table."""
-        rows = [r for r in self.rows if r.method == method and r.acceptance_length is not None]
+        """K -> acceptance length for one method (at the lowest concurrency unless given), as vLLM counts it."""
+        return self._by_k(method, "acceptance_length", concurrency)
+
+    def tokens_per_step_by_k(self, method: str, concurrency: int | None = None) -> dict[int, float]:
+        """K -> tokens per target step (``OnlineRow.tokens_per_step``): what heads and n-gram lookup
+        are compared on."""
+        return self._by_k(method, "tokens_per_step", concurrency)
+
+    def _by_k(self, method: str, name: str, concurrency: int | None) -> dict[int, float]:
+        rows = [r for r in self.rows if r.method == method and getattr(r, name) is not None]
         if not rows:
             return {}
         c = concurrency if concurrency is not None else min(r.concurrency for r in rows)
-        return {r.k: r.acceptance_length for r in rows if r.concurrency == c}
+        return {r.k: getattr(r, name) for r in rows if r.concurrency == c}
 
     def to_records(self) -> list[dict]:
         records = []
         for r in self.rows:
             rec = asdict(r) | {"target": self.target, "prompt_set": self.prompt_set, "max_tokens": self.max_tokens}
+            rec["tokens_per_step"] = r.tokens_per_step
             rec["speedup"] = self.speedup(r)
             rec["over_ngram"] = self.over_ngram(r)
             records.append(rec)
@@ -120,8 +140,8 @@ class OnlineResult:
         from rich.table import Table
 
         table = Table(title=title or f"Online evaluation in vLLM: {self.target} ({self.prompt_set})")
-        for col in ("method", "K", "conc.", "acc. length", "per-position acceptance", "out tok/s", "speed-up",
-                    "vs n-gram", "requests"):
+        for col in ("method", "K", "conc.", "acc. length", "tokens/step", "per-position acceptance", "out tok/s",
+                    "speed-up", "vs n-gram", "requests"):
             table.add_column(col, justify="left" if col in ("method", "per-position acceptance") else "right")
         for r in self.rows:
             speedup, over_ngram = self.speedup(r), self.over_ngram(r)
@@ -130,6 +150,7 @@ class OnlineResult:
                 str(r.k) if r.k else "-",
                 str(r.concurrency),
                 f"{r.acceptance_length:.2f}" if r.acceptance_length is not None else "-",
+                f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-",
                 " ".join(f"{a:.2f}" for a in r.per_position_acceptance) or "-",
                 f"{r.output_tokens_per_s:.1f}",
                 f"{speedup:.2f}x" if speedup is not None else "-",

@@ -45,7 +45,8 @@ class PromptSetAcceptance:
     source: str = ""
     acceptance: dict[int, float] = field(default_factory=dict)
     baseline: dict[int, float] = field(default_factory=dict)
-    ngram: dict[int, float] = field(default_factory=dict)
+    ngram: dict[int, float] = field(default_factory=dict)  # n-gram lookup's tokens per step
+    ngram_vllm: dict[int, float] = field(default_factory=dict)  # its acceptance length as vLLM counts it
 
 
 @dataclass
@@ -69,7 +70,10 @@ class ModelCardInfo:
     baseline_label: str = ""  # the comparison head's method, as people read it
     baseline_acceptance: dict[int, float] = field(default_factory=dict)
     acceptance_source: str = ""
-    ngram_acceptance: dict[int, float] = field(default_factory=dict)  # vLLM's n-gram lookup, the floor
+    # vLLM's n-gram lookup, the floor: tokens per target step (``OnlineRow.tokens_per_step``), and
+    # its acceptance length as vLLM counts it (only the steps where its lookup matched)
+    ngram_tokens_per_step: dict[int, float] = field(default_factory=dict)
+    ngram_vllm_acceptance: dict[int, float] = field(default_factory=dict)
     # The same heads on the other prompt sets (completion traffic last), when measured.
     more_sets: list[PromptSetAcceptance] = field(default_factory=list)
     recommended_k: int | None = None
@@ -198,7 +202,7 @@ def _acceptance_table(info: ModelCardInfo) -> list[str]:
     if not info.acceptance:
         return [*lines, "Not measured yet (`peagle evaluate CONFIG` measures it in vLLM).", ""]
     first = PromptSetAcceptance("", info.acceptance_source, info.acceptance, info.baseline_acceptance,
-                                info.ngram_acceptance)
+                                info.ngram_tokens_per_step, info.ngram_vllm_acceptance)
     lines += _k_table(info, first)
     for more in info.more_sets:
         lines += [f"### On {more.name}", "", *_k_table(info, more)]
@@ -210,12 +214,23 @@ def _k_table(info: ModelCardInfo, measured: PromptSetAcceptance) -> list[str]:
     if measured.baseline:
         columns.append((info.baseline_label or "baseline", measured.baseline))
     if measured.ngram:
-        columns.append((NGRAM_DISPLAY, measured.ngram))
+        columns.append((f"{NGRAM_DISPLAY} (tokens/step)", measured.ngram))
     ks = sorted(set().union(*(values for _, values in columns)))
     lines = ["| K | " + " | ".join(name for name, _ in columns) + " |", "|---|" + "---|" * len(columns)]
     lines += [f"| {k} | " + " | ".join(_fmt(values.get(k)) for _, values in columns) + " |" for k in ks]
-    lines += ["", *([measured.source] if measured.source else []), *_ngram_verdict(info, measured)]
+    lines += ["", *([measured.source] if measured.source else []), *_ngram_note(measured),
+              *_ngram_verdict(info, measured)]
     return [*lines, ""]
+
+
+def _ngram_note(measured: PromptSetAcceptance) -> list[str]:
+    """Why n-gram lookup's column is not vLLM's acceptance length for it."""
+    if not measured.ngram:
+        return []
+    vllm = ", ".join(f"{measured.ngram_vllm[k]:.2f} at K = {k}" for k in sorted(measured.ngram_vllm))
+    return ["", f"{NGRAM_DISPLAY} drafts only where its lookup finds a match, and vLLM's acceptance length counts "
+            f"only those steps ({vllm}); its column is tokens per target step over every decode step, the figure "
+            "speed follows. A head drafts at every step: its acceptance length is the same figure."]
 
 
 def _ngram_verdict(info: ModelCardInfo, measured: PromptSetAcceptance) -> list[str]:
@@ -227,10 +242,10 @@ def _ngram_verdict(info: ModelCardInfo, measured: PromptSetAcceptance) -> list[s
     k = max(common)
     head, floor = measured.acceptance[k], measured.ngram[k]
     if head > floor:
-        return ["", f"At K = {k} this head accepts {head / floor:.2f}x what {NGRAM_DISPLAY} does "
-                f"({head:.2f} against {floor:.2f}) with no head at all."]
-    return ["", f"**At K = {k} this head does not beat {NGRAM_DISPLAY}** ({head:.2f} against {floor:.2f}), "
-            "which needs no training: serve n-gram lookup for this traffic, or train on more data."]
+        return ["", f"At K = {k} this head makes {head / floor:.2f}x the tokens per target step {NGRAM_DISPLAY} "
+                f"does ({head:.2f} against {floor:.2f}) with no head at all."]
+    return ["", f"**At K = {k} this head does not beat {NGRAM_DISPLAY}** ({head:.2f} against {floor:.2f} tokens "
+            "per target step), which needs no training: serve n-gram lookup for this traffic, or train on more data."]
 
 
 def _fmt(value: float | None) -> str:
@@ -297,7 +312,7 @@ def run_card(cfg: PipelineConfig, data, online, offline, spec: HeadSpec, *,
             name=measured.prompt_set + traffic, source=_source(measured),
             acceptance=measured.acceptance_by_k(method.label),
             baseline=measured.acceptance_by_k(other.label) if other else {},
-            ngram=measured.acceptance_by_k(NGRAM))
+            ngram=measured.tokens_per_step_by_k(NGRAM), ngram_vllm=measured.acceptance_by_k(NGRAM))
 
     return ModelCardInfo(
         name=f"peagle-{cfg.name}" + ("" if primary else f"-{method.name}"),
@@ -318,7 +333,8 @@ def run_card(cfg: PipelineConfig, data, online, offline, spec: HeadSpec, *,
         baseline_label=other.display_name if other else "",
         baseline_acceptance=online.acceptance_by_k(other.label) if other else {},
         acceptance_source=_source(online),
-        ngram_acceptance=online.acceptance_by_k(NGRAM),
+        ngram_tokens_per_step=online.tokens_per_step_by_k(NGRAM),
+        ngram_vllm_acceptance=online.acceptance_by_k(NGRAM),
         more_sets=[set_acceptance(measured) for measured in online.prompt_sets()[1:]],
         method=method.name,
     )

@@ -42,17 +42,19 @@ def record_offline(run, offline) -> None:
 
 
 def record_prompt_set(run, measured) -> None:
-    """One prompt set's acceptance per K for every head and n-gram lookup, and each head's
-    gain over n-gram lookup (acceptance and output tokens/s ratios): above 1, it earns its training."""
+    """One prompt set's acceptance per K for every head and n-gram lookup (vLLM's acceptance length
+    and tokens per target step), and each head's gain over n-gram lookup (tokens per step and output
+    tokens/s ratios): above 1, it earns its training."""
     from peagle.export.contract import NGRAM
 
     name = measured.prompt_set
     for label in measured.methods():
         run.log_metrics_per_k(measured.acceptance_by_k(label), f"{name}_{label}_acceptance_length")
-    floor = measured.acceptance_by_k(NGRAM)
+        run.log_metrics_per_k(measured.tokens_per_step_by_k(label), f"{name}_{label}_tokens_per_step")
+    floor = measured.tokens_per_step_by_k(NGRAM)  # n-gram lookup drafts on some steps only
     for label in measured.heads():
-        gains = {k: al / floor[k] for k, al in measured.acceptance_by_k(label).items() if floor.get(k)}
-        run.log_metrics_per_k(gains, f"{name}_{label}_acceptance_over_ngram")
+        gains = {k: t / floor[k] for k, t in measured.tokens_per_step_by_k(label).items() if floor.get(k)}
+        run.log_metrics_per_k(gains, f"{name}_{label}_tokens_per_step_over_ngram")
     for r in measured.rows:
         if (ratio := measured.over_ngram(r)) is not None:
             run.log_metrics({f"{name}_{r.method}_k{r.k}_c{r.concurrency}_tok_s_over_ngram": ratio})

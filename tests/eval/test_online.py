@@ -87,11 +87,12 @@ def test_every_prompt_set_and_the_ngram_floor_reach_the_card(tmp_path):
     from peagle.export.card import render_model_card, run_card
 
     result = sample_result()
-    for k, al in ((1, 1.5), (3, 2.9)):
-        result.rows.append(OnlineRow(NGRAM, k, 1, 4, 400, 2.0, 200.0, al, [0.5] * k, 10, 10 * k, 5, None))
+    # n-gram lookup drafts on some steps only: 396 decode tokens, 66 / 252 accepted -> 1.2 / 2.75 tokens per step
+    for k, al, accepted in ((1, 1.5, 66), (3, 2.9, 252)):
+        result.rows.append(OnlineRow(NGRAM, k, 1, 4, 400, 2.0, 200.0, al, [0.5] * k, 10, 10 * k, accepted, None))
     chat = OnlineResult(target="/models/tiny", max_tokens=100, prompt_set="chat", rows=[
         OnlineRow(BASELINE, 0, 1, 4, 400, 4.0, 100.0),
-        OnlineRow(NGRAM, 3, 1, 4, 400, 2.0, 120.0, 1.4, [0.2] * 3, 10, 30, 4, None),
+        OnlineRow(NGRAM, 3, 1, 4, 400, 2.0, 120.0, 1.4, [0.2] * 3, 10, 30, 36, None),  # 1.1 tokens per step
         OnlineRow("p-eagle", 3, 1, 4, 400, 2.0, 180.0, 2.2, [0.5] * 3, 10, 30, 12, True),
     ])
     result.more_sets.append(chat)
@@ -101,12 +102,26 @@ def test_every_prompt_set_and_the_ngram_floor_reach_the_card(tmp_path):
     cfg = load_config("configs/tiny.yaml")
     data = SimpleNamespace(num_train=1, num_eval=1, num_tokens=10, config_hash="h")
     card = run_card(cfg, data, loaded, SimpleNamespace(acceptance_length={3: 2.55}, split="served"), tiny_spec())
-    assert card.ngram_acceptance == {1: 1.5, 3: 2.9}
+    assert card.ngram_tokens_per_step == pytest.approx({1: 1.2, 3: 2.75})
+    assert card.ngram_vllm_acceptance == {1: 1.5, 3: 2.9}
     text = render_model_card(card, tiny_spec())
     first, more = text.split("### On chat")
-    assert "| K | P-EAGLE | EAGLE-3 | n-gram lookup |" in first and "| 3 | 2.60 | 2.40 | 2.90 |" in first
-    assert "**At K = 3 this head does not beat n-gram lookup** (2.60 against 2.90)" in first
-    assert "| 3 | 2.20 | 1.40 |" in more and "At K = 3 this head accepts 1.57x what n-gram lookup does" in more
+    assert "| K | P-EAGLE | EAGLE-3 | n-gram lookup (tokens/step) |" in first and "| 3 | 2.60 | 2.40 | 2.75 |" in first
+    assert "vLLM's acceptance length counts only those steps (1.50 at K = 1, 2.90 at K = 3)" in first
+    assert "**At K = 3 this head does not beat n-gram lookup** (2.60 against 2.75 tokens per target step)" in first
+    assert "| 3 | 2.20 | 1.10 |" in more
+    assert "At K = 3 this head makes 2.00x the tokens per target step n-gram lookup does" in more
+
+
+def test_tokens_per_step_is_a_heads_acceptance_length_and_below_n_grams():
+    """A head drafts at every decode step: its tokens per step is vLLM's acceptance length. n-gram
+    lookup drafts only where its lookup matches: vLLM's count leaves the other steps out."""
+    accepted = 38  # 2 requests, 98 decode tokens, 60 target steps
+    head = OnlineRow("p-eagle", 5, 1, 2, 100, 1.0, 100.0, 1 + accepted / 60, [], 60, 300, accepted, True)
+    assert head.tokens_per_step == pytest.approx(head.acceptance_length)
+    ngram = OnlineRow(NGRAM, 5, 1, 2, 100, 1.0, 100.0, 1 + accepted / 15, [], 15, 75, accepted, None)
+    assert ngram.tokens_per_step == pytest.approx(98 / 60) and ngram.tokens_per_step < ngram.acceptance_length
+    assert OnlineRow(BASELINE, 0, 1, 2, 100, 1.0, 100.0).tokens_per_step is None
 
 
 def test_completion_results_travel_with_the_chat_results_into_the_card(tmp_path):

@@ -3,6 +3,7 @@
 import pytest
 
 from peagle.config import VllmConfig
+from peagle.eval.online import NGRAM, OnlineRow
 from peagle.serving import EngineStartError, open_llm
 from peagle.serving.generation import generate_from_token_ids
 from peagle.serving.metrics import delta, read_spec_decode_stats
@@ -78,13 +79,23 @@ def test_open_close_reopen_with_speculation_metrics(tiny_model, monkeypatch):
     assert sum(d.accepted_per_position) == d.num_accepted_tokens > 0
     assert d.accepted_per_position == sorted(d.accepted_per_position, reverse=True)
     assert d.acceptance_length == pytest.approx(1 + d.num_accepted_tokens / d.num_drafts)
-    print("ngram spec decode:", d.as_dict())
+    # vLLM counts a draft only on the steps n-gram lookup proposed one: over every decode step the
+    # same tokens make at most that many per target step
+    tokens = sum(len(c.token_ids) for c in spec)
+    steps = tokens - len(PROMPTS) - d.num_accepted_tokens
+    assert 0 < d.num_drafts <= steps
+    row = OnlineRow(NGRAM, 3, 2, len(PROMPTS), tokens, 1.0, tokens, d.acceptance_length, d.per_position_acceptance,
+                    d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens)
+    assert 1 < row.tokens_per_step <= d.acceptance_length
+    assert row.tokens_per_step == pytest.approx((tokens - len(PROMPTS)) / steps)
+    print("ngram spec decode:", d.as_dict(), "tokens per step:", row.tokens_per_step)
 
 
 NUMBA_STAYS_OUT = r"""
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s: %(message)s")
 from peagle.config import VllmConfig
+from peagle.eval.online import NGRAM, OnlineRow
 from peagle.serving.engine import open_llm
 from peagle.serving.generation import generate_from_token_ids
 
