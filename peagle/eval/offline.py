@@ -65,7 +65,8 @@ class OfflineResult:
     reference: str = "data"
     num_drafts: dict[int, int] = field(default_factory=dict)  # K -> drafts the walk made
     split: str = ""  # the split simulated on
-    # vLLM's n-gram lookup (no head) simulated the same way on the same split: K -> acceptance length
+    # vLLM's n-gram lookup (no head) walked the same way on the same split: K -> tokens per target
+    # step over every decode step (vLLM's own count leaves out the steps where the lookup matched nothing)
     ngram_acceptance_length: dict[int, float] = field(default_factory=dict)
     # Per draft position k = 1..max(ks), over every drafting anchor: the share of positions n-gram
     # lookup drafts right, and the head's accuracy where it does and where it does not.
