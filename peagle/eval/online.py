@@ -93,6 +93,16 @@ class OnlineResult:
         base = self.baseline(row.concurrency)
         return row.output_tokens_per_s / base.output_tokens_per_s if base and base.output_tokens_per_s else None
 
+    def fastest_k(self, method: str) -> dict[int, tuple[int, float]]:
+        """Concurrency -> (the K at which ``method`` served the most output tokens/s, its speed-up
+        over no speculation at that concurrency)."""
+        out: dict[int, tuple[int, float]] = {}
+        for r in self.rows:
+            if r.method == method and r.k and (s := self.speedup(r)) is not None:
+                if r.concurrency not in out or s > out[r.concurrency][1]:
+                    out[r.concurrency] = (r.k, s)
+        return dict(sorted(out.items()))
+
     def over_ngram(self, row: OnlineRow) -> float | None:
         """Output tokens/s relative to n-gram lookup at the same K and concurrency: above 1, the
         head earns its training."""

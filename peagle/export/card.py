@@ -77,6 +77,8 @@ class ModelCardInfo:
     # The same heads on the other prompt sets (completion traffic last), when measured.
     more_sets: list[PromptSetAcceptance] = field(default_factory=list)
     recommended_k: int | None = None
+    # concurrency -> (the K this head served the most output tokens/s at, its speed-up over no speculation)
+    fastest_k: dict[int, tuple[int, float]] = field(default_factory=dict)
     license: str = "apache-2.0"
     notes: str = ""
     method: str = DEFAULT_METHOD  # the drafting method's name (peagle.methods): text, tags, serve line
@@ -176,9 +178,12 @@ def describe_target(target: str) -> str:
 
 
 def recommended_k(info: ModelCardInfo) -> int:
-    """The K to advertise: the caller's, else the measured best, else 5 (the paper's serving K)."""
+    """The K to advertise: the caller's, else the fastest at the lowest concurrency measured, else the
+    best accepted, else 5 (the paper's serving K)."""
     if info.recommended_k:
         return info.recommended_k
+    if info.fastest_k:
+        return info.fastest_k[min(info.fastest_k)][0]
     if info.acceptance:
         return max(info.acceptance, key=lambda k: (info.acceptance[k], -k))
     return 5
@@ -248,6 +253,16 @@ def _ngram_verdict(info: ModelCardInfo, measured: PromptSetAcceptance) -> list[s
             "per target step), which needs no training: serve n-gram lookup for this traffic, or train on more data."]
 
 
+def _fastest_k(info: ModelCardInfo) -> list[str]:
+    """The K to serve at each concurrency measured: the one of the most output tokens/s."""
+    if not info.fastest_k:
+        return []
+    rows = [f"| {c} | {k} | {speedup:.2f}x |" for c, (k, speedup) in sorted(info.fastest_k.items())]
+    return ["## The K to serve", "", "The K of the most output tokens/s at each number of concurrent requests, "
+            "measured in vLLM on the first prompt set (the serve line above uses the first):", "",
+            "| concurrent requests | K | tokens/s over no speculation |", "|---|---|---|", *rows, ""]
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -291,6 +306,7 @@ def render_model_card(info: ModelCardInfo, spec: HeadSpec, default_head_ref: str
         *_key_values("Training data", info.data_lineage),
         *_key_values("Training", info.training),
         *_acceptance_table(info),
+        *_fastest_k(info),
     ]
     if info.notes:
         lines += ["## Notes", "", info.notes, ""]
@@ -334,6 +350,7 @@ def run_card(cfg: PipelineConfig, data, online, offline, spec: HeadSpec, *,
         baseline_acceptance=online.acceptance_by_k(other.label) if other else {},
         acceptance_source=_source(online),
         ngram_tokens_per_step=online.tokens_per_step_by_k(NGRAM),
+        fastest_k=online.fastest_k(method.label),
         ngram_vllm_acceptance=online.acceptance_by_k(NGRAM),
         more_sets=[set_acceptance(measured) for measured in online.prompt_sets()[1:]],
         method=method.name,

@@ -15,18 +15,36 @@ def load_bench(name: str):
     return module
 
 
-def test_ratios_pair_measurements_of_the_same_round():
+def test_ratios_pair_measurements_of_the_same_round_and_name_the_fastest_k():
     bench = load_bench("serving_speed")
-    rounds = [{"baseline": 100.0, "p-eagle": 300.0, "eagle-3": 200.0},   # a fast round
-              {"baseline": 50.0, "p-eagle": 100.0, "eagle-3": 100.0},    # a slow one
-              {"baseline": 80.0, "p-eagle": 200.0, "eagle-3": 125.0}]
-    ratios = bench.summarise(rounds, "p-eagle", "eagle-3", "baseline")
-    assert ratios["p-eagle/eagle-3"] == pytest.approx({"median": 1.5, "min": 1.0, "max": 1.6})
-    assert ratios["p-eagle/baseline"] == pytest.approx({"median": 2.5, "min": 2.0, "max": 3.0})
-    assert ratios["eagle-3/baseline"] == pytest.approx({"median": 2.0, "min": 1.5625, "max": 2.0})
-    meta = {"date": "d", "k": 5, "concurrency": 1, "num_prompts": 16, "max_tokens": 128, "load_average": [0.1]}
-    text = bench.markdown(rounds, {"p-eagle": 4.1, "eagle-3": 4.84}, ratios, meta)
-    assert "| 2 | 50.0 | 100.0 | 100.0 |" in text and "| p-eagle/eagle-3 | 1.50x | 1.00x | 1.60x |" in text
+    c = bench.cell
+    # a fast round and a slow one: no speculation, n-gram lookup and P-EAGLE at K 3 and 5, concurrency 1 and 4
+    rounds = [{c("baseline", 0, 1): 100.0, c("baseline", 0, 4): 300.0,
+               c("ngram", 3, 1): 110.0, c("ngram", 5, 1): 100.0, c("ngram", 3, 4): 300.0, c("ngram", 5, 4): 240.0,
+               c("p-eagle", 3, 1): 150.0, c("p-eagle", 5, 1): 120.0, c("p-eagle", 3, 4): 330.0,
+               c("p-eagle", 5, 4): 360.0},
+              {c("baseline", 0, 1): 50.0, c("baseline", 0, 4): 150.0,
+               c("ngram", 3, 1): 50.0, c("ngram", 5, 1): 45.0, c("ngram", 3, 4): 150.0, c("ngram", 5, 4): 150.0,
+               c("p-eagle", 3, 1): 70.0, c("p-eagle", 5, 1): 70.0, c("p-eagle", 3, 4): 150.0,
+               c("p-eagle", 5, 4): 180.0}]
+    methods, ks, conc = ["ngram", "p-eagle"], [3, 5], [1, 4]
+    over = bench.ratio_grid(rounds, methods, ks, conc, "baseline", "baseline")
+    assert over[c("p-eagle", 3, 1)] == pytest.approx({"median": 1.45, "min": 1.4, "max": 1.5})
+    assert over[c("ngram", 5, 4)] == pytest.approx({"median": 0.9, "min": 0.8, "max": 1.0})
+    over_ngram = bench.ratio_grid(rounds, methods, ks, conc, "ngram", "baseline")
+    assert set(over_ngram) == {c("p-eagle", k, cc) for k in ks for cc in conc}  # at the same K
+    assert over_ngram[c("p-eagle", 5, 1)] == pytest.approx({"median": (1.2 + 70 / 45) / 2, "min": 1.2,
+                                                            "max": 70 / 45})
+    best = bench.fastest_k(over, methods, ks, conc)
+    assert best["p-eagle"] == {1: (3, pytest.approx(1.45)), 4: (5, pytest.approx(1.2))}
+    assert best["ngram"][1] == (3, pytest.approx(1.05))
+    meta = {"date": "d", "ks": ks, "concurrency": conc, "prompts": "humaneval", "methods": methods,
+            "baseline": "baseline", "num_prompts": 8, "max_tokens": 96, "load_average": [0.1]}
+    acceptance = {"ngram": {"3": "2.50 / 1.40"}, "p-eagle": {"3": "1.40 / 1.40", "5": "1.41 / 1.41"}}
+    text = bench.markdown(rounds, acceptance, {"baseline": over, "ngram": over_ngram}, best, meta)
+    assert "| 1 | 3 | 1.05x (1.00-1.10) | 1.45x (1.40-1.50) |" in text
+    assert "| p-eagle | K=3 (1.45x) | K=5 (1.20x) |" in text
+    assert "| ngram | 2.50 / 1.40 | - |" in text
 
 
 def test_engine_core_placements_are_compared_within_rounds(monkeypatch):

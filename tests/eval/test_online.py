@@ -110,6 +110,9 @@ def test_every_prompt_set_and_the_ngram_floor_reach_the_card(tmp_path):
     assert "vLLM's acceptance length counts only those steps (1.50 at K = 1, 2.90 at K = 3)" in first
     assert "**At K = 3 this head does not beat n-gram lookup** (2.60 against 2.75 tokens per target step)" in first
     assert "| 3 | 2.20 | 1.10 |" in more
+    # the K to serve per concurrency: the first set's most output tokens/s
+    assert card.fastest_k == {1: (3, pytest.approx(1.9)), 4: (3, pytest.approx(1.9))}
+    assert "| 1 | 3 | 1.90x |" in more and "| 4 | 3 | 1.90x |" in more
     assert "At K = 3 this head makes 2.00x the tokens per target step n-gram lookup does" in more
 
 
@@ -172,6 +175,8 @@ def test_result_records_table_and_card_numbers(tmp_path):
     assert records[2]["speedup"] == pytest.approx(1.5) and records[5]["speedup"] == pytest.approx(1.9)
     assert records[0]["acceptance_length"] is None and records[0]["prompt_set"] == "code_eval"
     assert result.acceptance_by_k("p-eagle") == {1: 1.8, 3: 2.6}
+    assert result.fastest_k("p-eagle") == {1: (3, pytest.approx(1.9)), 4: (3, pytest.approx(1.9))}
+    assert result.fastest_k("eagle-3") == {1: (3, pytest.approx(1.71))}
     assert result.acceptance_by_k("eagle-3") == {1: pytest.approx(1.6), 3: pytest.approx(2.4)}
     console = Console(record=True, width=140)
     console.print(result.to_table())
