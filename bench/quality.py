@@ -29,6 +29,12 @@ Results of earlier invocations are kept (a run is keyed by part, recipe, method,
 seed), so the parts can be run one after the other; the files are rewritten after every
 run, so a stopped invocation keeps the rows it finished (its header says "running").
 
+Every run is also an MLflow run of experiment ``peagle-bench-<result name>`` in the config's
+tracking store (``MLFLOW_TRACKING_URI``, else peagle's SQLite under ``.peagle/``): its step
+metrics stream there while it trains, then its recipe (params), acceptance per K of the head
+and of n-gram lookup and its training numbers (metrics) and the row itself (``run.json``), so
+the MLflow UI compares runs across invocations (``mlflow ui --backend-store-uri URI``).
+
     .venv/bin/python bench/quality.py [--part ablation|variants|budgets|all] [--budgets 45 90 180] [--seeds 0]
     .venv/bin/python bench/quality.py --quick          # tiny random target and dataset, ~2 min
     .venv/bin/python bench/quality.py --config configs/demo.yaml --part budgets
@@ -49,6 +55,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -138,12 +145,12 @@ def calibrate(cfg_for, target, data_dir: Path) -> float:
     return statistics.fmean(step_seconds(trained.metrics_history)[1:])
 
 
-def measure(cfg, target, data_dir: Path) -> dict:
+def measure(cfg, target, data_dir: Path, mlflow_run_id: str | None = None) -> dict:
     from peagle.methods import get_method
     from peagle.train.budget import counted_seconds
     from peagle.train.checkpoint import read_head_spec
 
-    trained, wall = train_fresh(cfg, target, data_dir)
+    trained, wall = train_fresh(cfg, target, data_dir, mlflow_run_id)
     seconds = step_seconds(trained.metrics_history)
     last = [r for r in trained.metrics_history if "loss" in r][-1]
     t = cfg.train
@@ -219,8 +226,9 @@ class Bench:
     steps whatever else the machine is running, e.g. an idle run's steps on a second dataset."""
 
     def __init__(self, config: str, base: dict, target, data_dir: Path, work: Path, ks: list[int],
-                 given_step_s: dict[str, float] | None = None, clock: bool = False):
+                 given_step_s: dict[str, float] | None = None, clock: bool = False, experiment: str = NAME):
         self.config, self.base, self.target, self.data_dir, self.work, self.ks = config, base, target, data_dir, work, ks
+        self.experiment = f"peagle-bench-{experiment}"  # the MLflow experiment of its runs
         self.step_s: dict[str, float] = {}
         self.given_step_s = dict(given_step_s or {})
         self.clock = clock
@@ -287,12 +295,54 @@ class Bench:
     def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
         held, step_s, source = self.budget_overrides(method, recipe, budget)
         cfg = self.cfg(method, recipe, {**held, "train.seed": seed}, f"{part}-{method}-{seed}")
+        tracked = BenchRun.start(cfg.tracking, self.experiment, f"{part} | {label} | {method} | {budget:g} s | seed {seed}")
+        try:
+            measured = measure(cfg, self.target, self.data_dir, tracked.run_id)
+        except BaseException:
+            tracked.logger.client.set_terminated(tracked.run_id, "FAILED")
+            raise
         row = {"part": part, "recipe": label, "overrides": recipe, "method": method, "budget_s": budget, "seed": seed,
-               "calibrated_step_s": step_s, "step_s_source": source, **self.recorded,
-               **measure(cfg, self.target, self.data_dir)}
+               "calibrated_step_s": step_s, "step_s_source": source, **self.recorded, **measured,
+               "mlflow_run_id": tracked.run_id}
+        tracked.finish(row)
         print(f"[quality] {part} {label} {method} budget {budget}s seed {seed}: {row['steps']} steps, "
               f"{row['train_seconds']:.0f} s, AL {row['acceptance_length']}", flush=True)
         return row
+
+
+class BenchRun:
+    """One bench run as an MLflow run (the pipeline's own ``RunLogger``)."""
+
+    def __init__(self, logger):
+        self.logger = logger
+
+    @property
+    def run_id(self) -> str:
+        return self.logger.run_id
+
+    @classmethod
+    def start(cls, tracking, experiment: str, name: str) -> BenchRun:
+        from peagle.tracking.mlflow_run import RunLogger, ensure_experiment, make_client, resolve_tracking_uri
+
+        uri = resolve_tracking_uri(tracking)
+        client = make_client(uri)
+        run = client.create_run(ensure_experiment(client, experiment, uri), run_name=name)
+        return cls(RunLogger(client, run.info.run_id))
+
+    def finish(self, row: dict) -> None:
+        """The row's recipe as params, its numbers as metrics, the row itself as ``run.json``."""
+        self.logger.log_params({"part": row["part"], "recipe": row["recipe"], "method": row["method"],
+                                "budget_s": row["budget_s"], "seed": row["seed"], "overrides": row["overrides"],
+                                "train": row.get("train") or {}})
+        self.logger.set_tags({"cpu": row.get("cpu", ""), "target_revision": row.get("target_revision", ""),
+                              "offline_split": row.get("offline_split", "")})
+        numbers = {"steps": row["steps"], "train_seconds": row["train_seconds"], "wall_seconds": row["wall_seconds"],
+                   "final_loss": row["final_loss"], "train_answers": row.get("train_answers") or 0,
+                   **{f"acceptance_length_k{k}": v for k, v in row["acceptance_length"].items()},
+                   **{f"ngram_acceptance_length_k{k}": v for k, v in row.get("ngram_acceptance_length", {}).items()}}
+        self.logger.log_metrics(numbers)
+        self.logger.client.log_dict(self.run_id, row, "run.json")
+        self.logger.client.set_terminated(self.run_id)
 
 
 ONLINE_K, ONLINE_CONCURRENCY = 5, [1, 4]
@@ -781,6 +831,8 @@ def main() -> None:
         if args.quick:
             data_dir, target_dir = tiny_head_dataset(Path(tmp))
             base, work = {**QUICK_OVERRIDES, **base}, Path(tmp) / "runs"
+            if not os.environ.get("MLFLOW_TRACKING_URI"):  # a trial's runs stay out of the user's store
+                base["tracking.tracking_uri"] = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
             budgets, ablation_budget, seeds = [3.0], 3.0, args.seeds[:1]
             rows = [0, len(ABLATION) - 1]  # the starting recipe and the whole recipe
             staged_row = 1 + next(i for i, (_, change) in enumerate(VARIANTS) if STAGED in change)
@@ -796,7 +848,8 @@ def main() -> None:
             variant_rows = args.variants
         train = load_config(args.config, base).train
         ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
-        bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s, args.clock)
+        bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s, args.clock,
+                      name)
         results = Results(run, args.quick, {
             "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
             "ks": ks, "base_overrides": base})

@@ -214,15 +214,16 @@ def target_info(target_path: str | Path, data_dir: Path):
     return TargetInfo(path=str(target_path), facts=load_dataset_facts(DataLayout(data_dir)))
 
 
-def train_fresh(cfg, target, data_dir: Path):
-    """A fresh training run (old checkpoints removed so nothing resumes): (TrainResult, wall seconds)."""
+def train_fresh(cfg, target, data_dir: Path, mlflow_run_id: str | None = None):
+    """A fresh training run (old checkpoints removed so nothing resumes): (TrainResult, wall seconds).
+    ``mlflow_run_id``: an MLflow run (in ``cfg.tracking``'s store) its step metrics stream to."""
     import shutil
 
     from peagle.stages import checkpoint_dir, train_head
 
     shutil.rmtree(checkpoint_dir(cfg, cfg.train.method, data_dir), ignore_errors=True)
     start = time.perf_counter()
-    result = train_head(cfg, target, data_dir)
+    result = train_head(cfg, target, data_dir, mlflow_run_id=mlflow_run_id)
     return result, time.perf_counter() - start
 
 

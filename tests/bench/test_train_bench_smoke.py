@@ -32,7 +32,7 @@ PEER_MISSING = pytest.mark.skipif(importlib.util.find_spec("speculators") is Non
 @pytest.mark.parametrize("name", [pytest.param(n, marks=PEER_MISSING) if n == "train_throughput" else n
                                   for n in sorted(SCRIPTS)])
 def test_bench_quick_writes_results(name, tmp_path):
-    env = {**os.environ, "PEAGLE_BENCH_RESULTS": str(tmp_path)}
+    env = {**os.environ, "PEAGLE_BENCH_RESULTS": str(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--quick"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -83,6 +83,15 @@ def test_bench_quick_writes_results(name, tmp_path):
         assert variants[0][9] == "" and float(delta) == pytest.approx(variant_k3 - recipe_k3, abs=2e-3)
         assert all(1.0 <= float(v) <= 4.0 for r in table["rows"] + variants for v in r[6:9])
         assert all(1.0 <= float(v) <= 4.0 for r in ablation for v in r[5:8])
+        # every run is an MLflow run: its step metrics streamed, its numbers and row logged
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+        for row in result["meta"]["runs"]:
+            tracked = client.get_run(row["mlflow_run_id"])
+            assert tracked.info.status == "FINISHED" and tracked.data.params["method"] == row["method"]
+            assert tracked.data.metrics["acceptance_length_k1"] == pytest.approx(row["acceptance_length"]["1"])
+            assert len(client.get_metric_history(row["mlflow_run_id"], "loss")) == row["steps"]
         # the staged run: an EAGLE-3 head for half the budget, then P-EAGLE warm started from it
         run = next(r for r in result["meta"]["runs"] if r["recipe"] == staged)
         assert run["method"] == "peagle" and run["overrides"] == {"staged_eagle3_share": 0.5}

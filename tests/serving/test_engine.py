@@ -95,7 +95,6 @@ NUMBA_STAYS_OUT = r"""
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s: %(message)s")
 from peagle.config import VllmConfig
-from peagle.eval.online import NGRAM, OnlineRow
 from peagle.serving.engine import open_llm
 from peagle.serving.generation import generate_from_token_ids
 
@@ -129,3 +128,41 @@ def test_numba_never_costs_a_later_engine_its_in_process_start(tiny_model):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "RESULT True False False True 8" in out.stdout, out.stdout[-3000:]
     assert "could not start" not in out.stdout
+
+
+FAILED_IN_PROCESS_START = r"""
+import logging, os, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(name)s: %(message)s")
+import vllm
+from peagle.config import VllmConfig
+from peagle.serving.engine import open_llm
+from peagle.serving.generation import generate_from_token_ids
+
+real, tries = vllm.LLM, []
+
+def first_start_fails(**kwargs):  # the in-process worker breaks, as numba's llvmlite made it
+    tries.append(os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
+    if len(tries) == 1:
+        raise RuntimeError("the in-process worker could not start")
+    return real(**kwargs)
+
+vllm.LLM = first_start_fails
+cfg = VllmConfig(max_model_len=256, max_num_seqs=8, cpu_kvcache_space_gib=1)
+with open_llm(sys.argv[1], cfg, dtype="float32") as llm:
+    in_a_process = hasattr(llm.llm_engine.engine_core, "resources")
+    tokens = generate_from_token_ids(llm, [[1, 3, 5, 7]], max_tokens=[8])[0].token_ids
+print("RESULT", tries, in_a_process, len(tokens))
+"""
+
+
+@pytest.mark.slow
+def test_an_in_process_start_that_fails_starts_the_engine_in_its_own_process(tiny_model):
+    """The host is left as it was and the engine starts in vLLM's own process, with a warning."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FAILED_IN_PROCESS_START, tiny_model], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "RESULT ['0', None] True 8" in out.stdout, out.stdout[-3000:]
+    assert "could not start" in out.stdout and "starting it in a process of its own" in out.stdout
