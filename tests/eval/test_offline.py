@@ -312,6 +312,9 @@ def test_n_gram_lookup_is_walked_beside_the_head_and_splits_its_hits(tmp_path):
                                                        drafts_after=lambda p, s=s: lookup_after(p, s))]
         assert result.ngram_acceptance_length[k] == pytest.approx(1 + sum(walk) / len(walk), abs=1e-12)
     assert result.ngram_acceptance_length[4] > 1.2  # the repeats are copied
+    alone = evaluate_offline(drafter, head, reader, spec, vocab, [2, 4], method="peagle", max_k=4, compare_ngram=False)
+    assert alone.acceptance_length == result.acceptance_length
+    assert not alone.ngram_acceptance_length and not alone.versus_ngram
     for s in samples:
         ids = s.token_ids.tolist()
         for p in drafting_anchors(s.loss_mask).tolist():
