@@ -23,9 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peagle.catalogue import BASELINE as BASELINE_METHOD  # noqa: E402
+from peagle.catalogue import DEFAULT_METHOD  # noqa: E402
 from peagle.layout import LAUNCH_CONFIG_FILE, TRAIN_RESULT_FILE, CheckpointLayout, RunLayout  # noqa: E402
-from peagle.methods import BASELINE as BASELINE_METHOD  # noqa: E402
-from peagle.methods import DEFAULT_METHOD  # noqa: E402
 from peagle.paths import configure_environment  # noqa: E402
 
 from result_files import cpu_line, git_commit, result_path, write_results  # noqa: E402
@@ -37,7 +37,7 @@ METHODS = (DEFAULT_METHOD, BASELINE_METHOD)  # P-EAGLE, then the EAGLE-3 baselin
 
 def labels() -> list[str]:
     """Result keys of the measured methods, in table order."""
-    from peagle.methods import get_method
+    from peagle.catalogue import get_method
 
     return [get_method(m).label for m in METHODS]
 
@@ -202,10 +202,10 @@ def main() -> None:
     from rich.console import Console
 
     from peagle import stages
+    from peagle.catalogue import get_method
     from peagle.data.prompt_sets import prompt_set_name
     from peagle.eval.online import evaluate_online
     from peagle.eval.plots import plot_online
-    from peagle.methods import get_method
 
     console = Console()
     started = time.perf_counter()

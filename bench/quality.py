@@ -146,7 +146,7 @@ def calibrate(cfg_for, target, data_dir: Path) -> float:
 
 
 def measure(cfg, target, data_dir: Path, mlflow_run_id: str | None = None) -> dict:
-    from peagle.methods import get_method
+    from peagle.catalogue import get_method
     from peagle.train.budget import counted_seconds
     from peagle.train.checkpoint import read_head_spec
 
@@ -197,7 +197,7 @@ def reevaluate(bench: Bench, runs: list[dict]) -> list[dict]:
 
 def parse_step_seconds(pairs: list[str] | None) -> dict[str, float]:
     """``--step-seconds METHOD=S`` pairs -> {method: seconds per step}, checked before anything trains."""
-    from peagle.methods import available_methods
+    from peagle.catalogue import available_methods
 
     given: dict[str, float] = {}
     for pair in pairs or []:
@@ -352,7 +352,7 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
     """Serve each method's head of the largest budget (its last budgets run) in vLLM, with no
     speculation beside them: one record per method, K and concurrency (``OnlineRow`` fields plus
     the budget, the offline acceptance at that K and the speed-up)."""
-    from peagle.methods import get_method
+    from peagle.catalogue import get_method
     from peagle.stages import evaluate_online, export_head
 
     last = {r["method"]: r for r in runs if r["part"] == "budgets"}  # dict order: the last run wins

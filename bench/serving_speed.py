@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from peagle import stages
+    from peagle.catalogue import get_method
     from peagle.config import load_config
     from peagle.eval.online import BASELINE, NGRAM  # the no-speculation and n-gram lookup rows
     from peagle.logs import library_output_to, show_on_console
-    from peagle.methods import get_method
 
     console = Console()
     show_on_console()  # peagle's lines (engine starts, rounds) stay on the console; vLLM's go to the log

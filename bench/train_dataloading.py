@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from peagle.methods.eagle3 import build_eagle3_example  # noqa: E402
-from peagle.train.batch import build_peagle_example, collate  # noqa: E402
-from peagle.train.masks import PrecomputedMask, brute_force_mask, element_mask  # noqa: E402
+from peagle.objective.batch import build_peagle_example, collate  # noqa: E402
+from peagle.objective.masks import PrecomputedMask, brute_force_mask, element_mask  # noqa: E402
 
 from train_common import Run, bench_spec, synthetic_sample  # noqa: E402
 

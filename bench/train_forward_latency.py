@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from peagle.model.drafter import PEagleDrafter  # noqa: E402
-from peagle.train.masks import PrecomputedMask  # noqa: E402
+from peagle.objective.masks import PrecomputedMask  # noqa: E402
 
 from train_common import Run, bench_spec  # noqa: E402
 

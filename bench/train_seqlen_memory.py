@@ -40,10 +40,10 @@ def run_cell(length: int, segments: int) -> dict:
     import torch
 
     from peagle.model.drafter import PEagleDrafter
-    from peagle.train.batch import build_peagle_example, collate
-    from peagle.train.loss import TargetHead, peagle_loss
-    from peagle.train.masks import PrecomputedMask
-    from peagle.train.partition import examples_denominator, segment_batches
+    from peagle.objective.batch import build_peagle_example, collate
+    from peagle.objective.loss import TargetHead, peagle_loss
+    from peagle.objective.masks import PrecomputedMask
+    from peagle.objective.partition import examples_denominator, segment_batches
 
     torch.set_num_threads(int(os.environ.get("PEAGLE_BENCH_THREADS", "1")))
     torch.manual_seed(0)
@@ -86,9 +86,9 @@ def _warm_up(drafter, head, spec) -> None:
     """One tiny step first, so the measured step pays no one-off kernel/allocator set-up."""
     import torch
 
-    from peagle.train.batch import build_peagle_example, collate
-    from peagle.train.loss import peagle_loss
-    from peagle.train.masks import PrecomputedMask
+    from peagle.objective.batch import build_peagle_example, collate
+    from peagle.objective.loss import peagle_loss
+    from peagle.objective.masks import PrecomputedMask
 
     sample = synthetic_sample(64, spec, seed=1)
     example = build_peagle_example(sample, spec, K, COD_RATIO, COD_FLOOR, 64, torch.Generator().manual_seed(1))

@@ -64,7 +64,7 @@ class OurStep:
     """One optimizer step of the trainer's objective on one sample, outside DeepSpeed."""
 
     def __init__(self, cfg, target_path: str, inputs):
-        from peagle.train.loss import TargetHead
+        from peagle.objective.loss import TargetHead
         from peagle.train.trainer import build_drafter, make_objective
 
         self.drafter = build_drafter(cfg.train, inputs, target_path)  # the trainer's own drafter and trainable set

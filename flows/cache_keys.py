@@ -15,7 +15,7 @@ from peagle.fileio import json_digest, sha256_file
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import dataset_inputs, revision_of
-from peagle.methods import DraftingMethod
+from peagle.methods.base import DraftingMethod
 
 
 def _digest_parts(*parts) -> str:
@@ -39,7 +39,7 @@ def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None =
     """Online acceptance: the heads (their training keys when known, else their files' hashes;
     the card and the lineage file do not count), the registry champion measured beside them
     (its content; ``peagle.tracking.gate.ChampionHead``), the target, vLLM and eval settings."""
-    from peagle.export.contract import CARD_FILE  # loads torch: not when a worker imports the flows
+    from peagle.contract import CARD_FILE  # loads torch: not when a worker imports the flows
 
     head = head_key or {label: {p.name: sha256_file(p) for p in sorted(Path(d).glob("*"))
                                 if p.is_file() and p.name not in (CARD_FILE, LINEAGE_FILE)}

@@ -21,10 +21,10 @@ from flows.common import (
 )
 from flows.stages import data_flow, evaluate_flow, publish_flow, resolve_target, run_export, train_flow
 from peagle import stages
+from peagle.catalogue import trained_methods
 from peagle.config import PipelineConfig, load_config, write_resolved_config
 from peagle.layout import RunLayout
 from peagle.lineage import prompt_file_hashes, read_head_lineage
-from peagle.methods import trained_methods
 from peagle.tracking import records
 
 

@@ -34,9 +34,9 @@ from flows.common import (
     run_namer,
 )
 from peagle import stages
+from peagle.catalogue import get_method
 from peagle.config import PipelineConfig, load_config
 from peagle.layout import BEST, RunLayout
-from peagle.methods import get_method
 from peagle.tracking.gate import ChampionHead, champion_to_measure
 from peagle.tracking.publish import PublishOutcome, drafted, publish_once
 

@@ -35,7 +35,7 @@ def _load(config: Path, overrides: list[str] | None = None):
 
 def _method(method: str | None, cfg) -> str:
     """``--method`` (default ``train.method``), checked before any work."""
-    from peagle.methods import get_method
+    from peagle.catalogue import get_method
 
     try:
         return get_method(method or cfg.train.method).name
@@ -221,8 +221,8 @@ def export_cmd(
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
     from peagle import stages
-    from peagle.export.contract import CONFIG_FILE
-    from peagle.methods import available_methods
+    from peagle.catalogue import available_methods
+    from peagle.contract import CONFIG_FILE
 
     cfg = _load(config, set_)
     run = RunLayout(cfg.run_dir)
@@ -290,7 +290,8 @@ def serve_cmd(
                                                      "the head's registered name when pulled)"),
 ):
     """Start `vllm serve` for the target with this head drafting; arguments after `--` go to vLLM."""
-    from peagle.serving.server import ServerStartError, VllmServer, api_server_argv, plan_serving
+    from peagle.export.serving_plan import plan_serving
+    from peagle.serving.server import ServerStartError, VllmServer, api_server_argv
 
     try:
         serving = plan_serving(head_dir, target=target, k=k, served_name=served_model_name)

@@ -29,8 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from peagle.catalogue import DEFAULT_METHOD, available_methods, get_method
 from peagle.fileio import json_digest
-from peagle.methods import DEFAULT_METHOD, available_methods, get_method
 from peagle.paths import REPO_ROOT, peagle_home
 
 EMBEDDED_TARGET = "embedded"

@@ -207,7 +207,7 @@ def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
 
     Raises ``ConfigError`` naming the key for shapes that cannot work.
     """
-    from peagle.methods import get_method
+    from peagle.catalogue import get_method
 
     d, ht = cfg.drafter, facts.target_hidden_size
     hidden = d.hidden_size or ht

@@ -45,9 +45,13 @@ resumes on 1 with twice the accumulation (``peagle.train.checkpoint``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+from peagle.catalogue import available_methods, get_method
 from peagle.fileio import json_digest
-from peagle.methods import DraftingMethod, available_methods, get_method
+
+if TYPE_CHECKING:
+    from peagle.methods.base import DraftingMethod
 
 BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
                          "init_from"})

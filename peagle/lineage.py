@@ -226,7 +226,7 @@ def head_lineage(cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Pa
     if not data.lineage.is_file():
         return None, f"{data.lineage} is missing (the dataset was built outside a pipeline run: `peagle data CONFIG` records it)"
     manifests = dataset_manifests(data_dir)
-    trained = read_trainer_state(resolve_checkpoint(checkpoint)).config_hash
+    trained = read_trainer_state(resolve_checkpoint(checkpoint)).head_identity
     if trained != head_identity(cfg, manifests, method):
         return None, (f"checkpoint {checkpoint} was not trained on {data.root} with this config "
                       "(its head identity differs)")

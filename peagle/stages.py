@@ -16,10 +16,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from peagle.catalogue import BASELINE, get_method
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
-from peagle.methods import BASELINE, DraftingMethod, get_method
+from peagle.methods.base import DraftingMethod
 
 Method = str | DraftingMethod  # a drafting method's name or object (peagle.methods)
 log = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     """
     if cfg.train.init_from != INIT_FROM_CHAMPION:
         return cfg
-    from peagle.export.contract import WEIGHTS_FILE
+    from peagle.contract import WEIGHTS_FILE
     from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
     from peagle.tracking.pull import download_champion
     from peagle.tracking.registry import champion_version
@@ -280,8 +281,8 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
     ``heads/eagle3`` when ``train.eagle3_baseline``).
     """
-    from peagle.export.contract import CONFIG_FILE  # loads torch: not at import, which flows and the CLI pay
-    from peagle.methods import trained_methods
+    from peagle.catalogue import trained_methods
+    from peagle.contract import CONFIG_FILE  # loads torch: not at import, which flows and the CLI pay
 
     head, *baseline = trained_methods(cfg.train)
     if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:

@@ -95,7 +95,7 @@ def test_resume_follows_the_identity(tiny_run, tmp_path):
     state = json.loads((out / "step-000001" / "trainer_state.json").read_text())
     from peagle.identity import dataset_manifests
 
-    assert state["config_hash"] == head_identity(tiny_config(max_steps=1), dataset_manifests(data_dir))
+    assert state["head_identity"] == head_identity(tiny_config(max_steps=1), dataset_manifests(data_dir))
     assert ckpt.latest_checkpoint(out) == out / "step-000001"
     with pytest.raises(ValueError, match=r"cannot resume .*\(head identity \(dataset, weight-changing config"):
         train_drafter(tiny_config(max_steps=1, learning_rate=1e-2), data_dir, str(target), out, progress=False)

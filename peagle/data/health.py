@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 REPEAT_N = 8  # tokens: a repeated 8-gram is a copied phrase or a loop, not chance
 LOOKUP_K = 5  # draft tokens of the simulated n-gram lookup (the K heads are compared at)
-LOOKUP_MAX, LOOKUP_MIN = 4, 2  # vLLM's prompt_lookup_max / _min (peagle.export.contract.NGRAM_LOOKUP)
+LOOKUP_MAX, LOOKUP_MIN = 4, 2  # vLLM's prompt_lookup_max / _min (peagle.contract.NGRAM_LOOKUP)
 
 # Where the numbers stop looking like a working chat model's answers.
 MIN_DISTINCT_OPENINGS = 0.5

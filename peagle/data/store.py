@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from peagle.fileio import atomic_open, is_temp_name, sha256_file, write_json_atomic
+from peagle.fileio import atomic_open, is_temp_name, json_digest, sha256_file, write_json_atomic
 from peagle.layout import MANIFEST_FILE
 from peagle.paths import peagle_home
 
@@ -456,7 +456,7 @@ def corrupt_shard_message(shard: Path, problem: str) -> str:
 def verified_record(split_dir: Path) -> Path:
     """Where the identities of a split's verified shards are kept: peagle's cache, one file
     per split directory (the dataset itself is never written by readers, and may be read-only)."""
-    key = hashlib.sha256(str(Path(split_dir).resolve()).encode()).hexdigest()[:24]
+    key = json_digest(str(Path(split_dir).resolve()), 24)
     return peagle_home() / "cache" / "verified-shards" / f"{key}.json"
 
 

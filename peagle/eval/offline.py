@@ -45,12 +45,13 @@ from typing import Literal
 import torch
 from torch import nn
 
+from peagle.catalogue import DEFAULT_METHOD, get_method
 from peagle.data.vocab import DraftVocab
 from peagle.facts import HeadSpec
 from peagle.layout import DataLayout
-from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
-from peagle.train.batch import NUM_AUX_LAYERS, Batch, slot_input_ids
-from peagle.train.loss import TargetHead
+from peagle.methods.base import DraftingMethod
+from peagle.objective.batch import NUM_AUX_LAYERS, Batch, slot_input_ids
+from peagle.objective.loss import TargetHead
 
 Reference = Literal["data", "target"]
 
@@ -160,7 +161,7 @@ def _draft_batch(sample, spec: HeadSpec, anchors: torch.Tensor, k: int, device,
     """One row: depth 0 for anchors 0..max(anchors) (context), depths 1..k-1 for ``anchors``.
 
     ``supervised`` marks the elements whose drafts are read (all elements of ``anchors``);
-    ``mask_slot_inputs`` as the head trained (``peagle.train.batch.slot_input_ids``).
+    ``mask_slot_inputs`` as the head trained (``peagle.objective.batch.slot_input_ids``).
     """
     last = int(anchors.max())
     context = torch.arange(last + 1)

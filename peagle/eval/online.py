@@ -23,11 +23,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from peagle.catalogue import DEFAULT_METHOD, get_method
 from peagle.config import VllmConfig
+from peagle.contract import CONFIG_FILE, NGRAM, WEIGHTS_FILE, ngram_speculative_config, speculative_config
 from peagle.data.prompt_sets import fit_prompts, tokenize_prompts
-from peagle.export.contract import CONFIG_FILE, NGRAM, WEIGHTS_FILE, ngram_speculative_config, speculative_config
 from peagle.fileio import write_json_atomic
-from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
+from peagle.methods.base import DraftingMethod
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,6 @@
-"""Publishing heads: the vLLM head directory, its validator and its model card."""
+"""Publishing heads: the vLLM head directory (``contract``: what vLLM loads), its exporter
+(``head``), validator (``validate``, ``selftest``), model card (``card``) and what ``peagle
+serve`` serves from a head directory (``serving_plan``).
 
-from peagle.export.card import ModelCardInfo, render_model_card, serve_command
-from peagle.export.head import ExportError, VocabMaps, export_from_checkpoint, export_head, load_vocab
-from peagle.export.validate import HeadValidationError, ValidationReport, validate_head
-
-__all__ = [
-    "ExportError",
-    "HeadValidationError",
-    "ModelCardInfo",
-    "ValidationReport",
-    "VocabMaps",
-    "export_from_checkpoint",
-    "export_head",
-    "load_vocab",
-    "render_model_card",
-    "serve_command",
-    "validate_head",
-]
+The package imports none of its modules: ``contract`` is read by the lower layers (methods,
+training, serving) without loading the exporter and its validator, which run vLLM."""

@@ -10,12 +10,14 @@ from pathlib import Path
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from peagle.catalogue import DEFAULT_METHOD, get_method, trained_methods
 from peagle.config import EMBEDDED_TARGET, PipelineConfig
-from peagle.export.contract import CARD_FILE, NGRAM, draft_vocab_size, speculative_config
+from peagle.contract import CARD_FILE, NGRAM, draft_vocab_size, speculative_config
 from peagle.facts import HeadSpec
 from peagle.fileio import write_text_atomic
 from peagle.layout import CheckpointLayout
-from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method, trained_methods
+from peagle.methods.base import DraftingMethod
+from peagle.serving.server import SERVED_NAME_FLAG
 
 # What the exported card names until `peagle pull` writes the puller's own paths: a path
 # of the training machine would be wrong everywhere else.
@@ -34,7 +36,6 @@ CPU_SERVE_NOTE = (
     "OpenAI-compatible server with this head drafting."
 )
 
-SERVED_NAME_FLAG = "--served-model-name"  # vLLM's option: the model name its OpenAI API answers to
 
 
 @dataclass

@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle.export.card import ModelCardInfo, render_model_card
-from peagle.export.contract import (
+from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.contract import (
     CARD_FILE,
     CONFIG_FILE,
     FORMAT_VERSION,
+    MASK_HIDDEN,
     WEIGHTS_FILE,
     draft_vocab_size,
     dtype_from_name,
@@ -29,6 +30,7 @@ from peagle.export.contract import (
     head_config,
     ships_d2t,
 )
+from peagle.export.card import ModelCardInfo, render_model_card
 from peagle.export.validate import (
     CheckedTarget,
     ValidationReport,
@@ -39,7 +41,7 @@ from peagle.export.validate import (
 from peagle.facts import HeadSpec, load_dataset_facts
 from peagle.fileio import staged_dir
 from peagle.layout import VOCAB_FILE, CheckpointLayout, DataLayout
-from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
+from peagle.methods.base import DraftingMethod
 
 VOCAB_KEYS = ("draft_ids", "d2t", "t2d")
 
@@ -136,7 +138,7 @@ def head_tensors(
     out: dict[str, torch.Tensor] = {}
     for name in sorted(wanted):
         tensor = weights[name].detach().cpu()
-        if name == "mask_hidden":
+        if name == MASK_HIDDEN:
             if tensor.numel() != fc_input_size(spec):
                 raise ExportError(f"mask_hidden has {tensor.numel()} elements, expected {fc_input_size(spec)} (3 x Ht)")
             tensor = tensor.reshape(rules[name].shape)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from peagle.export.contract import expected_tensors
+from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.contract import expected_tensors
 from peagle.facts import DrafterShape, HeadSpec, TargetFacts, head_spec
-from peagle.methods import DEFAULT_METHOD, get_method
 
 MARKER = 0  # the residual dimension both models keep at 1
 MASK_TOKEN = "<|mask|>"

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from peagle.export.contract import (
+from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.contract import (
     ACCEPTED_ARCHITECTURES,
     CARD_FILE,
     CONFIG_FILE,
+    MASK_HIDDEN,
     WEIGHTS_FILE,
     TensorRule,
     dtype_from_name,
@@ -30,7 +32,7 @@ from peagle.export.contract import (
     speculative_config,
 )
 from peagle.facts import HeadSpec
-from peagle.methods import DEFAULT_METHOD, DraftingMethod, get_method
+from peagle.methods.base import DraftingMethod
 from peagle.model.target_weights import read_target_tensor, target_config
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ def checked_target_from_spec(spec: HeadSpec) -> CheckedTarget:
 def _load_config(report: ValidationReport) -> dict | None:
     path = report.head_dir / CONFIG_FILE
     if not path.exists():
-        report.problem(f"{CONFIG_FILE} is missing", "export the head with peagle.export.export_head")
+        report.problem(f"{CONFIG_FILE} is missing", "export the head with peagle.export.head.export_head")
         return None
     try:
         config = json.loads(path.read_text())
@@ -319,7 +321,7 @@ def _check_names_shapes_dtypes(
     for name in sorted(expected & set(names)):
         tensor, rule = tensors[names[name]], rules[name]
         shape_ok = tuple(tensor.shape) == rule.shape
-        if name == "mask_hidden":  # vLLM views it as [1, 3Ht]; any shape of that size loads
+        if name == MASK_HIDDEN:  # vLLM views it as [1, 3Ht]; any shape of that size loads
             shape_ok = tensor.numel() == rule.shape[-1]
         if not shape_ok:
             report.problem(
@@ -391,7 +393,7 @@ def _check_mask_row(report: ValidationReport, tensors: dict, config: dict, targe
     row = embed[mask_id]
     if not row.any():
         report.problem(f"embed_tokens row {mask_id} (the mask token) is all zeros", "export a trained head")
-    mask_hidden = tensors.get("mask_hidden")
+    mask_hidden = tensors.get(MASK_HIDDEN)
     if mask_hidden is not None and mask_hidden.is_floating_point() and not mask_hidden.any():
         report.problem("mask_hidden is all zeros (never trained or lost at export)", "export the trained mask_hidden")
     if target.embed is None:

@@ -17,10 +17,10 @@ if TYPE_CHECKING:  # importing a method must stay cheap: config validation lists
 
     import torch
 
-    from peagle.export.contract import TensorRule
+    from peagle.contract import TensorRule
     from peagle.facts import HeadSpec
-    from peagle.train.batch import Batch
-    from peagle.train.objective import Objective
+    from peagle.objective import Objective
+    from peagle.objective.batch import Batch
 
 
 def starts_from_trained_rows(spec: HeadSpec, train) -> bool:
@@ -66,7 +66,7 @@ class DraftingMethod:
         return None
 
     def head_tensors(self, spec: HeadSpec) -> dict[str, TensorRule]:
-        """Tensors the head ships beyond the EAGLE-3 contract (``peagle.export.contract``)."""
+        """Tensors the head ships beyond the EAGLE-3 contract (``peagle.contract``)."""
         return {}
 
     def num_layers(self, cfg) -> int:

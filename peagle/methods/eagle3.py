@@ -37,14 +37,15 @@ from functools import partial
 import torch
 from torch import nn
 
+from peagle.contract import MASK_HIDDEN
 from peagle.facts import HeadSpec
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
 from peagle.model.drafter import DrafterOutput
-from peagle.train.batch import Batch, Example, build_peagle_example, collate
-from peagle.train.loss import LossKind, LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
-from peagle.train.masks import PrecomputedMask
-from peagle.train.objective import Objective
-from peagle.train.partition import select_elements
+from peagle.objective import Objective
+from peagle.objective.batch import Batch, Example, build_peagle_example, collate
+from peagle.objective.loss import LossKind, LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
+from peagle.objective.masks import PrecomputedMask
+from peagle.objective.partition import select_elements
 
 # ----------------------------------------------------------------------------- examples
 
@@ -219,7 +220,7 @@ class Eagle3(DraftingMethod):
     parallel_drafting = False
     own_train_fields = frozenset({"eagle3_ttt_steps", "eagle3_num_layers"})
     # Untrained here; shipping it would let vLLM serve the head with parallel drafting.
-    omitted_tensors = frozenset({"mask_hidden"})
+    omitted_tensors = frozenset({MASK_HIDDEN})
     card_summary = ("An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with "
                     "peagle on the same data as its P-EAGLE sibling for comparison. Serve it WITHOUT parallel "
                     "drafting.")

@@ -1,7 +1,7 @@
 """P-EAGLE: K draft tokens in one forward pass (mask token + learned ``mask_hidden``).
 
 Training: every anchor's depth 0 plus COD-sampled depths 1..k_train-1 of mask slots, one
-pass, forward KL to the target (``peagle.train.batch`` / ``peagle.train.loss``). Drafting:
+pass, forward KL to the target (``peagle.objective.batch`` / ``peagle.objective.loss``). Drafting:
 one pass of that layout without COD subsampling. The head ships ``mask_hidden``; vLLM
 serves it with ``parallel_drafting``, at any K, but it is only evaluated offline at the
 depths it was trained for (K <= k_train).
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
 
 if TYPE_CHECKING:  # the default method is imported by config validation: no torch at import
-    from peagle.train.objective import Objective
+    from peagle.objective import Objective
 
 
 class PEagle(DraftingMethod):
@@ -33,10 +33,10 @@ class PEagle(DraftingMethod):
     card_tags = ("speculative-decoding", "eagle3", "p-eagle", "parallel-drafting")
 
     def objective(self, train, spec, target_head) -> Objective:
-        from peagle.train.batch import build_peagle_example, collate
-        from peagle.train.loss import Depth0Share, peagle_loss
-        from peagle.train.masks import PrecomputedMask
-        from peagle.train.objective import Objective
+        from peagle.objective import Objective
+        from peagle.objective.batch import build_peagle_example, collate
+        from peagle.objective.loss import Depth0Share, peagle_loss
+        from peagle.objective.masks import PrecomputedMask
 
         share = train.depth0_loss_share if train.loss_depth_weighting == "uniform" else None
         weighting = Depth0Share(share) if share is not None else train.loss_depth_weighting
@@ -99,7 +99,7 @@ class PEagle(DraftingMethod):
         return train.k_train
 
     def head_tensors(self, spec):
-        from peagle.export.contract import TensorRule, fc_input_size
+        from peagle.contract import TensorRule, fc_input_size
 
         return {"mask_hidden": TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")}
 

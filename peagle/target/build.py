@@ -9,7 +9,6 @@ model learned (held-out loss, accuracy and greedy predictability, trained vs ran
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import math
 import os
@@ -25,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from peagle.config import EmbeddedTargetRecipe
-from peagle.fileio import staged_dir
+from peagle.fileio import json_digest, staged_dir
 from peagle.logs import console_stream
 from peagle.paths import peagle_home
 from peagle.target.corpus import Corpus, chat_examples, load_corpus, stdlib_root
@@ -44,8 +43,7 @@ REPORT_NAME = "build_report.json"
 
 
 def recipe_hash(recipe: EmbeddedTargetRecipe) -> str:
-    blob = json.dumps({"recipe": recipe.model_dump(mode="json"), "build": BUILD_VERSION}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return json_digest({"recipe": recipe.model_dump(mode="json"), "build": BUILD_VERSION}, 12)
 
 
 def embedded_target_dir(recipe: EmbeddedTargetRecipe) -> Path:

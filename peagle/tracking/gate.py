@@ -80,9 +80,8 @@ def served_method(head_dir: Path) -> str:
     """The method a head drafts with, read from its weights as ``peagle serve`` does."""
     from safetensors import safe_open
 
-    from peagle.export.contract import WEIGHTS_FILE
-    from peagle.methods import BASELINE, DEFAULT_METHOD
-    from peagle.serving.server import MASK_HIDDEN
+    from peagle.catalogue import BASELINE, DEFAULT_METHOD
+    from peagle.contract import MASK_HIDDEN, WEIGHTS_FILE
 
     with safe_open(str(Path(head_dir) / WEIGHTS_FILE), framework="numpy") as fh:
         return DEFAULT_METHOD if MASK_HIDDEN in fh.keys() else BASELINE

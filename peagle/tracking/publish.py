@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from peagle.catalogue import get_method
 from peagle.config import PipelineConfig
-from peagle.methods import get_method
 
 
 def drafted(online, label: str) -> bool:

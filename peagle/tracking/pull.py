@@ -21,7 +21,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
-from peagle.export.contract import CARD_FILE
+from peagle.contract import CARD_FILE
 from peagle.fileio import publish_dir
 from peagle.tracking.mlflow_run import Tracker, file_sha256
 from peagle.tracking.registry import TAG_FILES, TAG_TARGET, champion_version, client_of, head_file_manifest

@@ -45,7 +45,7 @@ def record_prompt_set(run, measured) -> None:
     """One prompt set's acceptance per K for every head and n-gram lookup (vLLM's acceptance length
     and tokens per target step), and each head's gain over n-gram lookup (tokens per step and output
     tokens/s ratios): above 1, it earns its training."""
-    from peagle.export.contract import NGRAM
+    from peagle.contract import NGRAM
 
     name = measured.prompt_set
     for label in measured.methods():

@@ -25,7 +25,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_
 from safetensors import safe_open
 
 from peagle.config import TrackingConfig
-from peagle.export.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
+from peagle.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE
 from peagle.tracking.mlflow_run import Tracker, file_sha256, make_client, registered_model_name, resolve_tracking_uri
 from peagle.tracking.scrub import scrub_text
 
@@ -58,7 +58,7 @@ def client_of(client_or_tracker: MlflowClient | Tracker) -> MlflowClient:
 
 def head_file_manifest(head_dir: Path) -> dict[str, dict]:
     """Size and sha256 of every file of a head directory, after checking vLLM's files are there."""
-    from peagle.export.contract import head_tensor_names
+    from peagle.contract import head_tensor_names
 
     head_dir = Path(head_dir)
     missing = [f for f in HEAD_FILES if not (head_dir / f).is_file()]

@@ -58,7 +58,7 @@ ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides i
 MUON_STATE = ("momentum_buffer",)  # Muon's (train.optimizer: muon), on the matrices it trains
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 # ----------------------------------------------------------------------------- DeepSpeed loading
@@ -132,7 +132,7 @@ class TrainerState:
     micro_batch_size: int
     grad_accum: int
     total_steps: int
-    config_hash: str = ""
+    head_identity: str = ""  # peagle.identity.head_identity of the head it trains
     train_seconds: float = 0.0  # summed optimizer-step seconds so far (a time budget's clock)
     counted_steps: int | None = None  # of the steps, those train_seconds counts (None: written before the rule)
     acceptance: float | None = None  # offline acceptance of this checkpoint, when evaluated
@@ -148,7 +148,8 @@ class TrainerState:
     def from_json(cls, text: str) -> TrainerState:
         data = json.loads(text)
         if data.get("version") != STATE_VERSION:
-            raise ValueError(f"trainer state version {data.get('version')} is not {STATE_VERSION}")
+            raise ValueError(f"trainer state version {data.get('version')} is not {STATE_VERSION}: the checkpoint was "
+                             "written by another peagle version; delete its directory or train into another workdir")
         return cls(**data)
 
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import importlib
 import json
 import logging
@@ -65,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig, TrainConfig, load_config, parse_config, parse_overrides
-from peagle.fileio import write_text_atomic
+from peagle.fileio import json_digest, write_text_atomic
 from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
@@ -113,7 +112,7 @@ def training_command(
 
 def rendezvous_id(out_dir: Path) -> str:
     """The default rendezvous id: the checkpoint directory's path, which every node shares."""
-    return "peagle-" + hashlib.sha256(str(Path(out_dir).absolute()).encode()).hexdigest()[:16]
+    return "peagle-" + json_digest(str(Path(out_dir).absolute()))
 
 
 def hostfile_slots(path: Path, world_size: int) -> dict[str, int]:
@@ -224,8 +223,8 @@ def checkpoint_bytes(cfg: PipelineConfig, data_dir: Path) -> int:
     drafter's parameter count (built on the meta device: no memory, no weights read)."""
     import torch
 
+    from peagle.catalogue import get_method
     from peagle.facts import head_spec_for, load_dataset_facts
-    from peagle.methods import get_method
     from peagle.model import PEagleDrafter
 
     spec = head_spec_for(cfg, load_dataset_facts(DataLayout(data_dir)))

@@ -12,7 +12,7 @@ Outputs under ``out_dir``: ``step-NNNNNN/`` checkpoints (``checkpoint``), ``late
 written by rank 0, each with its wall-clock ``time``) and ``train_result.json``. A rerun with the same ``out_dir`` resumes
 from ``latest`` at the exact data position, optimizer, schedule and RNG state, if it trains
 the same head (``peagle.identity.head_identity``, kept in each checkpoint's
-``trainer_state.json`` as ``config_hash``); bookkeeping such as ``keep_last`` may change,
+``trainer_state.json`` as ``head_identity``); bookkeeping such as ``keep_last`` may change,
 and so may the world size when ``world_size x grad_accum`` stays (``checkpoint``).
 Each step's record lists the split's samples it trained on (``samples``, over all ranks).
 """
@@ -30,18 +30,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from peagle.catalogue import get_method
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
 from peagle.fileio import write_text_atomic
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import METRICS_FILE, TRAIN_SPLIT
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
-from peagle.methods import get_method
+from peagle.objective import Objective
 from peagle.train import checkpoint as ckpt
 from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader, training_samples
 from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
-from peagle.train.objective import Objective
 
 STAT_KEYS = ("kl_sum", "correct", "count")
 
@@ -185,7 +185,7 @@ class StepStats:
             flat = flat.cpu()
         depth = flat[: self.depth.numel()].reshape(self.depth.shape)
         loss_sum, micro, tokens = flat[self.depth.numel() :].tolist()
-        from peagle.train.loss import metrics_from_stats
+        from peagle.objective.loss import metrics_from_stats
 
         record = {"loss": loss_sum / max(micro, 1), "tokens": int(tokens), "samples": self.all_samples()}
         record.update(metrics_from_stats({key: depth[i] for i, key in enumerate(STAT_KEYS)}))
@@ -288,7 +288,7 @@ def train_drafter(
     (``peagle.train.budget``); otherwise ``train.epochs`` whole epochs.
     """
     from peagle.model import target_config
-    from peagle.train.loss import TargetHead
+    from peagle.objective.loss import TargetHead
 
     train = cfg.train
     out_dir = Path(out_dir)
@@ -365,7 +365,7 @@ def train_drafter(
             micro_batch_size=plan.micro_batch_size,
             grad_accum=plan.grad_accum,
             total_steps=total_steps,
-            config_hash=identity,
+            head_identity=identity,
             train_seconds=clock.elapsed_s if clock is not None else 0.0,
             counted_steps=clock.counted if clock is not None else None,
             acceptance=acceptance,
@@ -476,7 +476,7 @@ def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int
     mismatch = {
         name: (old, new)
         for name, old, new in [
-            ("head identity (dataset, weight-changing config, method)", state.config_hash, identity),
+            ("head identity (dataset, weight-changing config, method)", state.head_identity, identity),
             ("steps per epoch", state.steps_per_epoch, plan.steps_per_epoch),
             ("micro batch size", state.micro_batch_size, plan.micro_batch_size),
             # world_size x grad_accum may split differently (peagle.train.checkpoint reshards)

@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from peagle.export.contract import CONFIG_FILE
-from peagle.export.contract import WEIGHTS_FILE as HEAD_WEIGHTS
+from peagle.contract import CONFIG_FILE
+from peagle.contract import WEIGHTS_FILE as HEAD_WEIGHTS
 
 VOCAB_TENSORS = ("d2t", "t2d")
 # config.json key of an exported head -> the HeadSpec field it was written from.
@@ -89,7 +89,7 @@ def check_head_shape(head_dir: Path, spec) -> None:
 
 def tensors_heads_may_lack() -> set[str]:
     """Drafter tensors some drafting method leaves out of its heads (``omitted_tensors``)."""
-    from peagle.methods import available_methods, get_method
+    from peagle.catalogue import available_methods, get_method
 
     return set().union(*(get_method(name).omitted_tensors for name in available_methods()))
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "objective"))  # the tiny-model helpers
 from test_partition import make_models, tiny_spec  # noqa: E402
 
 from peagle.data.store import ShardReader, ShardWriter  # noqa: E402
@@ -26,7 +26,7 @@ from peagle.eval.offline import (  # noqa: E402
     walk_drafts,
 )
 from peagle.methods.eagle3 import build_eagle3_example, ttt_passes  # noqa: E402
-from peagle.train import PrecomputedMask, collate  # noqa: E402
+from peagle.objective import PrecomputedMask, collate  # noqa: E402
 
 K = 4
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from peagle import stages
+from peagle.catalogue import get_method
 from peagle.config import load_config
 from peagle.layout import BEST, RunLayout
-from peagle.methods import get_method
 
 pytestmark = pytest.mark.slow
 

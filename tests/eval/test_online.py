@@ -10,7 +10,7 @@ from peagle.data.prompt_sets import PromptSetUnavailable, load_prompt_set, load_
 from peagle.eval.online import BASELINE, NGRAM, OnlineResult, OnlineRow, evaluate_online
 from peagle.eval.plots import plot_online
 from peagle.paths import REPO_ROOT
-from tests.train.test_partition import tiny_spec
+from tests.objective.test_partition import tiny_spec
 
 CODE_EVAL = REPO_ROOT / "data" / "prompts" / "code_eval.jsonl"
 CODE_COMPLETION_EVAL = REPO_ROOT / "data" / "prompts" / "code_completion_eval.jsonl"

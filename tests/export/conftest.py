@@ -41,6 +41,6 @@ def state(spec):
 
 @pytest.fixture
 def head(tmp_path, state, spec, vocab, tiny_target):
-    from peagle.export import export_head
+    from peagle.export.head import export_head
 
     return export_head(state, spec, vocab, tmp_path / "head", target_path=tiny_target)

@@ -140,7 +140,7 @@ def accepted_per_step(drafts: torch.Tensor, max_tokens: int) -> list[int]:
 def random_head(golden_pair, tmp_path_factory):
     """(head dir, the drafter's accepted counts per step for each prompt, the prompts)."""
     from peagle.data.vocab import vocab_from_ids
-    from peagle.export import export_head
+    from peagle.export.head import export_head
     from peagle.export.selftest import draft_vocab_skipping_low_ids, tiny_head_spec
     from peagle.model import PEagleDrafter
 
@@ -205,7 +205,7 @@ def test_champion_download_is_the_exported_head(random_head, champion_dir):
 @contextmanager
 def vllm_serve(target: Path, head: Path, log_path: Path):
     """``vllm serve TARGET --speculative-config ...`` as a user runs it; yields the base URL."""
-    from peagle.export.contract import speculative_config
+    from peagle.contract import speculative_config
 
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),

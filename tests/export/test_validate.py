@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle.export import HeadValidationError, validate_head
+from peagle.export.validate import HeadValidationError, validate_head
 
 
 def rewrite_weights(head_dir, edit):

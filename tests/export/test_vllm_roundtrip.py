@@ -8,7 +8,7 @@ names we write; any misnamed or misread tensor lowers the acceptance length belo
 import pytest
 
 from peagle.config import VllmConfig
-from peagle.export import validate_head
+from peagle.export.validate import validate_head
 
 pytestmark = pytest.mark.slow
 K = 3

@@ -17,7 +17,7 @@ import pytest
 
 from flows.common import artifact_key
 from peagle.config import load_config
-from peagle.export.contract import NGRAM
+from peagle.contract import NGRAM
 from peagle.lineage import read_head_lineage, recorded_lineage
 from peagle.tracking.gate import head_score
 

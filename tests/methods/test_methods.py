@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # the tiny-run builders
 from test_deepspeed import one_thread, tiny_config, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
 
+from peagle.catalogue import available_methods, get_method, register_method, trained_methods  # noqa: E402
 from peagle.config import ConfigError  # noqa: E402
-from peagle.methods import available_methods, get_method, register_method, trained_methods  # noqa: E402
 from peagle.methods.peagle import PEagle  # noqa: E402
 
 
@@ -67,7 +67,7 @@ class DecayedPEagle(PEagle):
     GAMMA = 0.5
 
     def objective(self, train, spec, target_head):
-        from peagle.train.loss import forward_kl, kl_loss
+        from peagle.objective.loss import forward_kl, kl_loss
 
         def loss(model, batch, denominator):
             supervised = batch.supervised
@@ -89,7 +89,7 @@ class DecayedPEagle(PEagle):
 
 @pytest.fixture
 def decayed():
-    from peagle.methods import unregister_method
+    from peagle.catalogue import unregister_method
 
     method = register_method(DecayedPEagle())
     yield method

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from peagle.facts import HeadSpec
 from peagle.model import PEagleDrafter, TargetWeightsError, load_target_tensors
-from peagle.train import PrecomputedMask, build_peagle_example, collate
+from peagle.objective import PrecomputedMask, build_peagle_example, collate
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

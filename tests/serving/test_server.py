@@ -9,7 +9,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, serve_command
-from peagle.serving.server import api_server_argv, plan_serving
+from peagle.export.serving_plan import plan_serving
+from peagle.serving.server import api_server_argv
 
 
 def head_dir(path, *, mask_hidden: bool, card_target: str | None = None, card_k: int = 4,

@@ -71,9 +71,9 @@ def _one_step(engine, objective, batch):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path, optimizer):
     from peagle.model import PEagleDrafter
+    from peagle.objective.loss import TargetHead
     from peagle.train.data import EpochSamples
     from peagle.train.engine import build_engine, init_process_group
-    from peagle.train.loss import TargetHead
     from peagle.train.trainer import load_training_inputs, make_objective
 
     data_dir, target = tiny_run
@@ -127,9 +127,9 @@ def test_muon_steps_the_decoder_matrices_by_orthogonal_updates(tiny_run):
     """train.optimizer: muon trains fc, attention and MLP with Muon (an update's largest singular
     values all about the learning rate, what no gradient step gives) and the rest with AdamW."""
     from peagle.model import PEagleDrafter
+    from peagle.objective.loss import TargetHead
     from peagle.train.data import EpochSamples
     from peagle.train.engine import build_engine, init_process_group
-    from peagle.train.loss import TargetHead
     from peagle.train.trainer import load_training_inputs, make_objective
 
     data_dir, target = tiny_run

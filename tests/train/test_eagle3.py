@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # shared tiny-model helpers (importlib mode)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "objective"))  # shared tiny-model helpers (importlib mode)
 from test_partition import grads, make_models, max_rel_error, one_thread, random_sample, tiny_spec  # noqa: E402,F401
 
 from peagle.config import TrainConfig  # noqa: E402
 from peagle.methods.eagle3 import METHOD as EAGLE3  # noqa: E402
 from peagle.methods.eagle3 import build_eagle3_example, eagle3_loss, ttt_passes
-from peagle.train import PrecomputedMask, build_peagle_example, collate  # noqa: E402
-from peagle.train.loss import TargetHead  # noqa: E402
-from peagle.train.partition import partition_batch  # noqa: E402
+from peagle.objective import PrecomputedMask, build_peagle_example, collate  # noqa: E402
+from peagle.objective.loss import TargetHead  # noqa: E402
+from peagle.objective.partition import partition_batch  # noqa: E402
 
 
 def causal_drafter_pass(drafter, tokens, aux, positions, override=None):
@@ -187,11 +187,11 @@ def test_objective_plugs_into_the_trainer():
 
 
 def test_unaccepted_weight_leaves_out_the_steps_after_a_miss():
-    """As for P-EAGLE (tests/train/test_loss.py): a TTT step's loss where an earlier step of the
+    """As for P-EAGLE (tests/objective/test_loss.py): a TTT step's loss where an earlier step of the
     same anchor drafted wrong is weighted by ``unaccepted_weight``; the statistics count it."""
     from test_loss import reached_by_verification
 
-    from peagle.train.loss import forward_kl
+    from peagle.objective.loss import forward_kl
 
     spec, steps = tiny_spec(draft_vocab=2), 3  # two draft tokens: about half the drafts miss
     drafter, head = make_models(spec, seed=7)

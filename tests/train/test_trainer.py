@@ -99,7 +99,7 @@ def test_segments_accumulate_inside_the_sequence(tiny_run, tmp_path):
 
 def collated_sizes(monkeypatch) -> list[int]:
     """Record the element count of every batch the trainer collates (a spy on ``collate``)."""
-    from peagle.train import batch as batch_module
+    from peagle.objective import batch as batch_module
 
     sizes, real = [], batch_module.collate
 
@@ -113,9 +113,8 @@ def collated_sizes(monkeypatch) -> list[int]:
 
 def long_inputs(data_dir, n: int, cfg):
     """The spec ``cfg`` trains on the tiny dataset, its vocabulary and one n-token sample (random hidden states)."""
-    from test_partition import random_sample
-
     from peagle.train.trainer import TrainingInputs, load_training_inputs
+    from tests.objective.test_partition import random_sample
 
     inputs = load_training_inputs(data_dir, cfg)
     return TrainingInputs(spec=inputs.spec, samples=[random_sample(inputs.spec, n, 0)], draft_ids=inputs.draft_ids)
@@ -123,8 +122,8 @@ def long_inputs(data_dir, n: int, cfg):
 
 def test_segments_never_collate_the_whole_micro_batch(tiny_run, tmp_path, monkeypatch):
     """With S > 1 only segments are collated: the whole example's [N, N] mask is never built."""
-    from peagle.train.batch import build_peagle_example
-    from peagle.train.partition import partition_example
+    from peagle.objective.batch import build_peagle_example
+    from peagle.objective.partition import partition_example
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run

@@ -99,7 +99,7 @@ def test_a_head_of_another_depth_names_the_config_key(tmp_path):
     """With the head's config.json, the refusal names the drafter key to set (before any tensor is read)."""
     import json
 
-    from peagle.export.contract import head_config
+    from peagle.contract import head_config
 
     deeper = dataclasses.replace(tiny_spec(), num_layers=2)
     head = export_tensors(random_drafter(0, deeper), tmp_path / "head", torch.arange(DRAFT_VOCAB))

@@ -20,7 +20,7 @@ from torch import nn
 from peagle.facts import HeadSpec
 from peagle.model.drafter import RMSNorm
 from peagle.model.target_weights import load_target_tensors, target_config
-from peagle.train.batch import Batch
+from peagle.objective.batch import Batch
 
 
 @dataclass(frozen=True)

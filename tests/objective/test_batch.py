@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from peagle.facts import HeadSpec
-from peagle.train.batch import build_peagle_example, collate
-from peagle.train.masks import PrecomputedMask
+from peagle.objective.batch import build_peagle_example, collate
+from peagle.objective.masks import PrecomputedMask
 
 HT = 8
 SPEC = HeadSpec(

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from peagle.facts import HeadSpec
-from peagle.train.cod import cod_anchor_sets
-from peagle.train.masks import PrecomputedMask, element_mask
+from peagle.objective.cod import cod_anchor_sets
+from peagle.objective.masks import PrecomputedMask, element_mask
 
 NUM_AUX_LAYERS = 3
 
@@ -118,7 +118,7 @@ class Batch:
     """Padded examples: element fields [B, N], token-level ``hidden`` [B, T, 4, Ht].
 
     ``aux_hidden``, ``target_hidden`` and ``attention_mask`` [B, N, N] (True = may attend;
-    the P-EAGLE rule of ``peagle.train.masks``, padding masked out) are evaluated when read,
+    the P-EAGLE rule of ``peagle.objective.masks``, padding masked out) are evaluated when read,
     on the batch's device: the loss reads each once per step.
     """
 

@@ -30,6 +30,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
 FORMAT_VERSION = 1
+MASK_HIDDEN = "mask_hidden"  # the tensor that lets a head draft K tokens in one pass (P-EAGLE's)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

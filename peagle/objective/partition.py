@@ -26,9 +26,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from peagle.train.batch import ELEMENT_FIELDS, Batch, Example, collate
-from peagle.train.loss import LossOutput, TargetHead, Weighting, metrics_from_stats, peagle_loss
-from peagle.train.masks import PrecomputedMask
+from peagle.objective.batch import ELEMENT_FIELDS, Batch, Example, collate
+from peagle.objective.loss import LossOutput, TargetHead, Weighting, metrics_from_stats, peagle_loss
+from peagle.objective.masks import PrecomputedMask
 
 STAT_KEYS = ("kl_sum", "correct", "count")
 

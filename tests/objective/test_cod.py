@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from peagle.train.cod import depth_budget, sample_cod
+from peagle.objective.cod import depth_budget, sample_cod
 
 
 def test_depth_zero_keeps_every_anchor_and_sets_nest():

@@ -14,10 +14,10 @@ import torch
 
 from peagle.facts import HeadSpec
 from peagle.model import PEagleDrafter
-from peagle.train import PrecomputedMask, TargetHead, build_peagle_example, collate, peagle_loss
-from peagle.train.loss import Depth0Share
-from peagle.train.masks import brute_force_mask
-from peagle.train.partition import (
+from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, peagle_loss
+from peagle.objective.loss import Depth0Share
+from peagle.objective.masks import brute_force_mask
+from peagle.objective.partition import (
     owner_segment,
     partition_batch,
     partition_example,
@@ -215,8 +215,8 @@ PEAK_SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from test_partition import make_models, random_sample, tiny_spec
-    from peagle.train import build_peagle_example
-    from peagle.train.partition import partitioned_loss_backward
+    from peagle.objective import build_peagle_example
+    from peagle.objective.partition import partitioned_loss_backward
 
     n, segments, k = {n}, {segments}, 4
     torch.set_num_threads(2)

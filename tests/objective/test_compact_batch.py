@@ -9,9 +9,9 @@ import torch
 
 from peagle.facts import HeadSpec
 from peagle.model import PEagleDrafter
-from peagle.train import PrecomputedMask, TargetHead, build_peagle_example, collate, kl_loss, peagle_loss
-from peagle.train.masks import brute_force_mask
-from peagle.train.partition import partitioned_loss_backward
+from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, kl_loss, peagle_loss
+from peagle.objective.masks import brute_force_mask
+from peagle.objective.partition import partitioned_loss_backward
 
 HT, K = 16, 5
 SPEC = HeadSpec(

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from peagle.facts import HeadSpec
-from peagle.train.batch import build_peagle_example, collate
-from peagle.train.cod import sample_cod
-from peagle.train.masks import PrecomputedMask, block_types, brute_force_mask, element_mask
+from peagle.objective.batch import build_peagle_example, collate
+from peagle.objective.cod import sample_cod
+from peagle.objective.masks import PrecomputedMask, block_types, brute_force_mask, element_mask
 
 
 def cod_elements(n: int, k: int, seed: int, valid_from: int = 0):

@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from peagle.facts import HeadSpec
 from peagle.model import PEagleDrafter
-from peagle.train import PrecomputedMask, TargetHead, build_peagle_example, collate, forward_kl, kl_loss, peagle_loss
-from peagle.train.loss import Depth0Share, chain_accepted
+from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, forward_kl, kl_loss, peagle_loss
+from peagle.objective.loss import Depth0Share, chain_accepted
 
 HT = 16
 SPEC = HeadSpec(
