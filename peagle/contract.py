@@ -158,6 +158,13 @@ def head_tensor_names(head_dir: str | Path) -> list[str]:
     return names
 
 
+
+def drafts_in_parallel(head_dir: str | Path) -> bool:
+    """Whether a head directory's weights draft K tokens in one pass (they ship ``mask_hidden``);
+    raises ``head_tensor_names``' ValueError for a truncated or corrupt head."""
+    return MASK_HIDDEN in head_tensor_names(head_dir)
+
+
 def speculative_config(head_ref: str, k: int, *, parallel_drafting: bool = True) -> dict:
     """vLLM's ``--speculative-config`` for a head: P-EAGLE is EAGLE-3 with parallel drafting
     (pass the drafting method's ``parallel_drafting``)."""

@@ -1,6 +1,6 @@
-"""Publishing heads: the vLLM head directory (``contract``: what vLLM loads), its exporter
-(``head``), validator (``validate``, ``selftest``), model card (``card``) and what ``peagle
-serve`` serves from a head directory (``serving_plan``).
+"""Publishing heads: the exporter of the vLLM head directory (``head``; what vLLM loads is
+``peagle.contract``), its validator (``validate``, ``selftest``), model card (``card``) and what
+``peagle serve`` serves from a head directory (``serving_plan``).
 
-The package imports none of its modules: ``contract`` is read by the lower layers (methods,
-training, serving) without loading the exporter and its validator, which run vLLM."""
+The package imports none of its modules, so importing the card does not load the exporter and
+its validator, which run vLLM."""

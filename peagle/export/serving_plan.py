@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from peagle.contract import CARD_FILE, CONFIG_FILE, MASK_HIDDEN, WEIGHTS_FILE, head_tensor_names
+from peagle.contract import CARD_FILE, CONFIG_FILE, WEIGHTS_FILE, drafts_in_parallel
 from peagle.export.card import TARGET_PLACEHOLDER, read_serve_line
 from peagle.serving.server import HeadServing
 
@@ -26,7 +26,7 @@ def plan_serving(head_dir: str | Path, *, target: str | None = None, k: int | No
         raise ValueError(f"{head_dir} is not a head directory (no {', '.join(missing)}); "
                          "pull one with `peagle pull models:/<name>@champion DIR`")
     try:
-        parallel = MASK_HIDDEN in head_tensor_names(head_dir)
+        parallel = drafts_in_parallel(head_dir)
     except ValueError as err:
         raise ValueError(f"{err}. The head is truncated or corrupt: pull it again (`peagle pull "
                          f"models:/<name>@champion {head_dir} --overwrite`) or export it again (`peagle export CONFIG`)"

@@ -78,13 +78,10 @@ def champion_to_measure(cfg: PipelineConfig, challenger_dir: str | Path) -> Cham
 
 def served_method(head_dir: Path) -> str:
     """The method a head drafts with, read from its weights as ``peagle serve`` does."""
-    from safetensors import safe_open
-
     from peagle.catalogue import BASELINE, DEFAULT_METHOD
-    from peagle.contract import MASK_HIDDEN, WEIGHTS_FILE
+    from peagle.contract import drafts_in_parallel
 
-    with safe_open(str(Path(head_dir) / WEIGHTS_FILE), framework="numpy") as fh:
-        return DEFAULT_METHOD if MASK_HIDDEN in fh.keys() else BASELINE
+    return DEFAULT_METHOD if drafts_in_parallel(head_dir) else BASELINE
 
 
 def head_score(cfg: PipelineConfig, online, label: str) -> float:
