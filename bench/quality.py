@@ -116,6 +116,9 @@ VARIANTS = [
     # config charges no loss elsewhere. This variant charges every draft alike.
     ("every draft's loss counts, read by verification or not", {"train.unaccepted_weight": 1.0}),
     ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
+    # The paper's optimizer recipe, which the code's defaults follow (tuned for tens of epochs).
+    ("AdamW at the paper's peak lr 1e-4, warmup 0.0025 (no Muon)",
+     {"train.optimizer": "adamw", "train.learning_rate": 1e-4, "train.warmup_ratio": 0.0025}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
@@ -527,6 +530,7 @@ def add_tables(run: Run, meta: dict) -> None:
                            + ", ".join(sorted({split.split for *_, split in ablation})))
     add_variants_table(run, meta, ks)
     add_data_table(run, meta, ks)
+    add_projection_table(run, meta, ks)
     add_copying_table(run, meta)
     add_online_table(run, meta)
 
@@ -554,6 +558,63 @@ def add_data_table(run: Run, meta: dict, ks: list[str]) -> None:
                   note="the whole train split's row is the budgets part's P-EAGLE run of the same steps")
 
 
+# Acceptance lengths a head would have to reach: n-gram lookup's on the same tokens (the floor a
+# head must clear to be worth training) and the chat goal.
+GOAL_AL = 2.5
+
+
+def log_time_fit(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least squares ``al = a + b * log2(seconds)`` through (seconds, al) points -> (a, b, the
+    largest residual)."""
+    xs, ys = [math.log2(s) for s, _ in points], [al for _, al in points]
+    b, a = statistics.linear_regression(xs, ys)
+    return a, b, max(abs(y - (a + b * x)) for x, y in zip(xs, ys))
+
+
+def seconds_to_reach(al: float, a: float, b: float) -> float | None:
+    """Training seconds at which the fitted line reaches ``al`` (None: it never does)."""
+    return 2 ** ((al - a) / b) if b > 0 else None
+
+
+def hours(seconds: float) -> str:
+    """``0.22 h``, ``3.5 h``, ``1,300 h``: two significant digits, no exponent."""
+    h = float(f"{seconds / 3600:.2g}")
+    return f"{h:,.{max(0, 1 - math.floor(math.log10(h)))}f} h"
+
+
+def add_projection_table(run: Run, meta: dict, ks: list[str]) -> None:
+    """What more training would take: per method and recipe with three or more budgets, a line
+    through acceptance at the largest K against log2(training seconds), and the seconds at which it
+    reaches n-gram lookup's acceptance on the same tokens and the goal (an extrapolation)."""
+    k5 = ks[min(len(ks), 5) - 1]
+    runs = [r for r in meta["runs"] if r["part"] == "budgets" and r["acceptance_length"].get(k5)]
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["method"], trained_as(r), setting(r)), []).append(r)
+    rows = []
+    for (method, trained, _), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "peagle", kv[0][1])):
+        means = mean_by(rs, ("budget_s",))
+        if len(means) < 3:
+            continue
+        a, b, worst = log_time_fit([(v["train_s"], v["al"][k5]) for v in means.values()])
+        ngram = [r["ngram_acceptance_length"][k5] for r in rs if r.get("ngram_acceptance_length")]
+        step_s = statistics.fmean(r["calibrated_step_s"] for r in rs)
+        row = [method, trained, " ".join(f"{b:g}" for (b, _), _ in sorted(means.items())), f"{b:+.3f}",
+               f"{worst:.3f}"]
+        for target in ([statistics.fmean(ngram)] if ngram else [None]) + [GOAL_AL]:
+            need = None if target is None else seconds_to_reach(target, a, b)
+            row += ["" if target is None else f"{target:.2f}",
+                    "never" if need is None else f"{hours(need)} ({need / step_s:,.0f} steps)"]
+        rows.append(row)
+    if rows:
+        run.add_table(f"What more training would take: AL at K={k5} against log2(training seconds), extrapolated",
+                      ["method", "trained as", "budgets fitted (s)", "AL per doubling", "largest residual",
+                       "n-gram AL", "time to reach it here", "goal AL", "time to reach it here"], rows,
+                      note="a least-squares line through each budget's mean over seeds; time on this machine's "
+                           "steps (the calibrated seconds per step); the line is a projection from the measured "
+                           "budgets, not a measurement, and gains per doubling usually shrink as training goes on")
+
+
 def answers_trained(run: dict) -> int:
     """Answers a run trained on: its train.max_samples, or the whole train split."""
     return int((run.get("overrides") or {}).get("train.max_samples") or run.get("train_answers") or 0)
@@ -568,10 +629,18 @@ def add_copying_table(run: Run, meta: dict) -> None:
         return
     groups: dict[tuple, list[dict]] = {}
     for r in measured:
-        groups.setdefault((r["part"], r["recipe"], r["method"], r["budget_s"], answers_trained(r)), []).append(r)
+        groups.setdefault((r["part"], r["recipe"], r["method"], r["budget_s"], answers_trained(r), trained_as(r)),
+                          []).append(r)
+    # A label several recipes trained under (the budgets part's "config recipe" of invocations with
+    # other --set overrides) names each recipe as it trained.
+    recipes_of: dict[tuple, set[str]] = {}
+    for key in groups:
+        recipes_of.setdefault(key[:5], set()).add(key[5])
     rows = []
-    for (part, label, method, budget, answers), rs in sorted(groups.items(), key=lambda kv: (
-            kv[0][0] != "budgets", kv[0][0], kv[0][3], kv[0][1], kv[0][2])):
+    for (part, label, method, budget, answers, trained), rs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0] != "budgets", kv[0][0], kv[0][3], kv[0][1], kv[0][2], kv[0][5])):
+        if len(recipes_of[(part, label, method, budget, answers)]) > 1:
+            label = f"{label} ({trained})"
         k = max(rs[0]["acceptance_length"], key=int)
 
         def mean(key: str, i: int, rs=rs) -> float:
@@ -680,7 +749,12 @@ def plot(meta: dict, out: Path) -> None:
         for v in means:
             ax.annotate(f"{v['steps']:.0f} steps", (v["train_s"], v["al"][k]), textcoords="offset points",
                         xytext=(4, -12), fontsize=7)
-    ax.set_xlabel("training seconds (summed step times)")
+    ngram = [r["ngram_acceptance_length"][k] for r in runs if (r.get("ngram_acceptance_length") or {}).get(k)]
+    if ngram and not many:  # the floor a head must clear, walked on the same tokens
+        ax.axhline(statistics.fmean(ngram), linestyle=":", color="gray", label="n-gram lookup on the same tokens")
+    ax.set_xscale("log", base=2)  # the projection's axis: equal steps are doublings of training time
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("training seconds (summed step times, log scale)")
     ax.set_ylabel(f"offline acceptance length, K={k}")
     where = f", {meta['gpu']}" if meta.get("gpu") else ""
     ax.set_title(f"Acceptance vs training time, {meta['data_name']}{where}")

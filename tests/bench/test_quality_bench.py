@@ -176,3 +176,51 @@ def test_clock_trains_each_budget_on_the_pipelines_clock(tmp_path):
     # the clock stops at the step that ends nearest the budget (tiny steps: tens of ms)
     assert abs(run["train_seconds"] - 3.0) < 1.0 and run["steps"] > 2
     assert "1 run(s) by --clock: train.max_train_seconds = the budget" in (tmp_path / "quality.md").read_text()
+
+
+def _budget_run(budget: float, al5: float, ngram: float = 1.5) -> dict:
+    return {**_run("config recipe", al5, "local:aaaa"), "part": "budgets", "budget_s": budget,
+            "train_seconds": budget, "calibrated_step_s": 1.0, "ngram_acceptance_length": {"5": ngram}}
+
+
+def _projection_rows(runs: list[dict]) -> list[list]:
+    run = quality.Run.__new__(quality.Run)
+    run.sections = []
+    quality.add_projection_table(run, {"runs": runs}, ["5"])
+    return run.sections[0]["rows"] if run.sections else []
+
+
+def test_the_projection_reads_the_time_to_reach_n_gram_lookup_and_the_goal_off_a_log_time_line():
+    # +0.1 acceptance per doubling from 1.2 at 100 s: n-gram lookup's 1.5 at 800 s, the goal's 2.5 at 2^13 x 100 s.
+    rows = _projection_rows([_budget_run(100, 1.2), _budget_run(200, 1.3), _budget_run(400, 1.4)])
+    assert len(rows) == 1
+    method, _, budgets, per_doubling, residual, ngram, to_ngram, goal, to_goal = rows[0]
+    assert (method, budgets, per_doubling, residual, ngram, goal) == ("peagle", "100 200 400", "+0.100", "0.000",
+                                                                      "1.50", "2.50")
+    assert to_ngram == "0.22 h (800 steps)"
+    assert to_goal == "230 h (819,200 steps)"
+
+
+@pytest.mark.parametrize("seconds, text", [(792, "0.22 h"), (12_600, "3.5 h"), (4.68e6, "1,300 h"), (36_000, "10 h")])
+def test_hours_keep_two_significant_digits_without_an_exponent(seconds, text):
+    assert quality.hours(seconds) == text
+
+
+def test_no_projection_from_fewer_than_three_budgets_and_none_reached_by_a_falling_line():
+    assert _projection_rows([_budget_run(100, 1.2), _budget_run(400, 1.4)]) == []
+    rows = _projection_rows([_budget_run(100, 1.4), _budget_run(200, 1.3), _budget_run(400, 1.2)])
+    assert rows[0][6] == "never" and rows[0][8] == "never"
+
+
+def test_the_copying_table_never_averages_two_recipes_run_under_one_label():
+    versus = {"ngram_right": [0.3], "head_right_where_ngram_right": [0.1], "head_right_where_ngram_wrong": [0.4]}
+    muon = {**_budget_run(400, 1.4), "versus_ngram": versus}
+    adamw = {**_budget_run(400, 1.3), "versus_ngram": versus, "train": {**muon["train"], "optimizer": "adamw"}}
+    run = quality.Run.__new__(quality.Run)
+    run.sections = []
+    quality.add_copying_table(run, {"runs": [muon, adamw]})
+    rows = run.sections[0]["rows"]
+    assert sorted((r[1], r[7]) for r in rows) == [
+        ("config recipe (K_train 5, lr 0.0015, 3 layers)", "1.30"),
+        ("config recipe (K_train 5, lr 0.0015, Muon 0.02, 3 layers)", "1.40"),
+    ]
