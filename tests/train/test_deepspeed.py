@@ -99,6 +99,7 @@ def tiny_config(drafter_layers: int = 1, **train) -> PipelineConfig:  # noqa: F8
     base = dict(
         k_train=3, cod_ratio=0.8, cod_floor=0.2, max_len=48, epochs=1, micro_batch_size=1, grad_accum=1,
         learning_rate=3e-3, warmup_ratio=0.1, zero_stage=2, precision="fp32", keep_last=2, seed=0,
+        optimizer="adamw",  # exact across ZeRO stages and ranks; tests that need Muon ask for it
     )
     base.update(train)
     return parse_config(
