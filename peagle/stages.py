@@ -56,8 +56,10 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     from peagle.data.prompt_sets import check_eval_prompts
     from peagle.lineage import target_revision
     from peagle.target import load_target_config_and_tokenizer, resolve_target
+    from peagle.train.launch import check_optimizer_runs_here
 
     check_eval_prompts(cfg)
+    check_optimizer_runs_here(cfg.train)  # Muon, the default, on a CPU without a C++ compiler: now, not after the data
     path = resolve_target(cfg.target)
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
     facts = target_facts_from_target(cfg, target_config, tokenizer)
