@@ -59,6 +59,7 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
     with run_logs(cfg) as library_log:
         run_logger().info("library output (vLLM, DeepSpeed, torch) goes to %s", library_log)
         ensure_accelerator_limit(cfg)
+        stages.check_training_runs_here(cfg)
         return _run_stages(cfg, data_cfg, force_data)
 
 

@@ -56,16 +56,22 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     from peagle.data.prompt_sets import check_eval_prompts
     from peagle.lineage import target_revision
     from peagle.target import load_target_config_and_tokenizer, resolve_target
-    from peagle.train.launch import check_optimizer_runs_here
 
     check_eval_prompts(cfg)
-    check_optimizer_runs_here(cfg.train)  # Muon, the default, on a CPU without a C++ compiler: now, not after the data
     path = resolve_target(cfg.target)
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
     facts = target_facts_from_target(cfg, target_config, tokenizer)
     drafter_shape(cfg, facts)  # a drafter/train section that cannot work fails now, not after the data stage
     revision = target_revision(cfg.target, path)
     return TargetInfo(path=path, facts=facts, revision=revision.value, revision_source=revision.source)
+
+
+def check_training_runs_here(cfg: PipelineConfig) -> None:
+    """What training needs of this machine, for a run that trains after its data stage: Muon (the
+    default optimizer) on a CPU without a C++ compiler is refused now, not after the data."""
+    from peagle.train.launch import check_optimizer_runs_here
+
+    check_optimizer_runs_here(cfg.train)
 
 
 def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False, repair: bool = False):

@@ -129,16 +129,16 @@ def test_a_stage_command_refuses_before_building_the_target(tmp_path):
     assert not (home / "targets").exists()
 
 
-def test_muon_on_a_cpu_without_a_compiler_is_refused_before_building_the_target(tmp_path):
-    """The default optimizer compiles its update: a machine without g++ or clang++ hears so before
-    the data stage, not when training starts after it."""
+def test_muon_on_a_cpu_without_a_compiler_is_refused_before_the_data_stage(tmp_path):
+    """The default optimizer compiles its update: `peagle run` on a machine without g++ or clang++
+    says so before the data stage, not when training starts after it."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("the check is for CPU machines")
     home, empty = tmp_path / "home", tmp_path / "bin"
     empty.mkdir()
-    result = peagle("data", DEMO, "--set", "train.optimizer=muon",
+    result = peagle("run", DEMO, "--set", "train.optimizer=muon",
                     env={"PEAGLE_HOME": str(home), "PATH": str(empty), "CXX": ""})
     assert_refused(result, "train.optimizer: muon", "needs a C++ compiler", "train.optimizer: adamw")
     assert not (home / "targets").exists()
