@@ -116,7 +116,7 @@ VARIANTS = [
     # config charges no loss elsewhere. This variant charges every draft alike.
     ("every draft's loss counts, read by verification or not", {"train.unaccepted_weight": 1.0}),
     ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
-    # The paper's optimizer recipe, which the code's defaults follow (tuned for tens of epochs).
+    # The paper's optimizer recipe, which the configs of the paper's models keep (tuned for tens of epochs).
     ("AdamW at the paper's peak lr 1e-4, warmup 0.0025 (no Muon)",
      {"train.optimizer": "adamw", "train.learning_rate": 1e-4, "train.warmup_ratio": 0.0025}),
 ]
@@ -558,8 +558,8 @@ def add_data_table(run: Run, meta: dict, ks: list[str]) -> None:
                   note="the whole train split's row is the budgets part's P-EAGLE run of the same steps")
 
 
-# Acceptance lengths a head would have to reach: n-gram lookup's on the same tokens (the floor a
-# head must clear to be worth training) and the chat goal.
+# The acceptance length the projection also reads a time off for, beside n-gram lookup's on the
+# same tokens (the floor a head must clear to be worth training): the goal on chat.
 GOAL_AL = 2.5
 
 
@@ -599,9 +599,9 @@ def add_projection_table(run: Run, meta: dict, ks: list[str]) -> None:
         a, b, worst = log_time_fit([(v["train_s"], v["al"][k5]) for v in means.values()])
         ngram = [r["ngram_acceptance_length"][k5] for r in rs if r.get("ngram_acceptance_length")]
         step_s = statistics.fmean(r["calibrated_step_s"] for r in rs)
-        row = [method, trained, " ".join(f"{b:g}" for (b, _), _ in sorted(means.items())), f"{b:+.3f}",
+        row = [method, trained, " ".join(f"{budget:g}" for (budget, _), _ in sorted(means.items())), f"{b:+.3f}",
                f"{worst:.3f}"]
-        for target in ([statistics.fmean(ngram)] if ngram else [None]) + [GOAL_AL]:
+        for target in (statistics.fmean(ngram) if ngram else None, GOAL_AL):
             need = None if target is None else seconds_to_reach(target, a, b)
             row += ["" if target is None else f"{target:.2f}",
                     "never" if need is None else f"{hours(need)} ({need / step_s:,.0f} steps)"]

@@ -247,11 +247,7 @@ def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     cfg = _load(config, set_)  # fail on a bad config before Prefect starts
     from peagle import stages
 
-    try:
-        stages.check_training_runs_here(cfg)  # and on a machine that cannot train it
-    except ConfigError as err:
-        console.print(f"[red]{err}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
+    stages.check_training_runs_here(cfg)  # and on a machine that cannot train it (main() says why, exit 2)
     from flows.pipeline import pipeline_flow
 
     result = pipeline_flow(config_path=str(config), overrides=parse_overrides(set_))

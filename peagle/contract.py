@@ -158,7 +158,6 @@ def head_tensor_names(head_dir: str | Path) -> list[str]:
     return names
 
 
-
 def drafts_in_parallel(head_dir: str | Path) -> bool:
     """Whether a head directory's weights draft K tokens in one pass (they ship ``mask_hidden``);
     raises ``head_tensor_names``' ValueError for a truncated or corrupt head."""
