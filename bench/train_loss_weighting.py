@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_common import (  # noqa: E402
     OFFLINE_NOTE,
     Run,
+    epochs_override,
     head_parser,
     offline_acceptance,
     setup_head_bench,
@@ -147,7 +148,7 @@ def main() -> None:
 
     setup_head_bench(args.threads)
     run = Run(NAME, vars(args))  # after setup: records the thread count the evaluation runs with
-    overrides = {"train.epochs": args.epochs} if args.epochs else {}
+    overrides = epochs_override(args.epochs)
     with tempfile.TemporaryDirectory(prefix="peagle-bench-") as tmp:
         if args.quick:
             data_dir, target_dir = tiny_head_dataset(Path(tmp))

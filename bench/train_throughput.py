@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from result_files import per_target_name  # noqa: E402
-from train_common import Run, head_parser, setup_head_bench, target_info, tiny_head_dataset, train_fresh  # noqa: E402
+from train_common import Run, epochs_override, head_parser, setup_head_bench, target_info, tiny_head_dataset, train_fresh  # noqa: E402
 
 NAME = "train_throughput"
 PEER = "speculators"
@@ -219,7 +219,7 @@ def compare(args, version: str, tmp: Path) -> Run:
     from peagle.target import resolve_target
     from peagle.train.trainer import load_training_inputs
 
-    overrides = {"train.method": "peagle", **({"train.epochs": args.epochs} if args.epochs else {})}
+    overrides = {"train.method": "peagle", **epochs_override(args.epochs)}
     if args.quick:  # the tiny target's positions
         overrides.update({"train.max_len": 64, "train.k_train": 3, "drafter.num_layers": 1, "eval.ks": [1, 3]})
     cfg = load_config(args.config, overrides)

@@ -61,3 +61,11 @@ def test_engine_core_placements_are_compared_within_rounds(monkeypatch):
     with bench.engine_core_in("here"):
         assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_the_k_grid_stops_at_the_k_the_heads_were_trained_for():
+    bench = load_bench("serving_speed")
+    assert bench.grid_ks(7) == [3, 5, 7]
+    assert bench.grid_ks(5) == [3, 5]
+    assert bench.grid_ks(3) == [3]
+    assert bench.grid_ks(2) == [2]  # below the grid: the heads' own K
