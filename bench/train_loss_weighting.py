@@ -39,7 +39,7 @@ from train_common import (  # noqa: E402
 NAME = "train_loss_weighting"
 WEIGHTINGS = ("uniform", "per_depth_mean")
 # --quick: a budget that trains something in seconds on the tiny dataset.
-QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.max_len": 64, "train.epochs": 2,
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.max_len": 64, **epochs_override(2),
                    "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "eval.ks": [1, 3]}
 
 
