@@ -239,7 +239,8 @@ class Bench:
         self.step_s: dict[str, float] = {}
         self.given_step_s = dict(given_step_s or {})
         self.clock = clock
-        self.recorded = {"target_revision": self.target_revision(), "cpu": cpu_model()}
+        self.recorded = {"target_revision": self.target_revision(), "data_build": dataset_build(data_dir),
+                         "data_dir": str(data_dir), "cpu": cpu_model()}
 
     def target_revision(self) -> str:
         """Which build of the target the runs measure (a local target's content digest, as the
@@ -423,11 +424,21 @@ def offline_kind(run: dict) -> str:
 UNRECORDED_TARGET = "unrecorded"
 
 
+def dataset_build(data_dir: Path) -> str | None:
+    """Which dataset a run trained and was measured on: the hash of the data configuration that
+    built it (its ``lineage.json``), the same on every machine that builds it from that config;
+    None for a dataset the pipeline did not build (--quick's)."""
+    from peagle.layout import DataLayout
+
+    lineage = DataLayout(data_dir).lineage
+    return json.loads(lineage.read_text())["data_config_hash"] if lineage.exists() else None
+
+
 class Setting(NamedTuple):
     """What two runs must share for their acceptance to be compared or averaged: how it was
-    simulated, and the target build. The embedded target is built on each machine, and the same
-    recipe, steps and seed accept differently on a machine with another CPU, so each run also
-    records its CPU."""
+    simulated, and the ground: the target build and, where a run records it, the dataset. The
+    embedded target is built on each machine, and the same recipe, steps and seed accept
+    differently on a machine with another CPU, so each run also records its CPU."""
 
     split: str
     target: str
@@ -441,7 +452,8 @@ class Setting(NamedTuple):
 
 
 def setting(run: dict) -> Setting:
-    return Setting(offline_kind(run), run.get("target_revision") or UNRECORDED_TARGET)
+    target = run.get("target_revision") or UNRECORDED_TARGET
+    return Setting(offline_kind(run), f"{target}, data {run['data_build']}" if run.get("data_build") else target)
 
 
 def several_targets(runs: list[dict]) -> bool:
@@ -542,26 +554,31 @@ def add_tables(run: Run, meta: dict) -> None:
 
 
 def add_data_table(run: Run, meta: dict, ks: list[str]) -> None:
-    """Acceptance against the answers trained on: the data part's runs, and the budgets part's
-    P-EAGLE runs of the same steps on the whole train split."""
+    """Acceptance against the answers trained on: the data part's runs, and the config recipe's
+    P-EAGLE runs of the same steps on the whole train split (the budgets and variants parts');
+    rows of each target build and dataset apart."""
     sized = [r for r in meta["runs"] if r["part"] == "data"]
     if not sized:
         return
     steps = {r["steps"] for r in sized}
-    whole = [r for r in meta["runs"] if r["part"] == "budgets" and r["method"] == "peagle" and r["steps"] in steps]
+    whole = [r for r in meta["runs"] if r["method"] == "peagle" and r["steps"] in steps and r["recipe"] == RECIPE_LABEL
+             and r["part"] in ("budgets", "variants")]
     groups: dict[tuple, list[dict]] = {}
     for r in sized + whole:
-        groups.setdefault((answers_trained(r), r["steps"], setting(r)), []).append(r)
+        groups.setdefault((setting(r), r["steps"], answers_trained(r)), []).append(r)
+    many = several_targets(sized + whole)
     k5 = ks[min(len(ks), 5) - 1]
-    rows = [[n or "all", steps_, f"{steps_ / n:.1f}" if n else "", len(rs),
+    rows = [[where.tag(str(n or "all"), many), steps_, f"{steps_ / n:.1f}" if n else "", len(rs),
              f"{statistics.fmean(r['train_seconds'] for r in rs):.0f}",
              *[f"{statistics.fmean(r['acceptance_length'][k] for r in rs):.3f}" for k in ks],
              " / ".join(f"{r['acceptance_length'][k5]:.3f}" for r in rs)]
-            for (n, steps_, _), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0] or math.inf))]
+            for (where, steps_, n), rs in sorted(groups.items(), key=lambda kv: (
+                kv[0][0].target, kv[0][1], kv[0][2] or math.inf))]
     run.add_table("Data size: the config's P-EAGLE recipe on the first N answers, for the same steps",
                   ["answers", "steps", "epochs", "seeds", "train s", *[f"K={k}" for k in ks],
                    f"K={k5} per seed"], rows,
-                  note="the whole train split's row is the budgets part's P-EAGLE run of the same steps")
+                  note="the whole train split's row is the config recipe's P-EAGLE run of the same steps "
+                       "(the budgets or variants part's)")
 
 
 # The acceptance length the projection also reads a time off for, beside n-gram lookup's on the
@@ -790,10 +807,19 @@ def clock_note(runs: list[dict]) -> str:
             "(summed step seconds, each process's first step left out)")
 
 
+def data_note(meta: dict) -> str:
+    """Where the runs' datasets are: the last invocation's, and every other dataset a run records."""
+    if meta["args"].get("quick"):
+        return f"data: {meta['data_dir']} (tiny random target, --quick)"
+    builds = {r["data_dir"]: r["data_build"] for r in meta["runs"] if r.get("data_build")}
+    builds.setdefault(meta["data_dir"], None)
+    return "data: " + "; ".join(f"{d} (data {b})" if b else d for d, b in sorted(builds.items()))
+
+
 def notes(meta: dict) -> list[str]:
     runs = meta["runs"]
     return [
-        f"data: {meta['data_dir']}" + (" (tiny random target, --quick)" if meta["args"].get("quick") else ""),
+        data_note(meta),
         f"budget -> train.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe"
         + given_step_note(runs) + clock_note(runs) + "; "
         f"config {meta['args']['config']}; the last invocation's overrides {json.dumps(meta['base_overrides'])} "

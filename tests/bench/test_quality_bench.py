@@ -73,11 +73,16 @@ def _run(recipe: str, al5: float, target: str | None, seed: int = 0) -> dict:
     return run if target is None else {**run, "target_revision": target}
 
 
-def _variants_rows(runs: list[dict]) -> list[list]:
+def _table_rows(add_table, runs: list[dict]) -> list[list]:
+    """The rows one of the bench's tables (``add_variants_table``, ``add_data_table``) makes of ``runs``."""
     run = quality.Run.__new__(quality.Run)
     run.sections = []
-    quality.add_variants_table(run, {"runs": runs}, ["5"])
+    add_table(run, {"runs": runs}, ["5"])
     return run.sections[0]["rows"]
+
+
+def _variants_rows(runs: list[dict]) -> list[list]:
+    return _table_rows(quality.add_variants_table, runs)
 
 
 def test_runs_of_different_target_builds_are_never_averaged_or_compared():
@@ -110,6 +115,23 @@ def test_a_variant_without_its_own_config_run_compares_with_the_budgets_part():
     rows = {r[0]: r for r in _variants_rows([config, other_build, _run("lm_head trains", 4.7, "local:aaaa")])}
     assert rows["lm_head trains [target local:aaaa]"][7] == "+0.100"
     assert not any(label.startswith("config recipe") for label in rows)  # budgets runs keep their own table
+
+
+def test_runs_on_two_datasets_of_one_target_build_are_kept_apart():
+    # The config recipe on the whole 288-answer train split (a variants run), and the data part on a
+    # grown dataset of the same target build: its first 288 answers and all 1,000.
+    def on(data: str, al5: float, part: str = "data", answers: int | None = None, seed: int = 0) -> dict:
+        run = {**_run("config recipe" if part == "variants" else f"first {answers} answers", al5, "local:aaaa", seed),
+               "part": part, "data_build": data, "steps": 404, "train_answers": 288 if data == "small" else 1000}
+        return run if answers is None else {**run, "overrides": {"train.max_samples": answers}}
+
+    rows = _table_rows(quality.add_data_table, [on("small", 1.38, "variants"), on("small", 1.40, "variants", seed=1),
+                       on("grown", 1.36, answers=288), on("grown", 1.45, answers=1000)])
+    assert [(r[0], r[3], r[5]) for r in rows] == [
+        ("288 [target local:aaaa, data grown]", 1, "1.360"), ("1000 [target local:aaaa, data grown]", 1, "1.450"),
+        ("288 [target local:aaaa, data small]", 2, "1.390")]
+    assert quality.setting(on("small", 1.38)) != quality.setting(on("grown", 1.38))
+    assert quality.setting(_run("config recipe", 4.8, "local:aaaa")).target == "local:aaaa"  # no dataset recorded
 
 
 def test_two_invocations_writing_one_result_file_keep_each_others_runs(tmp_path, monkeypatch):
