@@ -41,6 +41,12 @@ the MLflow UI compares runs across invocations (``mlflow ui --backend-store-uri 
                                                        # -> results/quality.* (the demo's real model)
     .venv/bin/python bench/quality.py --part budgets --budgets 300 --online   # + the heads in vLLM
     .venv/bin/python bench/quality.py --config configs/demo.yaml --part data --sizes 72 144 --ablation-budget 400
+    # a grown dataset of the demo's prompt mix (1,000 train answers) and its data-size rows
+    .venv/bin/peagle data configs/demo.yaml --set name=demo-1k --set data.max_samples=1032 --set 'data.sources=[
+        {kind: jsonl, path: data/prompts/code_train.jsonl, schema: messages},
+        {kind: magpie, path: ./.peagle/prompts/demo-1k-magpie.jsonl, max_samples: 516}]'
+    .venv/bin/python bench/quality.py --config configs/demo.yaml --data-dir .peagle/runs/demo-1k/data \
+        --part data --sizes 288 1000 --ablation-budget 400 --seeds 0 1
     .venv/bin/python bench/quality.py --config configs/demo.yaml --part copying
     .venv/bin/python bench/quality.py --render-only    # re-print results/quality.json
     .venv/bin/python bench/quality.py --part budgets --budgets 360 --online-saved   # serve heads trained before
@@ -240,7 +246,7 @@ class Bench:
         self.given_step_s = dict(given_step_s or {})
         self.clock = clock
         self.recorded = {"target_revision": self.target_revision(), "data_build": dataset_build(data_dir),
-                         "data_dir": str(data_dir), "cpu": cpu_model()}
+                         "data_dir": str(Path(data_dir).resolve()), "cpu": cpu_model()}
 
     def target_revision(self) -> str:
         """Which build of the target the runs measure (a local target's content digest, as the
@@ -568,7 +574,7 @@ def add_data_table(run: Run, meta: dict, ks: list[str]) -> None:
         groups.setdefault((setting(r), r["steps"], answers_trained(r)), []).append(r)
     many = several_targets(sized + whole)
     k5 = ks[min(len(ks), 5) - 1]
-    rows = [[where.tag(str(n or "all"), many), steps_, f"{steps_ / n:.1f}" if n else "", len(rs),
+    rows = [[where.tag(str(n or "all"), True) if many else n or "all", steps_, f"{steps_ / n:.1f}" if n else "", len(rs),
              f"{statistics.fmean(r['train_seconds'] for r in rs):.0f}",
              *[f"{statistics.fmean(r['acceptance_length'][k] for r in rs):.3f}" for k in ks],
              " / ".join(f"{r['acceptance_length'][k5]:.3f}" for r in rs)]
@@ -812,7 +818,7 @@ def data_note(meta: dict) -> str:
     if meta["args"].get("quick"):
         return f"data: {meta['data_dir']} (tiny random target, --quick)"
     builds = {r["data_dir"]: r["data_build"] for r in meta["runs"] if r.get("data_build")}
-    builds.setdefault(meta["data_dir"], None)
+    builds.setdefault(str(Path(meta["data_dir"]).resolve()), None)
     return "data: " + "; ".join(f"{d} (data {b})" if b else d for d, b in sorted(builds.items()))
 
 
@@ -958,7 +964,8 @@ def main() -> None:
         bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s, args.clock,
                       name)
         results = Results(run, args.quick, {
-            "data_dir": str(data_dir), "data_name": "tiny random target" if args.quick else Path(args.config).stem,
+            "data_dir": str(Path(data_dir).resolve()),
+            "data_name": "tiny random target" if args.quick else Path(args.config).stem,
             "ks": ks, "base_overrides": base})
         if args.online_saved:
             results.write(confirm_online(bench, saved_heads(results.saved().get("runs", []), max(budgets), seeds[0])))
