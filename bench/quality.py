@@ -434,10 +434,9 @@ def dataset_build(data_dir: Path) -> str | None:
     """Which dataset a run trained and was measured on: the hash of the data configuration that
     built it (its ``lineage.json``), the same on every machine that builds it from that config;
     None for a dataset the pipeline did not build (--quick's)."""
-    from peagle.layout import DataLayout
+    from peagle.lineage import read_dataset_inputs
 
-    lineage = DataLayout(data_dir).lineage
-    return json.loads(lineage.read_text())["data_config_hash"] if lineage.exists() else None
+    return read_dataset_inputs(data_dir).get("data_config_hash")
 
 
 class Setting(NamedTuple):

@@ -210,6 +210,12 @@ def record_dataset_inputs(data_dir: str | Path, inputs: dict[str, str]) -> Path:
     return write_json_atomic(DataLayout(data_dir).lineage, inputs, sort_keys=True)
 
 
+def read_dataset_inputs(data_dir: str | Path) -> dict[str, str]:
+    """What built the dataset, as ``record_dataset_inputs`` wrote it (empty when it holds none)."""
+    path = DataLayout(data_dir).lineage
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 # ----------------------------------------------------------------------------- a head's lineage
 
 
@@ -230,7 +236,7 @@ def head_lineage(cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Pa
     if trained != head_identity(cfg, manifests, method):
         return None, (f"checkpoint {checkpoint} was not trained on {data.root} with this config "
                       "(its head identity differs)")
-    inputs = json.loads(data.lineage.read_text())
+    inputs = read_dataset_inputs(data_dir)
     return {**{k: inputs[k] for k in DATASET_KEYS}, "train_config_hash": training_hash(cfg, method),
             "data_manifests": json.dumps(manifests, sort_keys=True)}, ""
 
