@@ -2,8 +2,8 @@
 
 Both heads are trained on the demo run's data (``.peagle/runs/demo``; the demo's data and
 P-EAGLE stages run first when that directory is missing). For every K and concurrency the
-script measures, in vLLM on CPU, the acceptance length, per-position acceptance and output
-tokens/s, next to the offline (simulated) acceptance of the same checkpoints.
+script measures, in vLLM on CPU, tokens per target step, vLLM's acceptance length, per-position
+acceptance and output tokens/s, next to the offline (simulated) acceptance of the same checkpoints.
 
     .venv/bin/python bench/online_eval.py            # K 1,3,5,7, concurrency 1,4
     .venv/bin/python bench/online_eval.py --ks 1,3,5 # faster: 7 engines instead of 9
@@ -153,21 +153,26 @@ def offline_table(offline: dict) -> list[dict]:
 
 def markdown(online, offline: dict, ks: list[int], meta: dict) -> str:
     """Two tables: the online rows (with speed-up) and acceptance per K, offline vs online."""
+    from peagle.eval.online import TABLE_CAPTION
+
     lines = [f"# Online evaluation on the embedded target ({meta['date']})", "",
              f"Target `{meta['target']}`, prompt set `{online.prompt_set}` ({meta['num_prompts']} prompts), "
              f"max_tokens {online.max_tokens}, greedy, vLLM CPU on {meta['cpu']}. "
              "P-EAGLE served with parallel_drafting, EAGLE-3 without. Both heads trained on the same demo data; "
              f"training budgets: {json.dumps(meta['training'])}.", "",
-             "| method | K | conc. | acc. length | per-position acceptance | out tok/s | speed-up | drafts |",
-             "|---|---:|---:|---:|---|---:|---:|---:|"]
+             "| method | K | conc. | tokens/step | vLLM acc. length | per-position acceptance | out tok/s | speed-up "
+             "| drafts |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in online.rows:
         speedup = online.speedup(r)
         lines.append(
-            f"| {r.method} | {r.k or '-'} | {r.concurrency} | "
+            f"| {r.method} | {r.k or '-'} | {r.concurrency} | {r.tokens_per_step_text()} | "
             f"{'-' if r.acceptance_length is None else f'{r.acceptance_length:.2f}'} | "
             f"{' '.join(f'{a:.2f}' for a in r.per_position_acceptance) or '-'} | {r.output_tokens_per_s:.1f} | "
             f"{'-' if speedup is None else f'{speedup:.2f}x'} | {r.num_drafts} |")
-    lines += ["", "Acceptance length per K, offline (held-out hidden states) vs online (vLLM, concurrency 1):", "",
+    lines += ["", TABLE_CAPTION, "",
+              "vLLM's acceptance length of each head per K, offline (held-out hidden states) vs online "
+              "(vLLM, concurrency 1):", "",
               "| method | " + " | ".join(f"K={k} offline | K={k} online" for k in ks) + " |",
               "|---|" + "---:|" * (2 * len(ks))]
     for label in [h for h in labels() if h in offline]:

@@ -140,11 +140,20 @@ def compare_engine_cores(by_core: dict[str, list[dict[str, float]]], starts: dic
     return rows
 
 
+# What the tokens-per-step table's figures are (``OnlineRow.tokens_per_step``).
+PER_STEP_NOTE = (
+    "Tokens per target step counts every decode step: what heads and n-gram lookup are compared on. A head "
+    "drafts at every step, so its vLLM acceptance length is the same figure (but for draft tokens accepted "
+    "past a request's end); n-gram lookup's counts only the steps its lookup matched. A range: vLLM counts the "
+    "draft tokens a request's last step accepted past its end, at most K a request, which the output drops."
+)
+
+
 def fmt(v: dict) -> str:
     return f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
 
 
-def markdown(rounds: list[dict[str, float]], acceptance: dict[str, dict], grids: dict[str, dict],
+def markdown(rounds: list[dict[str, float]], per_step: dict[str, dict], grids: dict[str, dict],
              best: dict, meta: dict) -> str:
     methods, ks, concurrency, baseline = meta["methods"], meta["ks"], meta["concurrency"], meta["baseline"]
     lines = [f"# Serving speed at each K and concurrency ({meta['date']})", "",
@@ -168,9 +177,10 @@ def markdown(rounds: list[dict[str, float]], acceptance: dict[str, dict], grids:
     lines += markdown_table(["method", *(f"c={c}" for c in concurrency)],
                             [[m, *(f"K={best[m][c][0]} ({best[m][c][1]:.2f}x)" if c in best.get(m, {}) else "-"
                                    for c in concurrency)] for m in methods])
-    lines += ["", "Acceptance at concurrency 1 (last round): vLLM's acceptance length / tokens per target step:", ""]
+    lines += ["", f"Tokens per target step at concurrency 1 (last round), vLLM's acceptance length in brackets. "
+              f"{PER_STEP_NOTE}", ""]
     lines += markdown_table(["method", *(f"K={k}" for k in ks)],
-                            [[m, *(acceptance[m].get(str(k), "-") for k in ks)] for m in methods])
+                            [[m, *(per_step[m].get(str(k), "-") for k in ks)] for m in methods])
     return "\n".join(lines + [""])
 
 
@@ -221,15 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     grids = {over: ratio_grid(rounds, methods, args.ks, args.concurrency, over, BASELINE)
              for over in (BASELINE, NGRAM, *(get_method(m).label for m in list(heads)[1:]))}
     best = fastest_k(grids[BASELINE], methods, args.ks, args.concurrency)
-    acceptance = {m: {str(r.k): f"{r.acceptance_length:.2f} / {r.tokens_per_step:.2f}" for r in online.rows
-                      if r.method == m and r.concurrency == min(args.concurrency) and r.tokens_per_step}
-                  for m in methods}
+    per_step = {m: {str(r.k): f"{r.tokens_per_step_text()} ({r.acceptance_length:.2f})" for r in online.rows
+                    if r.method == m and r.concurrency == min(args.concurrency) and r.tokens_per_step}
+                for m in methods}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_line(), "commit": git_commit(),
             "ks": args.ks, "concurrency": args.concurrency, "prompts": args.prompts, "methods": methods,
             "baseline": BASELINE, "num_prompts": cfg.eval.num_prompts, "max_tokens": cfg.eval.max_tokens,
             "load_average": load_average(), "heads": {m: str(d) for m, d in heads.items()}}
-    text = markdown(rounds, acceptance, grids, best, meta)
-    payload = {"meta": meta, "rounds": rounds, "acceptance": acceptance, "ratios": grids,
+    text = markdown(rounds, per_step, grids, best, meta)
+    payload = {"meta": meta, "rounds": rounds, "tokens_per_step": per_step, "ratios": grids,
                "fastest_k": {m: {str(c): list(v) for c, v in by_c.items()} for m, by_c in best.items()}}
     if len(by_core) > 1:
         cores = compare_engine_cores(by_core, starts)

@@ -193,7 +193,7 @@ def is_transient(exc: BaseException | None) -> bool:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, EngineStartError | ConnectionError | TimeoutError):
+        if isinstance(exc, EngineStartError | ConnectionError | TimeoutError) or getattr(exc, "transient", False):
             return True
         name = type(exc).__name__
         if name in {"ConnectError", "ConnectTimeout", "ReadTimeout"}:  # requests / httpx
@@ -218,18 +218,20 @@ def retry_if_transient(task, task_run, state) -> bool:
 # ----------------------------------------------------------------------------- artifacts
 
 
-def acceptance_markdown(online, title: str = "Acceptance length in vLLM") -> str:
-    """The online acceptance table as markdown (one row per method, K and concurrency)."""
+def acceptance_markdown(online, title: str = "Tokens per target step and acceptance length in vLLM") -> str:
+    """The online table as markdown (one row per method, K and concurrency), with what its columns are."""
+    from peagle.eval.online import TABLE_CAPTION
+
     lines = [f"### {title}", "", f"target `{online.target}`, prompt set `{online.prompt_set}`, "
              f"max_tokens {online.max_tokens}, greedy", "",
-             "| method | K | concurrency | acceptance length | output tok/s | speedup |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| method | K | concurrency | tokens/step | vLLM acc. length | output tok/s | speedup |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in online.rows:
         accept = f"{r.acceptance_length:.3f}" if r.acceptance_length is not None else "-"
         speedup = online.speedup(r)
-        lines.append(f"| {r.method} | {r.k} | {r.concurrency} | {accept} | {r.output_tokens_per_s:.1f} | "
-                     f"{f'{speedup:.2f}x' if speedup else '-'} |")
-    return "\n".join(lines)
+        lines.append(f"| {r.method} | {r.k} | {r.concurrency} | {r.tokens_per_step_text()} | {accept} | "
+                     f"{r.output_tokens_per_s:.1f} | {f'{speedup:.2f}x' if speedup else '-'} |")
+    return "\n".join([*lines, "", TABLE_CAPTION])
 
 
 def artifact_key(*parts: str) -> str:

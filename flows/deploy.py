@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from flows import require_prefect_api
 from peagle.paths import REPO_ROOT
 
 PREFECT_FILE = REPO_ROOT / "prefect.yaml"
@@ -223,7 +224,8 @@ def require_api_url() -> str:
 def existing_work_pools() -> set[str]:
     result = prefect_cli("work-pool", "ls", "--output", "json", capture=True)
     if result.returncode != 0:
-        raise DeployError(f"`prefect work-pool ls` failed:\n{result.stdout}{result.stderr}")
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        raise DeployError(f"`prefect work-pool ls` failed: {lines[-1] if lines else f'exit {result.returncode}'}")
     return {pool["name"] for pool in json.loads(result.stdout[result.stdout.index("["):])}
 
 
@@ -247,6 +249,7 @@ def deploy(path: Path = PREFECT_FILE, names: list[str] | None = None) -> list[st
     Run :func:`check_deployments` first. Returns the work pools created.
     """
     require_api_url()
+    require_prefect_api()  # a server that does not answer: one line saying so, not Prefect's traceback
     deployments = read_deployments(path, names)
     created = ensure_work_pools({d.pool for d in deployments})
     selection = [arg for d in deployments for arg in ("--name", d.name)] if names else ["--all"]

@@ -24,7 +24,7 @@ from peagle import stages
 from peagle.catalogue import trained_methods
 from peagle.config import PipelineConfig, load_config, write_resolved_config
 from peagle.layout import RunLayout
-from peagle.lineage import prompt_file_hashes, read_head_lineage
+from peagle.lineage import dataset_prompt_files, read_head_lineage
 from peagle.tracking import records
 
 
@@ -76,7 +76,7 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
             target = resolve_target(cfg)
         with timer.stage("data"), tracker.stage("data") as run:
             data = data_flow(data_config, force=force_data, target=target)
-            datasets = records.record_dataset(tracker, run, data, prompt_file_hashes(data_cfg))
+            datasets = records.record_dataset(tracker, run, data, dataset_prompt_files(data.data_dir))
         with timer.stage("train"), tracker.stage("train", system_metrics=True) as run:
             records.record_training_inputs(run, datasets)
             trained = train_flow(config, str(data.data_dir), target=target, export=False, mlflow_run_id=run.run_id)

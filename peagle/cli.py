@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from peagle.config import ConfigError, load_config, parse_overrides
+from peagle.config import INIT_FROM_CHAMPION, ConfigError, VllmConfig, load_config, parse_overrides
 from peagle.layout import RunLayout
 from peagle.paths import configure_environment
 
@@ -57,17 +57,44 @@ def _library_output(cfg):
 
 @config_app.command("check")
 def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
-    """Validate a config (types, unknown keys, impossible combinations, the evaluation prompt
-    files it names) without running anything."""
-    from peagle.data.prompt_sets import check_eval_prompts
+    """Check a config against everything it names, without an engine or a download: types, keys
+    and combinations; the target (its tokenizer and the mask token); every prompt source and
+    evaluation set; the counts; the run directory."""
+    from peagle.stages import check_config
 
     cfg = _load(config, set_)
     try:
-        check_eval_prompts(cfg, hub=False)  # files only: a benchmark is downloaded when a run needs it
+        notes = check_config(cfg)
     except ConfigError as err:
         console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
+    for note in notes:
+        console.print(f"not checked here: {note}", soft_wrap=True)
     console.print(f"[green]{config}: valid[/green] (run directory {cfg.run_dir})")
+
+
+def _one_engine(cfg):
+    """The engine settings of a command that starts one engine (export's check, evaluate, serve):
+    ``vllm.data_parallel_size`` is the data stage's alone."""
+    return cfg.vllm.model_copy(update={"data_parallel_size": 1})
+
+
+def _require(*, vllm=None, tracking=None, prefect: bool = False) -> None:
+    """The services a command needs, checked before any of its work (``peagle.services``): vLLM
+    and the devices ``vllm`` (a VllmConfig) asks for, the MLflow server of ``tracking`` (a
+    TrackingConfig), the Prefect API. ``main`` prints the one that is missing."""
+    if vllm is not None:
+        from peagle.serving.engine import require_vllm
+
+        require_vllm(vllm)
+    if tracking is not None:
+        from peagle.tracking.mlflow_run import require_tracking_server, resolve_tracking_uri
+
+        require_tracking_server(resolve_tracking_uri(tracking))
+    if prefect:
+        from flows import require_prefect_api
+
+        require_prefect_api()
 
 
 @config_app.command("env")
@@ -129,6 +156,7 @@ def data_cmd(
             console.print("[red]--verify only reports; run --repair or --force on their own[/red]")
             raise typer.Exit(2)
         raise typer.Exit(_verify_dataset(cfg))
+    _require(vllm=cfg.vllm)
     with _library_output(cfg):
         info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force, repair=repair)
     console.print(stages.summary_json(info))
@@ -171,6 +199,7 @@ def train_cmd(
 
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
+    _require(tracking=cfg.tracking if cfg.train.init_from == INIT_FROM_CHAMPION else None)
     data_dir = RunLayout(cfg.run_dir).data.root
     try:
         check_dataset(data_dir)  # no dataset, an unfinished or a corrupt one: say so before any work
@@ -199,6 +228,7 @@ def export_cmd(
 
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
+    _require(vllm=_one_engine(cfg) if vllm_check else None)
     data_dir = RunLayout(cfg.run_dir).data.root
     with _library_output(cfg):
         target = stages.prepare_target(cfg)
@@ -225,6 +255,7 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     from peagle.contract import CONFIG_FILE
 
     cfg = _load(config, set_)
+    _require(vllm=_one_engine(cfg))
     run = RunLayout(cfg.run_dir)
     heads = {m: stages.exported_head_dir(cfg, m) for m in available_methods()
              if (stages.exported_head_dir(cfg, m) / CONFIG_FILE).exists()}
@@ -248,6 +279,7 @@ def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     from peagle import stages
 
     stages.check_training_runs_here(cfg)  # and on a machine that cannot train it (main() says why, exit 2)
+    _require(vllm=cfg.vllm, tracking=cfg.tracking, prefect=True)  # and without a service it needs
     from flows.pipeline import pipeline_flow
 
     result = pipeline_flow(config_path=str(config), overrides=parse_overrides(set_))
@@ -281,6 +313,44 @@ def pull_cmd(
         console.print(f"or:       {pulled.serve_line}", soft_wrap=True)
 
 
+@app.command("push")
+def push_cmd(
+    head_dir: Path = typer.Argument(..., help="An exported head directory (`peagle export` writes <run>/heads/<method>)"),
+    repo_id: str = typer.Argument(..., help="The Hub model repository, e.g. my-org/smollm2-135m-p-eagle (created "
+                                            "if missing)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List each file, its size and the repository; upload "
+                                                          "nothing (needs no network)"),
+    private: bool = typer.Option(False, "--private", help="Create the repository private (an existing one keeps "
+                                                          "its visibility)"),
+    revision: str = typer.Option(None, "--revision", help="The branch to upload to (created if missing; default "
+                                                          "the repository's main)"),
+):
+    """Upload a head directory to the Hugging Face Hub, checked first; the token is HF_TOKEN or `hf auth login`'s."""
+    from peagle.data.store import format_bytes
+    from peagle.export.hub import PushError, UploadError, plan_upload, push_head
+
+    try:
+        upload = plan_upload(head_dir, repo_id)
+        for warning in upload.warnings:
+            console.print(f"[yellow]warning: {warning}[/yellow]", soft_wrap=True)
+        where = upload.url + (f" (branch {revision})" if revision else "")
+        if dry_run:
+            console.print(f"would upload {len(upload.files)} files ({format_bytes(upload.total_bytes)}) of "
+                          f"{upload.head_dir} to {where}:", soft_wrap=True)
+            for name, size in upload.files.items():
+                console.print(f"  {name}  {format_bytes(size)}", soft_wrap=True, highlight=False)
+            console.print(f"its README.md's serve line names {repo_id}; nothing was uploaded (--dry-run)", soft_wrap=True)
+            return
+        url = push_head(upload, private=private, revision=revision)
+    except PushError as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except UploadError as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(f"pushed {len(upload.files)} files to {where}: {url}", soft_wrap=True)
+
+
 @app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve_cmd(
     ctx: typer.Context,
@@ -296,6 +366,7 @@ def serve_cmd(
     from peagle.export.serving_plan import plan_serving
     from peagle.serving.server import ServerStartError, VllmServer, api_server_argv
 
+    _require(vllm=VllmConfig())  # vLLM and one device to serve on
     try:
         serving = plan_serving(head_dir, target=target, k=k, served_name=served_model_name)
     except ValueError as err:
@@ -348,7 +419,8 @@ def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
                 force: bool = typer.Option(False, help="Retrain even when nothing changed"),
                 warm_start: bool = typer.Option(False, help="Start from the champion's weights (train.init_from)")):
     """Retrain only if the prompts, target or config changed since the champion; promote if better."""
-    _load(config, set_)
+    cfg = _load(config, set_)
+    _require(vllm=cfg.vllm, tracking=cfg.tracking, prefect=True)
     from flows.retrain import retrain_flow
 
     result = retrain_flow(config_path=str(config), overrides=parse_overrides(set_), force=force,
@@ -359,11 +431,11 @@ def retrain_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt,
 
 
 def print_online(online) -> None:
-    """One table per prompt set: acceptance and output tokens/s in vLLM, against no speculation
-    and n-gram lookup."""
+    """One table per prompt set: tokens per target step, vLLM's acceptance length and output
+    tokens/s in vLLM, against no speculation and n-gram lookup."""
     for measured in online.prompt_sets():
         traffic = "completion traffic, no chat template" if measured is online.completion else "chat"
-        console.print(measured.to_table(title=f"Acceptance length and output tokens/s in vLLM: "
+        console.print(measured.to_table(title=f"Tokens per target step and output tokens/s in vLLM: "
                                               f"{measured.prompt_set} ({traffic})"))
 
 
@@ -392,6 +464,7 @@ def main() -> None:
 
     show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
     from peagle.data.store import CorruptShardError, DiskSpaceError
+    from peagle.services import EXIT_UNAVAILABLE, ServiceUnavailable
     from peagle.serving.engine import EngineStartError
 
     try:
@@ -405,6 +478,9 @@ def main() -> None:
     except EngineStartError as err:  # a device, memory or replica problem: the message says what to do
         console.print(f"[red]{err}[/red]")
         sys.exit(1)
+    except ServiceUnavailable as err:  # one line: the service, what is wrong, how to start or point at one
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        sys.exit(EXIT_UNAVAILABLE)
     except SystemExit as done:
         if done.code == INTERRUPTED:
             exit_now(INTERRUPTED)

@@ -267,6 +267,9 @@ class DrafterConfig(Strict):
 # train.init_from value meaning "the registry champion for this target" (resolved by the pipeline).
 INIT_FROM_CHAMPION = "champion"
 
+# How the drafter evaluates the attention rule (peagle.model.drafter.attention_backend).
+AttentionBackend = Literal["auto", "flex", "dense"]
+
 
 class TrainConfig(Strict):
     method: str = DEFAULT_METHOD  # a drafting method of the catalogue (peagle.methods)
@@ -298,6 +301,11 @@ class TrainConfig(Strict):
     unaccepted_weight: float = Field(0.0, ge=0, le=1)
     max_len: int = Field(768, ge=16)
     segments: int = Field(1, ge=1)
+    # How attention runs, not what it computes (no part of a head's identity): "flex" evaluates
+    # the rule as flex attention's block-sparse mask (no [N, N] tensor; trains on CUDA only),
+    # "dense" as a [B, N, N] mask with SDPA (memory quadratic in the elements), "auto" flex on
+    # CUDA and dense on CPU (peagle.model.drafter says why; bench/results/attention_memory.md).
+    attention: AttentionBackend = "auto"
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     # Train for this many seconds of optimizer steps instead (as many epochs as it takes; still
@@ -479,6 +487,33 @@ class OrchestrationConfig(Strict):
     accelerator_slots: int = Field(1, ge=1)  # used when the limit is created because it is missing
 
 
+class CardConfig(Strict):
+    """What the head's model card says of its target on the Hub, where the target itself cannot
+    say it (``peagle.target.metadata`` reads the rest from the target). A section of its own: it
+    changes no dataset, training or evaluation, so no cache key reads it."""
+
+    # The hub id a local target comes from (the card's ``base_model`` and serve line); a hub-id
+    # target is its own. Not a path.
+    base_model: str | None = None
+    # The target's license as a Hub license id (``apache-2.0``, ``llama3.1``, ...), when the
+    # target's own model card does not name it; the head carries the target's license.
+    license: str | None = Field(None, min_length=1)
+
+    @field_validator("base_model")
+    @classmethod
+    def _a_hub_id(cls, value: str | None) -> str | None:
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        if value is None:
+            return value
+        try:
+            validate_repo_id(value)
+        except HFValidationError as err:
+            raise ValueError(f"card.base_model {value!r} is not a hub id (org/name): {err}") from None
+        return value
+
+
 class PipelineConfig(Strict):
     name: str
     workdir: str | None = None  # None: <PEAGLE_HOME>/runs/<name>
@@ -490,6 +525,7 @@ class PipelineConfig(Strict):
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
+    card: CardConfig = CardConfig()
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -172,6 +172,7 @@ def speculative_config(head_ref: str, k: int, *, parallel_drafting: bool = True)
 
 
 NGRAM = "ngram"  # the label of vLLM's n-gram lookup rows, beside the heads' labels
+NGRAM_DISPLAY = "n-gram lookup"  # how tables, plots and cards name it
 # vLLM's prompt lookup: the longest n-gram (4 down to 2 tokens) that recurs in the context
 # proposes the K tokens that followed it. No head, no training: the floor a head must beat.
 NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}

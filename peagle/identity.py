@@ -34,6 +34,9 @@ Bookkeeping, which never counts (``BOOKKEEPING``):
   head for the same inputs, so a head already trained (or registered) on them is reused
   rather than retrained from another start; the start is recorded in
   ``train_result.json`` (``warm_start``).
+- ``attention``: which kernels evaluate the attention rule (flex attention's block-sparse mask
+  or a dense mask), not the rule: both give the same outputs and gradients
+  (``tests/model/test_flex_attention.py``), so a run may switch between them on resume.
 - ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``: where the
   ranks run, not what they compute.
 ``world_size`` and ``grad_accum`` count as their product (``micro_batches_per_step``): with
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
     from peagle.methods.base import DraftingMethod
 
 BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
-                         "init_from"})
+                         "init_from", "attention"})
 LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "hostfile"})
 SPLIT_OF_THE_BATCH = frozenset({"world_size", "grad_accum"})  # count as micro_batches_per_step
 

@@ -4,7 +4,9 @@ A head's lineage is the dataset's inputs (prompt files by content, the target re
 target/data config) plus the training half of its identity (``peagle.identity.training_hash``).
 Each part is written down where it is known, so every way of registering a head carries it:
 
-- the data stage records what built the dataset beside it (``data/lineage.json``);
+- the data stage records what built the dataset beside it (``data/lineage.json``): each
+  prompt source named by what it read (``peagle.data.provenance``: a magpie file once
+  written, a hub set at the commit it was read at), never by what the config said before;
 - export writes the head's ``lineage.json`` (those inputs + the training hash + the dataset's
   manifests), but only when the checkpoint's own identity (``trainer_state.json``) proves it
   was trained on that dataset with that config;
@@ -37,6 +39,7 @@ DATASET_KEYS = ("data_config_hash", "target_revision", "prompt_files")  # what b
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 DIGEST_CACHE = Path("cache") / "file-sha256.json"  # under PEAGLE_HOME: sha256 of big files by (path, size, mtime)
 HUB_TIMEOUT_S = 30  # a scheduled run must not hang on an unreachable hub: it falls back to the cache
+NAMED_ONLY = "hub:"  # a prompt source a lineage names by its config alone ("hub:<path>@<split>/<subset>")
 
 # Top-level files that decide what a local target computes (config, tokenizer, weights, remote
 # code); documentation and peagle's build report of the embedded target do not.
@@ -155,20 +158,12 @@ def cached_digests(files: list[Path]) -> dict[Path, str]:
 
 
 def prompt_file_hashes(cfg: PipelineConfig) -> dict[str, str]:
-    """sha256 of every local prompt file (a grown file is new prompt data); hub sets by name."""
-    from peagle.config import resolve_repo_path
+    """Each prompt source named by what the data stage would read from it now, the way the
+    dataset's lineage names what it did read (``peagle.data.provenance``): a grown file is new
+    prompt data, a moved hub set a new commit. A missing local file is a ConfigError naming it."""
+    from peagle.data.provenance import hub_commits, source_digests
 
-    hashes = {}
-    for src in cfg.data.sources:
-        path = resolve_repo_path(src.path)
-        if src.kind == "hf" or not path.exists():
-            hashes[src.path] = f"hub:{src.path}@{src.split}/{src.subset or ''}"
-        elif path.is_dir():
-            hashes[src.path] = _digest_strings(f"{p.relative_to(path)}:{sha256_file(p)}"
-                                               for p in sorted(path.rglob("*")) if p.is_file())
-        else:
-            hashes[src.path] = sha256_file(path)
-    return hashes
+    return source_digests(cfg.data.sources, hub_commits(cfg.data.sources))
 
 
 def data_config_hash(cfg: PipelineConfig, target) -> str:
@@ -187,22 +182,20 @@ def revision_of(cfg: PipelineConfig, target) -> str:
 
 def lineage(cfg: PipelineConfig, target) -> dict[str, str]:
     """What a head trained now would be trained on, known before any work: the keys retraining
-    compares. The dataset is named by what builds it (it is not built yet); the training part
-    is the head identity's own (``peagle.identity.training_hash``: bookkeeping never counts)."""
+    compares with a head's recorded lineage. The dataset is named by the inputs the data stage
+    would read now, as it names those it read; the training part is the head identity's own
+    (``peagle.identity.training_hash``: bookkeeping never counts)."""
     from peagle.identity import training_hash
 
-    return {
-        "data_config_hash": data_config_hash(cfg, target),
-        "train_config_hash": training_hash(cfg),
-        "target_revision": revision_of(cfg, target),
-        "prompt_files": json.dumps(prompt_file_hashes(cfg), sort_keys=True),
-    }
+    return {**dataset_inputs(cfg, target), "train_config_hash": training_hash(cfg)}
 
 
-def dataset_inputs(cfg: PipelineConfig, target) -> dict[str, str]:
-    """The part of the lineage that builds the dataset (read before it is built)."""
-    values = lineage(cfg, target)
-    return {k: values[k] for k in DATASET_KEYS}
+def dataset_inputs(cfg: PipelineConfig, target, prompt_files: dict[str, str] | None = None) -> dict[str, str]:
+    """The part of the lineage that builds the dataset. ``prompt_files``: what the data stage
+    read (``DatasetInfo.prompt_files``); by default what it would read now."""
+    files = prompt_file_hashes(cfg) if prompt_files is None else prompt_files
+    return {"data_config_hash": data_config_hash(cfg, target), "target_revision": revision_of(cfg, target),
+            "prompt_files": json.dumps(files, sort_keys=True)}
 
 
 def record_dataset_inputs(data_dir: str | Path, inputs: dict[str, str]) -> Path:
@@ -214,6 +207,11 @@ def read_dataset_inputs(data_dir: str | Path) -> dict[str, str]:
     """What built the dataset, as ``record_dataset_inputs`` wrote it (empty when it holds none)."""
     path = DataLayout(data_dir).lineage
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def dataset_prompt_files(data_dir: str | Path) -> dict[str, str]:
+    """The prompt sources the dataset was built from, by content, as its data stage read them."""
+    return json.loads(read_dataset_inputs(data_dir).get("prompt_files", "{}"))
 
 
 # ----------------------------------------------------------------------------- a head's lineage
@@ -294,12 +292,26 @@ def changes_since(recorded: dict[str, str], current: dict[str, str]) -> list[str
         elif path not in new_files:
             changes.append(f"prompt source {path} removed")
         elif old_files[path] != new_files[path]:
-            changes.append(f"prompt file {path} changed (new prompt data)")
+            changes.append(prompt_source_change(path, old_files[path], new_files[path]))
     for key, what in (("target_revision", "target revision"), ("data_config_hash", "data/target config"),
                       ("train_config_hash", "drafter/train config or method")):
         if recorded.get(key) != current[key]:
             changes.append(f"{what} changed ({recorded.get(key)} -> {current[key]})")
     return changes
+
+
+def prompt_source_change(path: str, recorded: str, current: str) -> str:
+    """Why one prompt source differs from the champion's record (``peagle.data.provenance``'s names)."""
+    from peagle.data.provenance import NOT_WRITTEN
+
+    if current == NOT_WRITTEN:
+        return f"prompt file {path} is not written yet: its kind: magpie source writes it anew (new prompt data)"
+    if recorded.startswith(NAMED_ONLY):
+        return (f"prompt source {path} was recorded by name ({recorded}), not by what was read: "
+                "retraining records its content")
+    if current.startswith("hf:"):
+        return f"hub dataset {path} changed ({recorded} -> {current})"
+    return f"prompt file {path} changed (new prompt data)"
 
 
 def _digest_strings(parts) -> str:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from peagle.catalogue import BASELINE, get_method
@@ -55,15 +55,48 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     files are checked first: a missing or short one fails before a target is built or downloaded."""
     from peagle.data.prompt_sets import check_eval_prompts
     from peagle.lineage import target_revision
-    from peagle.target import load_target_config_and_tokenizer, resolve_target
+    from peagle.target import resolve_target
 
     check_eval_prompts(cfg)
     path = resolve_target(cfg.target)
+    facts, _ = checked_target_facts(cfg, path)
+    revision = target_revision(cfg.target, path)
+    return TargetInfo(path=path, facts=facts, revision=revision.value, revision_source=revision.source)
+
+
+def checked_target_facts(cfg: PipelineConfig, path: str) -> tuple[TargetFacts, object]:
+    """(the facts, the tokenizer) of the resolved target at ``path``, with the config checked against
+    them: the mask token is one token of the tokenizer, the drafter and train sections fit."""
+    from peagle.target import load_target_config_and_tokenizer
+
     target_config, tokenizer = load_target_config_and_tokenizer(cfg.target.model_copy(update={"model": path}))
     facts = target_facts_from_target(cfg, target_config, tokenizer)
     drafter_shape(cfg, facts)  # a drafter/train section that cannot work fails now, not after the data stage
-    revision = target_revision(cfg.target, path)
-    return TargetInfo(path=path, facts=facts, revision=revision.value, revision_source=revision.source)
+    return facts, tokenizer
+
+
+def check_config(cfg: PipelineConfig) -> list[str]:
+    """``peagle config check``: every check of ``cfg`` that needs no engine and downloads no
+    weights, data or benchmark; a ``ConfigError`` naming the key and the fix at the first that
+    fails. The target resolves (a local directory; a hub id in the cache when the hub is off; the
+    embedded target once built) and the config fits it (``checked_target_facts``, the draft
+    vocabulary); the data stage's own checks follow (``peagle.data.preflight``). Returns a line
+    for each thing left to the run (an embedded target not built yet, a source not read here)."""
+    from peagle.data.preflight import CONFIG_CHECK_PROMPTS, check_data_inputs, check_writable
+    from peagle.target import resolve_target
+    from peagle.target.build import embedded_target_dir, is_complete
+
+    notes, tokenizer, mask_token_id = [], None, None
+    if cfg.target.is_embedded and not is_complete(embedded_target_dir(cfg.target.embedded)):
+        check_writable(embedded_target_dir(cfg.target.embedded), "PEAGLE_HOME")
+        notes.append(f"target: the embedded target is built on first use, in minutes (`peagle target build`), "
+                     f"into {embedded_target_dir(cfg.target.embedded)}; the mask token is checked once it is built")
+    else:
+        facts, tokenizer = checked_target_facts(cfg, resolve_target(cfg.target))
+        facts.with_draft_vocab(cfg.data.draft_vocab_size or facts.vocab_size)
+        mask_token_id = facts.mask_token_id
+    inputs = check_data_inputs(cfg, tokenizer, mask_token_id, download=False, scan=CONFIG_CHECK_PROMPTS)
+    return notes + inputs.notes()
 
 
 def check_training_runs_here(cfg: PipelineConfig) -> None:
@@ -76,16 +109,16 @@ def check_training_runs_here(cfg: PipelineConfig) -> None:
 
 def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False, repair: bool = False):
     """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary, and what
-    built them (``data/lineage.json``, which export hands on to the head). ``force`` replaces a
-    dataset of another configuration once the new one is complete; ``repair`` (and ``force``)
-    extracts the samples of corrupt shards again (``peagle.data.pipeline``)."""
+    built them (``data/lineage.json``, which export hands on to the head): the prompt sources
+    as the build read them (a magpie file once written, a hub set at its commit). ``force``
+    replaces a dataset of another configuration once the new one is complete; ``repair`` (and
+    ``force``) extracts the samples of corrupt shards again (``peagle.data.pipeline``)."""
     from peagle.data.pipeline import build_dataset
     from peagle.lineage import dataset_inputs, record_dataset_inputs
 
-    inputs = dataset_inputs(cfg, target)  # read before the build: what it is built from
     info = build_dataset(cfg, target.path, target.facts, progress=True, force=force, repair=repair,
                          target_revision=target.revision)
-    record_dataset_inputs(info.data_dir, inputs)
+    record_dataset_inputs(info.data_dir, dataset_inputs(cfg, target, info.prompt_files))
     return info
 
 
@@ -270,11 +303,15 @@ def exported_head_dir(cfg: PipelineConfig, method: Method) -> Path:
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
                 *, method: Method | None = None, card=None) -> Path:
     """Write the vLLM head directory of a ``method`` checkpoint (default ``train.method``) with the
-    lineage it provably was trained on (``peagle.lineage``); refuses a head that fails validation."""
+    lineage it provably was trained on (``peagle.lineage``) and a card naming the target's hub id and
+    license (``peagle.target.metadata``); refuses a head that fails validation."""
+    from peagle.export.card import ModelCardInfo
     from peagle.export.head import export_from_checkpoint
     from peagle.lineage import write_head_lineage
+    from peagle.target.metadata import target_metadata
 
     method = get_method(method or cfg.train.method)
+    card = replace(card or ModelCardInfo(), target=target_metadata(cfg, target.path))
     head = export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
                                   target_path=target.path, overwrite=True, method=method)
     write_head_lineage(head, method_config(cfg, method, Path(data_dir)), data_dir, checkpoint, method)

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 class Result:
     returncode: int
     output: str  # stdout and stderr, whitespace runs as one space
+    last_line: str = ""  # the last non-empty line the command wrote (stdout, else stderr), as written
 
     def __contains__(self, text: str) -> bool:
         return " ".join(text.split()) in self.output
@@ -27,7 +28,8 @@ def peagle(*args: str, env: dict | None = None, cwd: Path = REPO, timeout: int =
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "peagle.cli", *map(str, args)], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=timeout)
-    return Result(done.returncode, " ".join((done.stdout + "\n" + done.stderr).split()))
+    lines = [line for line in (done.stdout.splitlines() or done.stderr.splitlines()) if line.strip()]
+    return Result(done.returncode, " ".join((done.stdout + "\n" + done.stderr).split()), lines[-1] if lines else "")
 
 
 def assert_refused(result: Result, *says: str, code: int = 2) -> None:

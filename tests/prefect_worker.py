@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import time
@@ -28,6 +29,20 @@ from tests.prefect_server import PREFECT
 from tests.processes import log_tail, process_group
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def worker_env(server, tmp: Path) -> dict:
+    """What a process worker of prefect.yaml's deployments runs with: the session's server, the
+    checkout its pull step finds, MLflow's URI from the environment (never a parameter), offline
+    libraries, and a short poll so a test's runs start soon."""
+    repo = Path(__file__).resolve().parent.parent
+    return {**server.env,
+            "PEAGLE_REPO": str(repo),  # prefect.yaml's pull step: where the worker finds the code
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",  # from the environment, never a parameter
+            "PREFECT_LOGGING_LEVEL": "INFO",
+            "PREFECT_WORKER_QUERY_SECONDS": "3",
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 def prefect_cli(args: list[str], env: dict, cwd: Path | None = None, timeout_s: float = 300) -> str:

@@ -1,6 +1,7 @@
 """Bad input through the real CLI: each mistake is refused with exit code 2 and a message (no
 traceback) naming the file or key and the fix, before any work starts."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,160 @@ def test_muon_on_a_cpu_without_a_compiler_is_refused_before_the_data_stage(tmp_p
                     env={"PEAGLE_HOME": str(home), "PATH": str(empty), "CXX": ""})
     assert_refused(result, "train.optimizer: muon", "needs a C++ compiler", "train.optimizer: adamw")
     assert not (home / "targets").exists()
+
+
+# ----------------------------------------------------------------------------- what a config names
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write a stack class."},
+     {"role": "assistant", "content": "class Stack:\n    def __init__(self):\n        self.items = []\n"}],
+    [{"role": "user", "content": "Add a push method: def push(self, x)."},
+     {"role": "assistant", "content": "    def push(self, x):\n        self.items.append(x)\n"}],
+] + [
+    [{"role": "user", "content": f"Print the square of {i}."}, {"role": "assistant", "content": f"print({i} * {i})"}]
+    for i in range(6)
+]
+EVAL_PROMPTS = ["Reverse a list in place.", "Sum the digits of a number."]
+
+
+@pytest.fixture(scope="module")
+def local_target(tmp_path_factory):
+    """A tiny random Llama in a local directory (its tokenizer has a `<|mask|>` special token)."""
+    from peagle.serving.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("checked") / "target", num_layers=8)
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def target_config(tmp_path, target: Path, *, sources: str | None = None) -> Path:
+    """A config of ``target`` whose every input is a file under ``tmp_path``: 8 training prompts,
+    2 of them held out, and an evaluation set of 2 other prompts."""
+    prompts = jsonl(tmp_path / "prompts.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    eval_set = jsonl(tmp_path / "eval.jsonl", [{"prompt": p} for p in EVAL_PROMPTS])
+    return config_file(tmp_path, f"""\
+name: checked
+workdir: {tmp_path / "run"}
+target: {{model: {target}, dtype: float32, mask_token: "<|mask|>"}}
+vllm: {{max_model_len: 192, max_num_seqs: 8, cpu_kvcache_space_gib: 1}}
+data:
+  sources: {sources or f"[{{kind: jsonl, path: {prompts}}}]"}
+  heldout_samples: 2
+  max_seq_len: 64
+  regenerate: {{enabled: false}}
+  draft_vocab_size: 64
+train: {{max_len: 64, k_train: 5}}
+eval: {{max_tokens: 16, prompts: {eval_set}, num_prompts: 2, ks: [3]}}
+""")
+
+
+def check_here(*args) -> Result:
+    """`peagle config check` in this process (typer's runner): the same command as ``check``'s,
+    without a Python start (and torch's and transformers' imports) per case."""
+    from typer.testing import CliRunner
+
+    from peagle.cli import app
+
+    done = CliRunner().invoke(app, ["config", "check", *map(str, args)])
+    assert done.exception is None or isinstance(done.exception, SystemExit), repr(done.exception)
+    return Result(done.exit_code, " ".join(done.output.split()))
+
+
+def test_a_config_whose_inputs_all_check_is_valid(tmp_path, local_target):
+    result = check_here(target_config(tmp_path, local_target))
+    assert result.returncode == 0 and "valid" in result and "not checked here" not in result, result.output
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_command_refuses_a_target_it_cannot_have(tmp_path, local_target):
+    """The same through `peagle` itself: exit 2, one message, no traceback."""
+    assert_refused(check(target_config(tmp_path, local_target), "--set", "target.model=peagle-test/not-cached"),
+                   "target.model 'peagle-test/not-cached' is not in the Hugging Face cache", "`hf download")
+
+
+def bad_inputs(tmp_path: Path, target: Path) -> dict:
+    """Each mistake a config can hold about what it names: (--set overrides, what the refusal says)."""
+    prompts = tmp_path / "prompts.jsonl"
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n" + '{"messages": [{"role": "user", \n')
+    missing = tmp_path / "no-such-prompts.jsonl"
+    leaked = jsonl(tmp_path / "leaked.jsonl", [{"prompt": "Write a stack class."}, {"prompt": EVAL_PROMPTS[0]}])
+    return {
+        "target path missing": ([f"target.model={tmp_path / 'no-such-model'}"],
+                                [f"target.model '{tmp_path / 'no-such-model'}' looks like a local path but does not "
+                                 "exist"]),
+        "hub id not cached": (["target.model=peagle-test/not-in-the-cache"],
+                              ["target.model 'peagle-test/not-in-the-cache' is not in the Hugging Face cache",
+                               "HF_HUB_OFFLINE=1", "`hf download peagle-test/not-in-the-cache`",
+                               "point target.model at a local directory"]),
+        "mask token not a token": (["target.mask_token=<|no-such-token|>"],
+                                   ["target.mask_token '<|no-such-token|>' is not a token of", "target.mask_token_id"]),
+        "mask token in the prompts": (["target.mask_token=self"],
+                                      ["target.mask_token 'self'", "is a token the target produces in ordinary text",
+                                       "prompts of data.sources", "set target.mask_token to a reserved or unused"]),
+        "draft vocabulary beyond the target's": (["data.draft_vocab_size=100000"],
+                                                 ["data.draft_vocab_size=100000 must be in [2, 384]"]),
+        "held-out count beyond the prompts": (["data.heldout_samples=8"],
+                                              ["data.heldout_samples=8 leaves no training samples out of 8 prompts"]),
+        "train.max_samples beyond the prompts": (["train.max_samples=7"],
+                                                 ["train.max_samples=7 is more than the data can hold: 8 prompts less "
+                                                  "data.heldout_samples=2 leave at most 6 answers"]),
+        "prompt file not valid JSONL": ([f"data.sources=[{{kind: jsonl, path: {broken}}}]"],
+                                        [f"data.sources[0] (jsonl:{broken}): {broken} cannot be read as jsonl: line 2 "
+                                         "of broken.jsonl is not JSON", "fix the file or data.sources[0].path"]),
+        "local source missing": ([f"data.sources=[{{kind: jsonl, path: {prompts}}}, {{kind: jsonl, path: {missing}}}]"],
+                                 [f"data.sources[1] (jsonl:{missing}): file not found: {missing}",
+                                  "fix data.sources[1].path"]),
+        "eval prompt set missing": ([f"eval.prompts=[{tmp_path / 'no-such-eval.jsonl'}]"],
+                                    [f"eval.prompts: '{tmp_path / 'no-such-eval.jsonl'}' is neither a file",
+                                     "fix eval.prompts"]),
+        "eval prompts among the training prompts": ([f"eval.prompts=[{leaked}]"],
+                                                     ["evaluation prompts also appear in the training prompts",
+                                                      "1 of 2 prompts of eval set 'leaked'"]),
+        "output folder not writable": (["workdir=/proc/peagle-run"],  # /proc takes no file, not even root's
+                                       ["workdir: /proc/peagle-run cannot be written", "set workdir to a directory"]),
+    }
+
+
+BAD_INPUTS = ["target path missing", "hub id not cached", "mask token not a token", "mask token in the prompts",
+              "draft vocabulary beyond the target's", "held-out count beyond the prompts",
+              "train.max_samples beyond the prompts", "prompt file not valid JSONL", "local source missing",
+              "eval prompt set missing", "eval prompts among the training prompts", "output folder not writable"]
+
+
+@pytest.mark.parametrize("mistake", BAD_INPUTS)
+def test_config_check_refuses_what_the_data_stage_would(tmp_path, local_target, mistake):
+    overrides, says = bad_inputs(tmp_path, local_target)[mistake]
+    config = target_config(tmp_path, local_target)
+    assert_refused(check_here(config, *(arg for o in overrides for arg in ("--set", o))), *says)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", ["mask token in the prompts", "held-out count beyond the prompts",
+                                     "prompt file not valid JSONL", "eval prompts among the training prompts"])
+def test_the_data_stage_refuses_the_same_way(tmp_path, local_target, mistake):
+    """`peagle data` runs the checks `config check` runs (peagle.data.preflight), before any engine."""
+    overrides, says = bad_inputs(tmp_path, local_target)[mistake]
+    config = target_config(tmp_path, local_target)
+    result = peagle("data", config, *(arg for o in overrides for arg in ("--set", o)),
+                    env={"PEAGLE_HOME": str(tmp_path / "home")})
+    assert_refused(result, *says)
+    assert not (tmp_path / "run" / "data" / "splits").exists()
+
+
+def test_a_magpie_file_not_written_yet_counts_as_its_requests(tmp_path, local_target):
+    prompts = jsonl(tmp_path / "prompts.jsonl", [{"messages": m} for m in CONVERSATIONS])
+    magpie = tmp_path / "magpie.jsonl"
+    sources = f"[{{kind: jsonl, path: {prompts}}}, {{kind: magpie, path: {magpie}, max_samples: 4}}]"
+    config = target_config(tmp_path, local_target, sources=sources)
+    result = check_here(config, "--set", "data.heldout_samples=11")
+    assert result.returncode == 0, result.output
+    assert f"not checked here: magpie:{magpie}: written by the target in the data stage (4 requests)" in result
+    assert_refused(check_here(config, "--set", "data.heldout_samples=12"),
+                   "data.heldout_samples=12 leaves no training samples out of 12 prompts")
+    assert not magpie.exists()

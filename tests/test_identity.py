@@ -17,7 +17,7 @@ from peagle.lineage import changes_since, lineage  # noqa: E402
 from peagle.stages import TargetInfo, with_train  # noqa: E402
 
 BOOKKEEPING_CHANGES = {"keep_last": 7, "save_every": 3, "eval_every": 5, "eagle3_baseline": True,
-                       "eagle3_baseline_budget": "same_time", "init_from": "/heads/champion-v3"}
+                       "eagle3_baseline_budget": "same_time", "init_from": "/heads/champion-v3", "attention": "dense"}
 WEIGHT_CHANGES = {"learning_rate": 3e-4, "k_train": 5, "method": "eagle3", "seed": 1, "world_size": 2,
                   "epochs": 2, "loss_depth_weighting": "per_depth_mean", "optimizer": "muon",
                   "max_train_seconds": 600.0}

@@ -139,3 +139,71 @@ def test_an_unreachable_hub_falls_back_to_the_cached_snapshot_and_says_why(tmp_p
     value, source = out.stdout.strip().splitlines()[-2:]
     assert value == "4" * 40
     assert source.startswith("commit of the cached snapshot acme/coder@main (the hub did not answer: ")
+
+
+# ----------------------------------------------------------------------------- prompt sources, as read
+
+
+def magpie_config(tmp_path):
+    """tiny.yaml with a prompt file and a kind: magpie source, as configs/demo.yaml has."""
+    from peagle.config import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    return load_config(repo / "configs" / "tiny.yaml", {"data.sources": [
+        {"kind": "jsonl", "path": "data/prompts/code_train.jsonl", "schema": "messages"},
+        {"kind": "magpie", "path": str(tmp_path / "self.jsonl"), "max_samples": 2}]})
+
+
+def test_a_magpie_source_is_recorded_as_written_and_nothing_is_new_after_the_run(tmp_path):
+    """The data stage names each source after a magpie file is written (``DatasetInfo.prompt_files``);
+    retraining names the current inputs with the same function, so right after the run they agree."""
+    from peagle.data.provenance import NOT_WRITTEN, source_digests
+    from peagle.lineage import changes_since, dataset_inputs, lineage, prompt_file_hashes
+    from peagle.stages import TargetInfo
+
+    cfg, magpie = magpie_config(tmp_path), str(tmp_path / "self.jsonl")
+    target = TargetInfo(str(tmp_path), tiny_facts(), revision="local:0123")
+    before = prompt_file_hashes(cfg)
+    assert before[magpie] == NOT_WRITTEN  # not a hub dataset: its own source is about to write it
+    (tmp_path / "self.jsonl").write_text('{"messages": [{"role": "user", "content": "Sort a list in place."}]}\n')
+    read = source_digests(cfg.data.sources, {})  # what build_dataset names after synthesize_prompts
+    assert read[magpie] == sha256_of(tmp_path / "self.jsonl")
+    recorded = {**dataset_inputs(cfg, target, read), "train_config_hash": lineage(cfg, target)["train_config_hash"]}
+    assert changes_since(recorded, lineage(cfg, target)) == []  # nothing new right after the run
+    (tmp_path / "self.jsonl").unlink()  # deleted: the data stage samples it again
+    assert changes_since(recorded, lineage(cfg, target)) == [
+        f"prompt file {magpie} is not written yet: its kind: magpie source writes it anew (new prompt data)"]
+
+
+def test_a_lineage_naming_a_local_file_as_a_hub_set_is_reported_once(tmp_path):
+    """A champion whose lineage named a magpie file by its config ("hub:<path>@<split>/"): retrained
+    once, saying so; the head trained then records the file's content, and nothing is new after."""
+    from peagle.lineage import changes_since, lineage
+    from peagle.stages import TargetInfo
+
+    cfg, magpie = magpie_config(tmp_path), str(tmp_path / "self.jsonl")
+    (tmp_path / "self.jsonl").write_text('{"messages": [{"role": "user", "content": "Sort a list in place."}]}\n')
+    target = TargetInfo(str(tmp_path), tiny_facts(), revision="local:0123")
+    current = lineage(cfg, target)
+    named = {**json.loads(current["prompt_files"]), magpie: f"hub:{magpie}@train/"}
+    champion = {**current, "prompt_files": json.dumps(named, sort_keys=True)}
+    assert changes_since(champion, current) == [
+        f"prompt source {magpie} was recorded by name (hub:{magpie}@train/), not by what was read: "
+        "retraining records its content"]
+    assert changes_since(current, lineage(cfg, target)) == []
+
+
+def test_a_missing_prompt_file_stops_retraining_with_its_name(tmp_path):
+    from peagle.lineage import prompt_file_hashes
+
+    cfg = magpie_config(tmp_path)
+    gone = cfg.model_copy(update={"data": cfg.data.model_copy(update={"sources": [
+        cfg.data.sources[0].model_copy(update={"path": str(tmp_path / "moved.jsonl")})]})})
+    with pytest.raises(ConfigError, match=rf"file not found: {tmp_path / 'moved.jsonl'}.*kind: hf"):
+        prompt_file_hashes(gone)
+
+
+def sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()

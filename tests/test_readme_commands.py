@@ -208,8 +208,24 @@ def test_the_parser_reads_optional_parts_comments_and_continuations():
 
 
 def test_config_check(user_env):
-    out, _ = run(readme_argv(".venv/bin/peagle config check configs/llama-3.1-8b-instruct.yaml"), user_env)
-    assert "configs/llama-3.1-8b-instruct.yaml: valid" in out
+    """The README's check of a GPU config, with the hub off as the suite runs (tests/conftest.py):
+    it reads the target's tokenizer from the Hugging Face cache, so where Llama is not cached it
+    refuses, naming target.model and how to get it; where it is, it checks on to the data."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from tests.peagle_cli import Result, assert_refused
+
+    argv = readme_argv(".venv/bin/peagle config check configs/llama-3.1-8b-instruct.yaml")
+    done = subprocess.run(argv, cwd=REPO, env={**user_env, "COLUMNS": "200"}, capture_output=True, text=True,
+                          timeout=600)
+    output = " ".join((done.stdout + done.stderr).split())
+    if isinstance(try_to_load_from_cache("meta-llama/Llama-3.1-8B-Instruct", "config.json"), str):
+        assert "target.model" not in output, output
+        assert done.returncode == 0 or "data.sources" in output, output
+    else:
+        assert_refused(Result(done.returncode, output),
+                       "target.model 'meta-llama/Llama-3.1-8B-Instruct' is not in the Hugging Face cache",
+                       "`hf download meta-llama/Llama-3.1-8B-Instruct`", "point target.model at a local directory")
 
 
 def test_config_env(user_env):

@@ -2,9 +2,11 @@
 
 ``build_dataset`` writes ``<run>/data/`` (format in docs/design.md, "Dataset"):
 
-1. check every input before anything is written or removed: the eval prompt sets, the
+1. check every input before anything is written or removed (``peagle.data.preflight``, which
+   ``peagle config check`` runs too): the eval prompt sets, the
    draft vocabulary size, the target's tokenizer, every prompt source (loaded and mixed; a
-   ``kind: magpie`` source's file written first, ``peagle.data.synthesize``), no eval prompt
+   ``kind: magpie`` source's file written after the other checks, ``peagle.data.synthesize``; each source named
+   by what was read, ``peagle.data.provenance``, for the dataset's lineage), no eval prompt
    among them (``peagle.data.contamination``), no mask token in them (``peagle.data.mask_token``);
    hold out ``data.heldout_samples`` for evaluation;
 2. check the shards already stored (once per file identity, ``peagle.data.store``): a
@@ -61,8 +63,9 @@ from peagle.config import ConfigError, PipelineConfig
 from peagle.data import mask_token
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.check import mend_corrupt_shards
-from peagle.data.contamination import check_no_overlap
-from peagle.data.prompts import COMPLETION_ROLES, Conversation, load_prompts, split_heldout
+from peagle.data.preflight import check_data_inputs
+from peagle.data.prompts import COMPLETION_ROLES, Conversation, split_heldout
+from peagle.data.provenance import hub_commits, source_digests
 from peagle.data.regenerate import assistant_slots
 from peagle.data.served import (
     SERVED_SPLIT,
@@ -108,6 +111,9 @@ class DatasetInfo:
     num_failed: int
     bytes_on_disk: int
     config_hash: str
+    # what the build read: each prompt source (by its configured path) named by content, a
+    # magpie file as written, a hub set at its commit (``peagle.data.provenance``)
+    prompt_files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -160,19 +166,21 @@ def build_dataset(
     """
     from transformers import AutoTokenizer
 
-    from peagle.data.prompt_sets import check_eval_prompts
-
-    eval_sets = check_eval_prompts(cfg)  # the served split and the evaluate stage read them
     config_hash = cfg.section_hash("target", "data")
     draft_vocab_size = cfg.data.draft_vocab_size or facts.vocab_size
     final_facts = facts.with_draft_vocab(draft_vocab_size)  # ConfigError now rather than after extraction
     tokenizer = AutoTokenizer.from_pretrained(
         target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
     )
-    synthesize_prompts(cfg, target_path, tokenizer)  # magpie sources: the requests the target writes itself
-    prompts = load_prompts(cfg.data, verbose=True)
-    check_no_overlap((c.messages for c in prompts), eval_sets)
-    mask_token.check_prompts(prompts, tokenizer, cfg.target, facts.mask_token_id)  # before any engine starts
+    commits = hub_commits(cfg.data.sources)  # resolved once: the hub sets are read at these commits
+    read = source_digests(cfg.data.sources, commits)  # before reading: a file grown meanwhile counts as new
+    # every input checked before any engine starts (what `peagle config check` runs too)
+    inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
+    if inputs.unwritten:  # magpie sources: the requests the target writes itself, then read with the rest
+        synthesize_prompts(cfg, target_path, tokenizer)
+        read = source_digests(cfg.data.sources, commits)
+        inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
+    prompts = inputs.prompts
     plan = plan_build(RunLayout(cfg.run_dir), config_hash, force=force, repair=repair)
     key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
     layout = plan.layout
@@ -192,7 +200,7 @@ def build_dataset(
         if not is_disk_full(err):
             raise
         raise DiskSpaceError(out_of_space_message(plan, err)) from err
-    info = dataset_info(plan.final.root, config_hash, records)
+    info = dataset_info(plan.final.root, config_hash, records, read)
     log.info(
         f"data: {info.num_train} train + {info.num_eval} eval samples, {info.num_tokens} tokens, "
         f"{info.num_failed} failed, {format_bytes(info.bytes_on_disk)} in {info.data_dir}"
@@ -651,7 +659,7 @@ def require_training_samples(records: list[Record]) -> None:
 # ----------------------------------------------------------------------------- summary
 
 
-def dataset_info(data_dir: Path, config_hash: str, records: list[Record]) -> DatasetInfo:
+def dataset_info(data_dir: Path, config_hash: str, records: list[Record], prompt_files: dict[str, str]) -> DatasetInfo:
     layout = DataLayout(data_dir)
     manifests = {s: json.loads(layout.manifest(s).read_text()) for s in SPLITS}
     on_disk = sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file())
@@ -667,4 +675,5 @@ def dataset_info(data_dir: Path, config_hash: str, records: list[Record]) -> Dat
         num_failed=sum(r.status != "ok" for r in records),
         bytes_on_disk=on_disk,
         config_hash=config_hash,
+        prompt_files=prompt_files,
     )

@@ -21,12 +21,15 @@ fixed by ``data.seed``, so the same config always yields the same prompts.
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -75,22 +78,38 @@ def source_label(src: PromptSource) -> str:
 # ----------------------------------------------------------------------------- opening sources
 
 
-def open_source(src: PromptSource, index: int = 0):
-    """The source as a ``datasets.Dataset``; a ConfigError naming it if it cannot be had."""
+def source_files(src: PromptSource, index: int = 0) -> list[Path]:
+    """The files a local source (``jsonl``, ``parquet``, ``magpie``) names: its path, or what its
+    glob matches. None found is a ConfigError naming the source: a local path is never taken
+    for a hub dataset."""
+    path = resolve_repo_path(src.path)
+    found = sorted(Path(p) for p in glob.glob(str(path)))
+    if not found:
+        raise ConfigError(f"data.sources[{index}] ({source_label(src)}): file not found: {path}; fix "
+                          f"data.sources[{index}].path (a Hugging Face dataset is named with kind: hf)")
+    return found
+
+
+def open_source(src: PromptSource, index: int = 0, commit: str | None = None):
+    """The source as a ``datasets.Dataset``; a ConfigError naming it if it cannot be had. A hub
+    set is read at ``commit`` when given (``peagle.data.provenance.hub_commits``: what the
+    dataset's lineage records is what was read)."""
     import datasets
 
     where = f"data.sources[{index}] ({source_label(src)})"
-    if src.kind in ("jsonl", "parquet", "magpie"):  # a magpie source's file is written before it is read
+    if src.kind != "hf":  # a magpie source's file is written before it is read
+        files = source_files(src, index)
         path = resolve_repo_path(src.path)
-        if not glob.glob(str(path)):
-            raise ConfigError(f"{where}: file not found: {path}; fix data.sources[{index}].path")
         builder = "parquet" if src.kind == "parquet" else "json"
         try:
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            with _datasets_quiet():  # a file that does not parse is named below, with its line
+                return datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:
-            raise ConfigError(f"{where}: {path} cannot be read as {src.kind}: {_first_line(err)}") from None
+            bad = first_bad_json_line(files) if builder == "json" else None
+            raise ConfigError(f"{where}: {path} cannot be read as {src.kind}: {bad or _first_line(err)}; fix the "
+                              f"file or data.sources[{index}].path") from None
     try:
-        return datasets.load_dataset(src.path, src.subset, split=src.split)
+        return datasets.load_dataset(src.path, src.subset, split=src.split, revision=commit)
     except Exception as err:
         offline = getattr(datasets.config, "HF_HUB_OFFLINE", False) or isinstance(err, ConnectionError)
         why = (
@@ -101,6 +120,39 @@ def open_source(src: PromptSource, index: int = 0):
             else "check the dataset name, subset and split"
         )
         raise ConfigError(f"{where}: cannot load dataset {src.path!r}: {why} ({_first_line(err)})") from None
+
+
+@contextlib.contextmanager
+def _datasets_quiet():
+    """``datasets`` without its progress bars and its own error lines (a local file's failure
+    is reported by ``open_source``, naming the file and line), as it was afterwards."""
+    import datasets
+
+    bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def first_bad_json_line(files: list[Path]) -> str | None:
+    """Where the first line of JSON-lines ``files`` that is not a JSON object is, and why."""
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    return f"line {n} of {path.name} is not JSON ({err.msg}): one object per line"
+                if not isinstance(row, dict):
+                    return f"line {n} of {path.name} is a JSON {type(row).__name__}, not an object: one object per line"
+    return None
 
 
 def _first_line(err: Exception) -> str:
@@ -316,17 +368,22 @@ def mix_quotas(available: list[int], weights: list[float], total: int | None) ->
     return quotas
 
 
-def load_prompts(data_cfg: DataConfig, *, verbose: bool = False) -> list[Conversation]:
-    """All configured sources, mixed by weight, deduplicated, shuffled by ``data.seed``."""
+def load_prompts(data_cfg: DataConfig, *, verbose: bool = False,
+                 commits: dict[str, str | None] | None = None, skip: Collection[int] = ()) -> list[Conversation]:
+    """All configured sources, mixed by weight, deduplicated, shuffled by ``data.seed``; the hub
+    sets at ``commits`` (by source path) where given. ``skip``: indices of sources left out (not
+    opened; the others keep their index, so their rows are drawn as in the full mix)."""
     opened = []
     for k, src in enumerate(data_cfg.sources):  # open every source first: config errors before work
-        ds = open_source(src, k)
-        opened.append((src, ds, resolve_fields(src, ds.column_names, k)))
-    available = [min(len(ds), src.max_samples or len(ds)) for src, ds, _ in opened]
-    quotas = mix_quotas(available, [src.weight for src, _, _ in opened], data_cfg.max_samples)
+        if k in skip:
+            continue
+        ds = open_source(src, k, (commits or {}).get(src.path))
+        opened.append((k, src, ds, resolve_fields(src, ds.column_names, k)))
+    available = [min(len(ds), src.max_samples or len(ds)) for _, src, ds, _ in opened]
+    quotas = mix_quotas(available, [src.weight for _, src, _, _ in opened], data_cfg.max_samples)
     seen: set[str] = set()
     out: list[Conversation] = []
-    for k, ((src, ds, fields), quota) in enumerate(zip(opened, quotas)):
+    for (k, src, ds, fields), quota in zip(opened, quotas):
         tally = RowTally()
         for conv in iter_conversations(ds, src, fields, data_cfg.seed, k, tally) if quota else ():
             if conv.id in seen:
@@ -349,6 +406,15 @@ def load_prompts(data_cfg: DataConfig, *, verbose: bool = False) -> list[Convers
     return out
 
 
+def check_heldout(n: int, prompts: int) -> None:
+    """``data.heldout_samples`` must leave prompts to train on."""
+    if n and n >= prompts:
+        raise ConfigError(
+            f"data.heldout_samples={n} leaves no training samples out of {prompts} prompts; "
+            "lower it or add prompts"
+        )
+
+
 def split_heldout(
     convs: list[Conversation], n: int, seed: int, previous: dict[str, str] | None = None
 ) -> tuple[list[Conversation], list[Conversation]]:
@@ -360,11 +426,7 @@ def split_heldout(
     """
     if n == 0:
         return list(convs), []
-    if n >= len(convs):
-        raise ConfigError(
-            f"data.heldout_samples={n} leaves no training samples out of {len(convs)} prompts; "
-            "lower it or add prompts"
-        )
+    check_heldout(n, len(convs))
     previous = previous or {}
     order = list(range(len(convs)))
     random.Random(seed).shuffle(order)

@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 
 BASELINE = "baseline"
 WARMUP_TOKENS = 8
+TABLE_CAPTION = (
+    "tokens/step: output tokens per target forward pass over every decode step, what speed follows; "
+    "a range where vLLM's counts leave it open (n-gram lookup: draft tokens accepted past a request's "
+    "end, at most K a request, are counted but not output). vLLM acc. length: 1 + accepted / drafts "
+    "over the steps that drafted. A head drafts at every step: for it the two agree but for those "
+    "tokens. n-gram lookup drafts only where its lookup matches: its vLLM figure is not per step."
+)
 
 # ---------------------------------------------------------------- results
 
@@ -56,15 +63,43 @@ class OnlineRow:
     engine_start_s: float = 0.0
 
     @property
+    def decode_tokens(self) -> int:
+        """Output tokens the decode steps made: each request's first token comes from its prefill."""
+        return self.output_tokens - self.requests
+
+    @property
     def tokens_per_step(self) -> float | None:
-        """Output tokens per target forward pass over every decode step, drafting or not (each
-        request's first token comes from its prefill): the figure speed follows. vLLM's acceptance
-        length counts only the steps that drafted; a head drafts at every step, so for a head the two
-        agree, but n-gram lookup drafts only where its lookup matches, so its acceptance length is
-        higher than its tokens per step. Accepted tokens past a request's max_tokens make it a
-        slight overestimate."""
-        steps = self.output_tokens - self.requests - self.num_accepted_tokens
-        return (self.output_tokens - self.requests) / steps if self.k and self.num_drafts and steps > 0 else None
+        """Output tokens per target forward pass over every decode step, drafting or not: the
+        figure speed follows, and the one heads and n-gram lookup are compared on.
+
+        The steps are counted as decode tokens less accepted draft tokens, and never fewer than
+        the drafts (one per step that drafted). A head drafts at every step, so its steps are its
+        drafts and its figure is exact. n-gram lookup drafts only where its lookup matches; vLLM
+        counts the draft tokens a request's last step accepted past its end (max_tokens or a stop
+        token), which the output drops, so for n-gram lookup this is the most the figure can be
+        and ``min_tokens_per_step`` the least. No speculation makes one token a step: 1.0. None
+        for a speculative row that proposed no drafts (its head did not draft)."""
+        if not self.k:
+            return 1.0
+        steps = max(self.decode_tokens - self.num_accepted_tokens, self.num_drafts)
+        return self.decode_tokens / steps if self.num_drafts and steps > 0 else None
+
+    @property
+    def min_tokens_per_step(self) -> float | None:
+        """The least ``tokens_per_step`` can be: each request's last step may have accepted up
+        to K draft tokens past its end, counted by vLLM but not output. A head's figure is exact."""
+        most = self.tokens_per_step
+        if most is None or self.method != NGRAM:
+            return most
+        past_the_end = min(self.num_accepted_tokens, self.k * self.requests)
+        return self.decode_tokens / (self.decode_tokens - self.num_accepted_tokens + past_the_end)
+
+    def tokens_per_step_text(self) -> str:
+        """Tokens per target step as tables print it: ``1.38``, or ``1.39-1.45`` where it is a range."""
+        most, least = self.tokens_per_step, self.min_tokens_per_step
+        if most is None:
+            return "-"
+        return f"{most:.2f}" if f"{least:.2f}" == f"{most:.2f}" else f"{least:.2f}-{most:.2f}"
 
 
 @dataclass
@@ -121,13 +156,19 @@ class OnlineResult:
         return [m for m in self.methods() if m != NGRAM]
 
     def acceptance_by_k(self, method: str, concurrency: int | None = None) -> dict[int, float]:
-        """K -> acceptance length for one method (at the lowest concurrency unless given), as vLLM counts it."""
+        """K -> vLLM's acceptance length for one method (at the lowest concurrency unless given):
+        1 + accepted / drafts over the steps that drafted. For a head it is its tokens per step (but
+        for draft tokens accepted past a request's end); n-gram lookup's is not comparable."""
         return self._by_k(method, "acceptance_length", concurrency)
 
     def tokens_per_step_by_k(self, method: str, concurrency: int | None = None) -> dict[int, float]:
         """K -> tokens per target step (``OnlineRow.tokens_per_step``): what heads and n-gram lookup
         are compared on."""
         return self._by_k(method, "tokens_per_step", concurrency)
+
+    def min_tokens_per_step_by_k(self, method: str, concurrency: int | None = None) -> dict[int, float]:
+        """K -> the least tokens per target step can be (``OnlineRow.min_tokens_per_step``)."""
+        return self._by_k(method, "min_tokens_per_step", concurrency)
 
     def _by_k(self, method: str, name: str, concurrency: int | None) -> dict[int, float]:
         rows = [r for r in self.rows if r.method == method and getattr(r, name) is not None]
@@ -141,6 +182,7 @@ class OnlineResult:
         for r in self.rows:
             rec = asdict(r) | {"target": self.target, "prompt_set": self.prompt_set, "max_tokens": self.max_tokens}
             rec["tokens_per_step"] = r.tokens_per_step
+            rec["min_tokens_per_step"] = r.min_tokens_per_step
             rec["speedup"] = self.speedup(r)
             rec["over_ngram"] = self.over_ngram(r)
             records.append(rec)
@@ -150,9 +192,10 @@ class OnlineResult:
         """A rich table, one row per (method, K, concurrency), with speed-up over the baseline."""
         from rich.table import Table
 
-        table = Table(title=title or f"Online evaluation in vLLM: {self.target} ({self.prompt_set})")
-        for col in ("method", "K", "conc.", "acc. length", "tokens/step", "per-position acceptance", "out tok/s",
-                    "speed-up", "vs n-gram", "requests"):
+        table = Table(title=title or f"Online evaluation in vLLM: {self.target} ({self.prompt_set})",
+                      caption=TABLE_CAPTION)
+        for col in ("method", "K", "conc.", "tokens/step", "vLLM acc. length", "per-position acceptance",
+                    "out tok/s", "speed-up", "vs n-gram", "requests"):
             table.add_column(col, justify="left" if col in ("method", "per-position acceptance") else "right")
         for r in self.rows:
             speedup, over_ngram = self.speedup(r), self.over_ngram(r)
@@ -160,8 +203,8 @@ class OnlineResult:
                 r.method,
                 str(r.k) if r.k else "-",
                 str(r.concurrency),
+                r.tokens_per_step_text(),
                 f"{r.acceptance_length:.2f}" if r.acceptance_length is not None else "-",
-                f"{r.tokens_per_step:.2f}" if r.tokens_per_step is not None else "-",
                 " ".join(f"{a:.2f}" for a in r.per_position_acceptance) or "-",
                 f"{r.output_tokens_per_s:.1f}",
                 f"{speedup:.2f}x" if speedup is not None else "-",

@@ -150,6 +150,19 @@ def checked_target_from_spec(spec: HeadSpec) -> CheckedTarget:
     return CheckedTarget(spec.vocab_size, spec.target_hidden_size, spec.target_num_layers, None, "head spec")
 
 
+def checked_target_from_head(head_dir: str | Path) -> CheckedTarget:
+    """The target as the head's own ``config.json`` describes it (vocabulary, width, at least its
+    deepest aux layer), to check a head away from its target: every static check but those against
+    the target's own table and depth. A config.json that cannot say gives an empty target, and
+    ``static_check`` reports the config's problem."""
+    try:
+        config = json.loads((Path(head_dir) / CONFIG_FILE).read_text())
+        return CheckedTarget(int(config["vocab_size"]), int(config["target_hidden_size"]),
+                             max(int(i) for i in config["eagle_aux_hidden_state_layer_ids"]), None, "the head's config.json")
+    except (OSError, ValueError, KeyError, TypeError):
+        return CheckedTarget(0, 0, 0, None, "no readable config.json")
+
+
 # ---------------------------------------------------------------- static checks
 
 

@@ -149,7 +149,7 @@ def ttt_passes(
             input_ids=sub.input_ids,
             aux_hidden=sub.aux_hidden,
             position_ids=sub.position_ids,
-            attention_mask=sub.attention_mask,
+            attention_mask=sub.attention,
             is_mask=None,
             hidden_override=override,
             override_mask=deep if j > 0 else None,

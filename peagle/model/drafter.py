@@ -18,16 +18,20 @@ vLLM projects ``mask_hidden`` through ``fc`` (``combine_hidden_states``) and fee
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from peagle.config import AttentionBackend
 from peagle.facts import HeadSpec
 from peagle.fileio import atomic_path
 from peagle.layout import CheckpointLayout
@@ -40,6 +44,62 @@ MASK_HIDDEN_INIT_STD = 0.02
 # training step and every evaluated prompt, so nearly every call would build.
 # Flash attention takes no mask; the memory-efficient kernel takes any mask at any length.
 MASKED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# How the drafter evaluates an ``ElementRule`` (``AttentionBackend``, train.attention): "flex" runs
+# flex attention over the rule's block-sparse mask (only the 128 x 128 tiles the rule allows are
+# computed, no [N, N] tensor exists); "dense" builds the [B, N, N] mask and runs SDPA; "auto" is
+# flex on CUDA and dense elsewhere. On CPU, torch 2.13's flex attention has no backward, and a
+# process's first flex calls compile it (35-50 s with a cold compile cache on 2 cores, 5-10 s
+# more than the dense path's first calls with a warm one): more than the dense forward of the
+# short examples CPU runs take, while from 2K tokens on flex's forward is faster and smaller
+# (bench/results/attention_memory.md).
+
+
+class ElementRule(Protocol):
+    """An attention rule over a batch's elements that can be evaluated either way
+    (``peagle.objective.masks.ElementAttention``: P-EAGLE's rule from anchor, depth, document)."""
+
+    @property
+    def shape(self) -> torch.Size: ...  # [B, N]
+
+    def dense(self) -> torch.Tensor: ...  # Bool [B, N, N], True = q may attend to k
+
+    def block_mask(self) -> BlockMask: ...  # the same rule for flex attention
+
+
+def attention_backend(choice: AttentionBackend, device: torch.device) -> Literal["flex", "dense"]:
+    """The path ``choice`` takes on ``device``: "auto" is flex on CUDA, dense elsewhere."""
+    if choice == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    return choice
+
+
+def check_attention_backend(choice: AttentionBackend, device: torch.device) -> None:
+    """Refuse, before training starts, a backend that cannot train on ``device``."""
+    if attention_backend(choice, device) == "flex" and not flex_trains_on(device):
+        raise ValueError(
+            f"train.attention: flex cannot train on {device.type}: torch {torch.__version__} has no flex-attention "
+            "backward there; set train.attention: auto (flex on CUDA, dense elsewhere) or dense"
+        )
+
+
+def flex_trains_on(device: torch.device) -> bool:
+    """Whether flex attention has a backward on ``device``'s type (torch refuses CPU and MPS)."""
+    return device.type not in ("cpu", "mps")
+
+
+@cache
+def compiled_flex_attention():
+    """flex attention compiled once per process (it only runs block-sparse when compiled).
+
+    Shapes become dynamic the way torch's automatic dynamic makes them: the first batch
+    compiles a static kernel, and a size that then changes (element count, tile count, batch
+    size) compiles once more as dynamic, so a run builds a few kernels, not one per element
+    count (a batch of a single 128-element tile takes one of its own). ``dynamic=True`` is
+    not used: on CPU it fails to build for a ``mask_mod`` that reads captured tensors
+    (torch 2.13).
+    """
+    return torch.compile(flex_attention)
 
 
 class RMSNorm(nn.Module):
@@ -114,7 +174,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | BlockMask):
+        """``mask``: a Bool [B, N, N] (SDPA) or a ``BlockMask`` (flex attention)."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -122,6 +183,10 @@ class Attention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if isinstance(mask, BlockMask):
+            out = compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.head_dim**-0.5,
+                                            enable_gqa=self.num_kv_heads != self.num_heads)
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -229,6 +294,8 @@ class PEagleDrafter(nn.Module):
         self.register_state_dict_post_hook(_mask_hidden_as_head)
         self.register_load_state_dict_pre_hook(_mask_hidden_as_vector)
         self.rotary = Rotary(spec)
+        # How an ElementRule is evaluated (train.attention); not part of the weights.
+        self.attention: AttentionBackend = "auto"
         self.apply(self._init_weights)
 
     @staticmethod
@@ -241,7 +308,7 @@ class PEagleDrafter(nn.Module):
         input_ids: torch.Tensor,
         aux_hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | ElementRule,
         is_mask: torch.Tensor | None = None,
         hidden_override: torch.Tensor | None = None,
         override_mask: torch.Tensor | None = None,
@@ -249,6 +316,9 @@ class PEagleDrafter(nn.Module):
     ) -> DrafterOutput:
         """Run all elements at once; ``attention_mask[b, q, k]`` True = q may attend to k.
 
+        ``attention_mask`` is a Bool [B, N, N], or an ``ElementRule`` that ``self.attention``
+        evaluates as flex attention's block-sparse mask or as that dense mask
+        (``attention_backend``); both give the same outputs and gradients.
         ``is_mask`` slots use ``mask_hidden`` as their pre-fc feature; ``hidden_override``
         replaces fc(aux) where ``override_mask`` (EAGLE-3 training-time test feeds back the
         previous step's ``DrafterOutput.hidden``). ``logits_mask`` computes logits only for
@@ -264,9 +334,7 @@ class PEagleDrafter(nn.Module):
             if override_mask is None:
                 raise ValueError("hidden_override needs override_mask (which positions take it)")
             hidden = torch.where(override_mask[..., None], hidden_override.to(hidden.dtype), hidden)
-        # Every real element attends to itself; padding rows would otherwise be all-False (NaN).
-        n = input_ids.shape[1]
-        mask = attention_mask | torch.eye(n, dtype=torch.bool, device=attention_mask.device)
+        mask = self._attention_mask(attention_mask, input_ids.device)
         cos, sin = self.rotary(position_ids, hidden.dtype)
         residual = None
         for layer in self.layers:
@@ -277,6 +345,28 @@ class PEagleDrafter(nn.Module):
             normed = normed[logits_mask]
         return DrafterOutput(logits=self.lm_head(normed), hidden=prenorm)
 
+    def _attention_mask(self, attention_mask: torch.Tensor | ElementRule, device: torch.device):
+        """What every layer's attention reads: a dense Bool [B, N, N] or a flex ``BlockMask``.
+
+        In the dense mask every element attends to itself: padding rows would otherwise be
+        all-False (NaN). The rule's block mask has the same diagonal.
+        """
+        if not isinstance(attention_mask, torch.Tensor):
+            if attention_backend(self.attention, device) == "flex":
+                self._check_flex_can_run(device)
+                return attention_mask.block_mask()
+            attention_mask = attention_mask.dense()
+        n = attention_mask.shape[-1]
+        return attention_mask | torch.eye(n, dtype=torch.bool, device=attention_mask.device)
+
+    def _check_flex_can_run(self, device: torch.device) -> None:
+        trains = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        if trains and not flex_trains_on(device):
+            raise RuntimeError(
+                f"flex attention cannot compute gradients on {device.type} (torch {torch.__version__}): "
+                "run it under torch.no_grad() there, or set the drafter's attention to 'dense' or 'auto'"
+            )
+
     def _check_shapes(self, input_ids, aux_hidden, position_ids, attention_mask) -> None:
         b, n = input_ids.shape
         want = 3 * self.spec.target_hidden_size
@@ -284,6 +374,10 @@ class PEagleDrafter(nn.Module):
             raise ValueError(f"aux_hidden has shape {tuple(aux_hidden.shape)}, expected {(b, n, want)} (3 aux layers x Ht)")
         if position_ids.shape != (b, n):
             raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}, expected {(b, n)}")
+        if not isinstance(attention_mask, torch.Tensor):
+            if tuple(attention_mask.shape) != (b, n):
+                raise ValueError(f"the attention rule covers {tuple(attention_mask.shape)} elements, expected {(b, n)}")
+            return
         if attention_mask.shape != (b, n, n) or attention_mask.dtype != torch.bool:
             raise ValueError(
                 f"attention_mask must be bool [B,N,N]={(b, n, n)}, got {attention_mask.dtype} {tuple(attention_mask.shape)}"

@@ -15,7 +15,7 @@ from typing import Any
 from peagle.objective.batch import Batch, Example, build_peagle_example, collate
 from peagle.objective.cod import depth_budget, sample_cod
 from peagle.objective.loss import LossOutput, TargetHead, forward_kl, kl_loss, peagle_loss
-from peagle.objective.masks import PrecomputedMask, brute_force_mask, element_mask
+from peagle.objective.masks import ElementAttention, PrecomputedMask, brute_force_mask, element_mask
 from peagle.objective.partition import examples_denominator, segment_batches
 
 
@@ -48,6 +48,7 @@ class Objective:
 
 __all__ = [
     "Batch",
+    "ElementAttention",
     "Example",
     "LossOutput",
     "Objective",

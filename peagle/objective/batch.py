@@ -29,7 +29,7 @@ import torch
 
 from peagle.facts import HeadSpec
 from peagle.objective.cod import cod_anchor_sets
-from peagle.objective.masks import PrecomputedMask, element_mask
+from peagle.objective.masks import ElementAttention, PrecomputedMask
 
 NUM_AUX_LAYERS = 3
 
@@ -117,9 +117,10 @@ class Example:
 class Batch:
     """Padded examples: element fields [B, N], token-level ``hidden`` [B, T, 4, Ht].
 
-    ``aux_hidden``, ``target_hidden`` and ``attention_mask`` [B, N, N] (True = may attend;
-    the P-EAGLE rule of ``peagle.objective.masks``, padding masked out) are evaluated when read,
-    on the batch's device: the loss reads each once per step.
+    ``aux_hidden`` and ``target_hidden`` are evaluated when read, on the batch's device: the
+    loss reads each once per step. ``attention`` is the P-EAGLE rule over the elements
+    (``peagle.objective.masks``, padding masked out), which the drafter evaluates as a
+    block-sparse or a dense mask; ``attention_mask`` is the dense one.
     """
 
     input_ids: torch.Tensor  # Long [B, N]
@@ -148,9 +149,14 @@ class Batch:
         return target_features(self.hidden, self.hidden_row, self.depth, self.supervised)
 
     @property
+    def attention(self) -> ElementAttention:
+        """The attention rule over the batch's elements, as their vectors (no [N, N] tensor)."""
+        return ElementAttention(self.anchor, self.depth, self.doc, self.valid)
+
+    @property
     def attention_mask(self) -> torch.Tensor:
-        """Bool [B, N, N]: the attention rule over the batch's elements (``element_mask``)."""
-        return element_mask(self.anchor, self.depth, self.doc, self.valid)
+        """Bool [B, N, N] (True = may attend): the rule as a dense mask (``element_mask``)."""
+        return self.attention.dense()
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
         """Move to ``device``; ``dtype`` casts the float tensors (hidden states) only."""
@@ -276,7 +282,7 @@ def collate(examples: list[Example], mask: PrecomputedMask) -> Batch:
     """Pad examples to the longest (elements and tokens); no per-element copy of hidden states.
 
     ``mask`` checks the examples fit the anchors and depths the objective was set up for
-    (before the step runs); the batch's ``attention_mask`` is evaluated when it is read.
+    (before the step runs); the batch's attention mask is evaluated when the step runs.
     """
     if not examples:
         raise ValueError("collate needs at least one example")

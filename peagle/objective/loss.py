@@ -225,7 +225,7 @@ def peagle_loss(
         input_ids=batch.input_ids,
         aux_hidden=batch.aux_hidden,
         position_ids=batch.position_ids,
-        attention_mask=batch.attention_mask,
+        attention_mask=batch.attention,
         is_mask=batch.is_mask,
         logits_mask=supervised,
     )

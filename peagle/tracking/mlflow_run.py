@@ -119,11 +119,53 @@ def registered_model_name(tracking: TrackingConfig, target_id: str) -> str:
 
 
 def make_client(uri: str) -> MlflowClient:
-    """A client whose registry is the tracking store unless MLFLOW_REGISTRY_URI says otherwise."""
+    """A client whose registry is the tracking store unless MLFLOW_REGISTRY_URI says otherwise;
+    a tracking server that does not answer is refused first (``require_tracking_server``)."""
+    registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
+    require_tracking_server(uri)
     db = sqlite_db_path(uri)
     if db:
         db.parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=registry)
+
+
+SERVER_CHECK_TIMEOUT_S = 10.0  # a server that takes longer to answer its health check is down for us
+_ANSWERED: set[str] = set()  # servers that answered once in this process
+
+
+def require_tracking_server(uri: str) -> None:
+    """The MLflow server of tracking URI ``uri``, and of MLFLOW_REGISTRY_URI when that names
+    another, answers (``ServiceUnavailable`` otherwise): what a client of ``make_client`` talks to."""
+    _require_answer(uri, "tracking", "MLFLOW_TRACKING_URI")
+    registry = os.environ.get("MLFLOW_REGISTRY_URI")
+    if registry and registry != uri:
+        _require_answer(registry, "registry", "MLFLOW_REGISTRY_URI")
+
+
+def _require_answer(uri: str, what: str, variable: str) -> None:
+    """An ``http(s)://`` URI must answer MLflow's ``/health`` (a server behind authentication
+    counts), else ``ServiceUnavailable`` naming it, how to start a server and where peagle reads
+    the URI: in seconds, not after MLflow's own retries. Local stores and other schemes pass."""
+    if not uri.startswith(("http://", "https://")) or uri in _ANSWERED:
+        return
+    import requests
+
+    from peagle.services import ServiceUnavailable
+
+    try:
+        status = requests.get(f"{uri.rstrip('/')}/health", timeout=SERVER_CHECK_TIMEOUT_S).status_code
+        problem = None if status < 400 or status in (401, 403) else f"answers HTTP {status} to /health: no MLflow server"
+    except requests.RequestException as err:
+        errno = re.search(r"\[Errno -?\d+\] [^'\")]+", str(err))  # "[Errno 111] Connection refused", not urllib3's chain
+        problem = f"does not answer ({errno.group(0) if errno else type(err).__name__})"
+    if problem:
+        raise ServiceUnavailable(
+            f"MLflow {what} server {scrub_text(uri)}", problem,
+            "start it (`mlflow server --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000`) or "
+            f"point {variable}{' (or tracking.tracking_uri, or --tracking-uri)' if what == 'tracking' else ''} at a "
+            "running one; with none set, peagle tracks into a local SQLite store", transient=True,
+        ) from None
+    _ANSWERED.add(uri)
 
 
 class TrackingStoreMissing(ConfigError):
@@ -536,6 +578,7 @@ __all__ = [
     "make_client",
     "read_client",
     "registered_model_name",
+    "require_tracking_server",
     "resolve_tracking_uri",
     "sanitize_target_id",
     "stage_run",

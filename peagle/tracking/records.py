@@ -6,6 +6,10 @@ from pathlib import Path
 
 from peagle.layout import ONLINE_PLOT_FILE, ONLINE_RESULTS_FILE, SPLITS, DataLayout
 
+# vLLM's acceptance length (1 + accepted / drafts over the steps that drafted) in metric names: for
+# a head it is its tokens per step, for n-gram lookup no per-step figure.
+VLLM_ACCEPTANCE_LENGTH = "vllm_acceptance_length"
+
 
 def record_dataset(tracker, run, data, prompt_files: dict[str, str]):
     """Dataset sizes on the stage run; manifest hashes (lineage) on the pipeline run; the
@@ -42,15 +46,18 @@ def record_offline(run, offline) -> None:
 
 
 def record_prompt_set(run, measured) -> None:
-    """One prompt set's acceptance per K for every head and n-gram lookup (vLLM's acceptance length
-    and tokens per target step), and each head's gain over n-gram lookup (tokens per step and output
-    tokens/s ratios): above 1, it earns its training."""
+    """One prompt set's figures per K for every head and n-gram lookup, named for what they are:
+    ``<set>_<label>_tokens_per_step`` (what heads and n-gram lookup are compared on; n-gram
+    lookup's least beside it, ``<set>_ngram_min_tokens_per_step``), ``<set>_<label>_vllm_acceptance_length``
+    (vLLM's, over the steps that drafted only), and each head's gain over n-gram lookup (tokens
+    per step and output tokens/s ratios): above 1, it earns its training."""
     from peagle.contract import NGRAM
 
     name = measured.prompt_set
     for label in measured.methods():
-        run.log_metrics_per_k(measured.acceptance_by_k(label), f"{name}_{label}_acceptance_length")
         run.log_metrics_per_k(measured.tokens_per_step_by_k(label), f"{name}_{label}_tokens_per_step")
+        run.log_metrics_per_k(measured.acceptance_by_k(label), f"{name}_{label}_{VLLM_ACCEPTANCE_LENGTH}")
+    run.log_metrics_per_k(measured.min_tokens_per_step_by_k(NGRAM), f"{name}_{NGRAM}_min_tokens_per_step")
     floor = measured.tokens_per_step_by_k(NGRAM)  # n-gram lookup drafts on some steps only
     for label in measured.heads():
         gains = {k: t / floor[k] for k, t in measured.tokens_per_step_by_k(label).items() if floor.get(k)}
@@ -61,10 +68,16 @@ def record_prompt_set(run, measured) -> None:
 
 
 def record_online(run, online, out_dir: Path) -> Path:
+    """Every prompt set's figures (``record_prompt_set``), the first set's also without its name
+    (``<label>_tokens_per_step``, ``ngram_min_tokens_per_step``, ``<label>_vllm_acceptance_length``), output tokens/s per method,
+    K and concurrency, and the plot and the results table as artifacts."""
+    from peagle.contract import NGRAM
     from peagle.eval.plots import plot_online
 
-    for label in online.methods():  # the first prompt set: what the gate reads
-        run.log_metrics_per_k(online.acceptance_by_k(label), f"{label}_acceptance_length")
+    for label in online.methods():
+        run.log_metrics_per_k(online.tokens_per_step_by_k(label), f"{label}_tokens_per_step")
+        run.log_metrics_per_k(online.acceptance_by_k(label), f"{label}_{VLLM_ACCEPTANCE_LENGTH}")
+    run.log_metrics_per_k(online.min_tokens_per_step_by_k(NGRAM), f"{NGRAM}_min_tokens_per_step")
     for r in online.rows:
         tag = "baseline" if r.k == 0 else f"{r.method}_k{r.k}"
         run.log_metrics({f"{tag}_c{r.concurrency}_output_tok_s": r.output_tokens_per_s})

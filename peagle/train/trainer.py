@@ -41,7 +41,7 @@ from peagle.objective import Objective
 from peagle.train import checkpoint as ckpt
 from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock
 from peagle.train.data import BatchPlan, EpochSamples, epoch_loader, training_samples
-from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step
+from peagle.train.engine import DistInfo, build_engine, current_lr, init_process_group, micro_steps_per_step, use_gpu
 
 STAT_KEYS = ("kl_sum", "correct", "count")
 
@@ -85,11 +85,13 @@ def build_drafter(train: TrainConfig, inputs: TrainingInputs, target_path: str):
     """The drafter a run of ``train`` starts from, before any warm start or DeepSpeed: the
     target's rows where it is as wide, seeded by ``train.seed``, with the method's trainable
     set and its own initialisation (``DraftingMethod.prepare_drafter``)."""
-    from peagle.model import PEagleDrafter
+    from peagle.model import PEagleDrafter, check_attention_backend
 
+    check_attention_backend(train.attention, torch.device("cuda" if use_gpu() else "cpu"))
     torch.manual_seed(train.seed)
     drafter = PEagleDrafter.from_target(inputs.spec, target_path, inputs.draft_ids)
     get_method(train.method).prepare_drafter(drafter, train)
+    drafter.attention = train.attention
     return drafter
 
 

@@ -40,11 +40,12 @@ def test_ratios_pair_measurements_of_the_same_round_and_name_the_fastest_k():
     assert best["ngram"][1] == (3, pytest.approx(1.05))
     meta = {"date": "d", "ks": ks, "concurrency": conc, "prompts": "humaneval", "methods": methods,
             "baseline": "baseline", "num_prompts": 8, "max_tokens": 96, "load_average": [0.1]}
-    acceptance = {"ngram": {"3": "2.50 / 1.40"}, "p-eagle": {"3": "1.40 / 1.40", "5": "1.41 / 1.41"}}
-    text = bench.markdown(rounds, acceptance, {"baseline": over, "ngram": over_ngram}, best, meta)
+    per_step = {"ngram": {"3": "1.35-1.40 (2.50)"}, "p-eagle": {"3": "1.40 (1.40)", "5": "1.41 (1.41)"}}
+    text = bench.markdown(rounds, per_step, {"baseline": over, "ngram": over_ngram}, best, meta)
     assert "| 1 | 3 | 1.05x (1.00-1.10) | 1.45x (1.40-1.50) |" in text
     assert "| p-eagle | K=3 (1.45x) | K=5 (1.20x) |" in text
-    assert "| ngram | 2.50 / 1.40 | - |" in text
+    assert "Tokens per target step at concurrency 1 (last round), vLLM's acceptance length in brackets" in text
+    assert "| ngram | 1.35-1.40 (2.50) | - |" in text and bench.PER_STEP_NOTE in text
 
 
 def test_engine_core_placements_are_compared_within_rounds(monkeypatch):

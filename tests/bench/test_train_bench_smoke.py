@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = {
+    "attention_memory": 11,  # 2 lengths: dense and flex forward, dense forward+backward
     "train_seqlen_memory": 8,  # 2 lengths x 2 segment counts, 8 columns
     "train_dataloading": 6,
     "train_forward_latency": 6,
@@ -44,6 +45,9 @@ def test_bench_quick_writes_results(name, tmp_path):
     assert len(table["columns"]) == SCRIPTS[name]
     assert table["rows"] and all(len(r) == SCRIPTS[name] for r in table["rows"])
     assert (tmp_path / f"{name}.md").read_text().startswith(f"# {name}")
+    if name == "attention_memory":  # every quick cell runs: both backends, their ratios, the training step
+        assert all(isinstance(v, float) for r in table["rows"] for v in r[2:10]), table["rows"]
+        assert [r[0] for r in result["tables"][1]["rows"]] == [256, 512]
     if name == "train_seqlen_memory":  # every quick cell fits: S=1 is the ratio's reference
         assert all(r[4] != "-" for r in table["rows"]), table["rows"]
         assert [r[5] for r in table["rows"] if r[1] == 1] == [1.0, 1.0]

@@ -22,6 +22,17 @@ def test_engine_start_and_connection_errors_are_transient():
     assert not is_transient(MlflowException("RESOURCE_DOES_NOT_EXIST: registered model"))
 
 
+def test_a_tracking_server_that_does_not_answer_is_transient_a_missing_vllm_is_not():
+    from peagle.services import ServiceUnavailable
+    from peagle.tracking.mlflow_run import require_tracking_server
+    from tests.mlflow_server import free_port
+
+    with pytest.raises(ServiceUnavailable) as down:
+        require_tracking_server(f"http://127.0.0.1:{free_port()}")
+    assert is_transient(down.value)
+    assert not is_transient(ServiceUnavailable("vLLM", "cannot be imported", "`make install` installs it"))
+
+
 def flaky_flow(exc_type, fail_times: int):
     """A flow whose task (with the stage tasks' retry options) fails ``fail_times`` times first."""
     from prefect import flow, task
@@ -74,14 +85,20 @@ def test_changes_since_names_what_changed():
 
 
 def test_acceptance_markdown_and_artifact_keys():
-    from peagle.eval.online import OnlineResult, OnlineRow
+    from peagle.eval.online import TABLE_CAPTION, OnlineResult, OnlineRow
 
     online = OnlineResult(target="t", max_tokens=32, prompt_set="code_eval", rows=[
         OnlineRow("baseline", 0, 1, 4, 128, 2.0, 64.0),
-        OnlineRow("p-eagle", 2, 1, 4, 128, 1.0, 128.0, acceptance_length=2.5),
+        # 125 decode tokens: a head's 50 steps; n-gram lookup's 107 steps, or up to 8 more (2 a request)
+        OnlineRow("ngram", 2, 1, 4, 129, 1.0, 100.0, acceptance_length=2.8, num_drafts=10, num_accepted_tokens=18),
+        OnlineRow("p-eagle", 2, 1, 4, 129, 1.0, 128.0, acceptance_length=2.5, num_drafts=50, num_accepted_tokens=75),
     ])
     text = acceptance_markdown(online)
-    assert "| p-eagle | 2 | 1 | 2.500 | 128.0 | 2.00x |" in text
+    assert "| method | K | concurrency | tokens/step | vLLM acc. length | output tok/s | speedup |" in text
+    assert "| baseline | 0 | 1 | 1.00 | - | 64.0 | 1.00x |" in text
+    assert "| ngram | 2 | 1 | 1.09-1.17 | 2.800 | 100.0 | 1.56x |" in text
+    assert "| p-eagle | 2 | 1 | 2.50 | 2.500 | 128.0 | 2.00x |" in text
+    assert text.endswith(TABLE_CAPTION)
     assert artifact_key("Qwen3_8B", "acceptance") == "qwen3-8b-acceptance"
 
 

@@ -5,8 +5,8 @@ The session's `prefect server start` (tests/conftest.py), `prefect work-pool cre
 `prefect deployment run` with a shrunk config as parameters. Then, through the
 Prefect API: the flow run completed, every stage's logs are there (training steps
 included), no run stored a credential-bearing parameter, the artifacts exist, the head is
-registered in MLflow; and an interval-scheduled deployment is run by the worker on its own.
-MLflow's URI reaches the worker only through its environment (MLFLOW_TRACKING_URI).
+registered in MLflow. MLflow's URI reaches the worker only through its environment
+(MLFLOW_TRACKING_URI). The retraining deployment on a schedule: tests/flows/test_scheduled_retraining.py.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from tests.prefect_worker import (
     prefect_worker,
     start_deployment_run,
     wait_for_flow_run,
+    worker_env,
 )
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = "peagle-process"
-DEPLOYMENTS = {"pipeline-demo", "retrain-demo"}  # what this module deploys from prefect.yaml
+DEPLOYMENTS = {"pipeline-demo"}  # what this module deploys from prefect.yaml
 PROMPTS, HELDOUT, TRAIN_STEPS = 24, 4, 4
 
 
@@ -62,13 +63,7 @@ def deployed_run(tmp_path_factory, embedded_target, prefect_server):
     (tmp / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     server = prefect_server  # the worker polls the session's server; this process reads it
     with deployed_on_this_server({POOL}, DEPLOYMENTS):
-        env = {**server.env,
-               "PEAGLE_REPO": str(REPO),  # prefect.yaml's pull step: where the worker finds the code
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",  # from the environment, never a parameter
-               "PREFECT_LOGGING_LEVEL": "INFO",
-               "PREFECT_WORKER_QUERY_SECONDS": "3",
-               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        env = worker_env(server, tmp)
         prefect_cli(["work-pool", "create", POOL, "--type", "process"], env)
         prefect_cli(["--no-prompt", "deploy", "--name", "pipeline-demo"], env, cwd=REPO)
         with prefect_worker(POOL, env, tmp / "worker.log", cwd=REPO) as worker:
@@ -170,35 +165,6 @@ def test_artifacts_and_the_registered_head(deployed_run):
     assert champion.run_id in artifacts["deployed-mlflow-run"].data
     files = {Path(f.path).name for f in client.list_artifacts(champion.run_id, "heads/peagle")}
     assert {"config.json", "model.safetensors"} <= files, files
-
-
-def test_a_scheduled_deployment_is_run_by_the_worker(deployed_run):
-    """retrain-demo on a 20 s interval: the worker runs it unasked; nothing changed, so it trains nothing."""
-    server, env, run, tmp, worker = deployed_run
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, DeploymentFilterName
-
-    params = {"config_path": "configs/tiny.yaml", "overrides": shrunk_overrides(tmp), "force": False,
-              "warm_start": False}
-    prefect_cli(["--no-prompt", "deploy", "--name", "retrain-demo", "--interval", "20",
-                 "--params", json.dumps(params)], env, cwd=REPO)
-    with get_client(sync_client=True) as client:
-        deployment = client.read_deployments(deployment_filter=DeploymentFilter(
-            name=DeploymentFilterName(any_=["retrain-demo"])))[0]
-        assert any(getattr(s.schedule, "interval", None) for s in deployment.schedules)
-        deadline = time.monotonic() + 600
-        while True:
-            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
-            done = [r for r in runs if r.state is not None and r.state.is_final()]
-            if done:
-                break
-            assert worker.poll() is None and time.monotonic() < deadline, [r.state_name for r in runs]
-            time.sleep(5)
-        client.pause_deployment(deployment.id)
-        scheduled = next((r for r in done if r.state.is_completed()), done[0])
-        assert scheduled.auto_scheduled and scheduled.state.is_completed(), scheduled.state.message
-        messages = [r.message for r in logs_of_finished_runs(client, [scheduled.id])]
-    assert any("nothing new" in m for m in messages), "\n".join(messages)
 
 
 def test_a_cli_run_afterwards_reuses_what_the_worker_cached(deployed_run):

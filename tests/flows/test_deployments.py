@@ -144,6 +144,9 @@ def test_prefect_deploy_all_registers_the_file(server):
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in retrain.schedules] == [("0 3 * * *", "UTC", True)]
     assert retrain.parameters == {"config_path": "configs/demo.yaml", "overrides": {}, "force": False,
                                   "warm_start": False}
+    for name in ("retrain-demo", "retrain-qwen3-8b", "retrain-llama-3.1-8b"):  # one retraining at a time
+        assert deployments[name].global_concurrency_limit.limit == 1
+        assert deployments[name].concurrency_options.collision_strategy == "CANCEL_NEW"
     llama = deployments["retrain-llama-3.1-8b"]
     assert llama.work_pool_name == "peagle-k8s" and llama.work_queue_name == "gpu"
     assert llama.job_variables["gpu_count"] == 8 and llama.job_variables["namespace"] == "peagle"

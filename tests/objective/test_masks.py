@@ -10,7 +10,7 @@ import torch
 from peagle.facts import HeadSpec
 from peagle.objective.batch import build_peagle_example, collate
 from peagle.objective.cod import sample_cod
-from peagle.objective.masks import PrecomputedMask, block_types, brute_force_mask, element_mask
+from peagle.objective.masks import ElementAttention, PrecomputedMask, block_types, brute_force_mask, element_mask
 
 
 def cod_elements(n: int, k: int, seed: int, valid_from: int = 0):
@@ -144,3 +144,106 @@ def test_element_mask_equals_brute_force_in_any_order_with_documents_padding_and
                            torch.stack([doc, doc[perm]]))
     assert torch.equal(stacked[0], pair_by_pair(anchor, depth, doc))
     assert torch.equal(stacked[1], brute_force_mask(anchor[perm], depth[perm], doc[perm]))
+
+
+# ----------------------------------------------------------------------------- flex attention's form of the rule
+
+
+def collated_elements(seed: int, k: int = 6):
+    """A padded batch of three rows: one document, two packed documents, a shorter one (COD each)."""
+    ht = 8
+    spec = HeadSpec(
+        target="tiny", target_revision=None, target_num_layers=6, target_hidden_size=ht, vocab_size=50,
+        aux_layer_ids=[2, 3, 4], final_layer_id=6, mask_token_id=49, hidden_size=ht, num_layers=1,
+        num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256, draft_vocab_size=20,
+    )
+    g = torch.Generator().manual_seed(seed)
+
+    def sample(n):
+        return SimpleNamespace(token_ids=torch.randint(0, 48, (n,), generator=g),
+                               loss_mask=torch.rand(n, generator=g) > 0.3, hidden=torch.randn(n, 4, ht, generator=g))
+
+    examples = [
+        build_peagle_example(sample(90), spec, k, 0.8, 0.2, 96, g),
+        build_peagle_example([sample(40), sample(30), sample(20)], spec, k, 0.7, 0.2, 96, g),
+        build_peagle_example(sample(33), spec, k, 0.8, 0.2, 96, g),
+    ]
+    return collate(examples, PrecomputedMask(96, k)).attention
+
+
+def random_elements(seed: int):
+    """Rows in no particular order, several documents, padding anywhere, repeated (anchor, depth)."""
+    g = torch.Generator().manual_seed(seed)
+    b, n = 2, int(torch.randint(40, 200, (1,), generator=g))
+    return ElementAttention(torch.randint(0, 30, (b, n), generator=g), torch.randint(0, 5, (b, n), generator=g),
+                            torch.randint(0, 3, (b, n), generator=g), torch.rand(b, n, generator=g) > 0.15)
+
+
+def rule_with_diagonal(att: ElementAttention) -> torch.Tensor:
+    """Bool [B, N, N]: the rule pair by pair, every element reading itself (the drafter's dense mask)."""
+    eye = torch.eye(att.shape[1], dtype=torch.bool)
+    return torch.stack([brute_force_mask(*(t[row] for t in (att.anchor, att.depth, att.doc, att.valid))) | eye
+                        for row in range(att.shape[0])])
+
+
+def by_tile(mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., N, N] -> [..., tiles, block_size, tiles, block_size], zero-padded past N."""
+    n = mask.shape[-1]
+    tiles = -(-n // block_size)
+    pad = tiles * block_size - n
+    return torch.nn.functional.pad(mask, (0, pad, 0, pad)).unflatten(-1, (tiles, block_size)).unflatten(-3, (tiles, block_size))
+
+
+def tile_sets(block_mask, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) Bool [B, tiles, tiles] from a BlockMask's per-query-tile index lists."""
+    out = []
+    for count, index in ((block_mask.kv_num_blocks, block_mask.kv_indices),
+                         (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        listed = torch.zeros(count.shape[0], tiles, tiles, dtype=torch.bool)
+        for b in range(count.shape[0]):
+            for i in range(tiles):
+                listed[b, i, index[b, 0, i, : count[b, 0, i]].long()] = True
+        out.append(listed)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("elements", [collated_elements, random_elements])
+@pytest.mark.parametrize("seed", range(3))
+def test_mask_mod_is_the_rule(elements, seed):
+    att = elements(seed)
+    b, n = att.shape
+    got = att.mask_mod()(torch.arange(b)[:, None, None], 0, torch.arange(n)[None, :, None], torch.arange(n)[None, None, :])
+    assert torch.equal(got, rule_with_diagonal(att))
+    assert torch.equal(att.dense() | torch.eye(n, dtype=torch.bool), rule_with_diagonal(att))
+
+
+@pytest.mark.parametrize("elements", [collated_elements, random_elements])
+@pytest.mark.parametrize("block_size", [8, 32, 128])
+@pytest.mark.parametrize("seed", range(3))
+def test_block_mask_visits_every_allowed_tile_and_its_full_tiles_allow_every_pair(elements, block_size, seed):
+    """Flex attention computes only the listed tiles, and skips ``mask_mod`` on the full ones: an
+    allowed pair outside them would be lost, a forbidden pair inside a full one let through."""
+    att = elements(seed)
+    b, n = att.shape
+    block_mask = att.block_mask(block_size)
+    assert block_mask.seq_lengths == (n, n) and block_mask.BLOCK_SIZE == (block_size, block_size)
+    partial, full = tile_sets(block_mask, -(-n // block_size))
+    allowed = by_tile(rule_with_diagonal(att), block_size)
+    inside = by_tile(torch.ones(n, n, dtype=torch.bool), block_size)
+    assert not (partial & full).any()
+    assert (allowed.any(4).any(2) <= (partial | full)).all()
+    assert (full <= (allowed & inside).all(4).all(2)).all()
+    if elements is collated_elements and block_size == 8:
+        assert full.any() and (~(partial | full)).any()  # the layout has whole context tiles and skipped ones
+
+
+def test_block_mask_of_a_long_example_visits_a_fraction_of_the_tiles():
+    """K 8, COD 0.8, 2048 tokens: its tiles are visited where the rule allows a pair, not everywhere."""
+    anchor, depth = cod_elements(2048, 8, seed=0)
+    one_doc, real = torch.zeros_like(anchor), torch.ones_like(anchor, dtype=torch.bool)
+    att = ElementAttention(anchor[None], depth[None], one_doc[None], real[None])
+    partial, full = tile_sets(att.block_mask(), -(-len(anchor) // 128))
+    needed = by_tile(rule_with_diagonal(att), 128).any(4).any(2)
+    assert torch.equal(partial | full, needed)  # one document in builder order: the bounds are exact
+    assert float(needed.float().mean()) < 0.3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -205,6 +206,58 @@ def test_more_segments_than_anchors_still_exact():
     _, ref = reference_grads(drafter, head, collate([example], PrecomputedMask(8, k)), "uniform", k)
     partitioned_loss_backward(drafter, head, example, 8, k=k)
     assert max_rel_error(grads(drafter), ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------- flex attention
+
+
+def packed_and_single(spec: HeadSpec, k: int, seed: int):
+    """Two rows of COD-sampled elements: a packed pair of documents, and one longer document."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        build_peagle_example([random_sample(spec, 40, seed, 9), random_sample(spec, 33, seed + 1, 5)], spec, k, 0.8,
+                             0.2, 96, g),
+        build_peagle_example(random_sample(spec, 90, seed + 2, 20), spec, k, 0.7, 0.2, 96, g),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("segments", [2, 3])
+def test_segments_under_flex_attention_compute_what_the_whole_batch_does(segments):
+    """Each segment's block mask is built from its own elements, yet every element it owns gets
+    the logits it gets in the whole batch (CPU: flex attention runs forward only; its gradients
+    are checked on CUDA below)."""
+    spec, k = tiny_spec(), 5
+    drafter, _ = make_models(spec, seed=segments)
+    drafter.attention = "flex"
+    examples, mask = packed_and_single(spec, k, seed=segments), PrecomputedMask(96, k)
+
+    def logits(batch):
+        with torch.no_grad():
+            return drafter(batch.input_ids, batch.aux_hidden, batch.position_ids, batch.attention, batch.is_mask).logits
+
+    whole = logits(collate(examples, mask))
+    per_example = [partition_example(e, segments) for e in examples]
+    for s in range(segments):
+        parts = [segs[s] for segs in per_example]
+        got = logits(collate([p.example for p in parts], mask))
+        for row, part in enumerate(parts):
+            want = whole[row, part.index[part.owned]]
+            error = (got[row, : len(part.index)][part.owned] - want).abs().max() / want.abs().max()
+            assert error < 1e-5, (s, row, float(error))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segments", [2, 3])
+def test_partitioned_gradients_under_flex_on_cuda_equal_the_single_pass(segments):
+    spec, k = tiny_spec(hidden=64), 5  # 16-wide heads: Triton (flex on CUDA) multiplies no narrower
+    drafter, head = make_models(spec, seed=segments)
+    batch = collate(packed_and_single(spec, k, seed=segments), PrecomputedMask(96, k))
+    _, ref = reference_grads(drafter, head, batch, "uniform", k)  # CPU: the dense path
+    gpu, gpu_head = copy.deepcopy(drafter).cuda(), copy.deepcopy(head).cuda()
+    gpu.attention = "flex"
+    partitioned_loss_backward(gpu, gpu_head, batch.to("cuda"), segments, "uniform", k=k)
+    assert max_rel_error({n: g.cpu() for n, g in grads(gpu).items()}, ref) < 1e-4  # two devices' summation orders
 
 
 # ----------------------------------------------------------------------------- long sequences

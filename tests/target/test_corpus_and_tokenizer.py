@@ -111,7 +111,18 @@ def test_resolve_local_path_and_missing_path(tmp_path):
     empty.mkdir()
     with pytest.raises(ConfigError, match="without a config.json"):
         resolve_target(TargetConfig(model=str(empty)))
-    assert resolve_target(TargetConfig(model="org/some-model")) == "org/some-model"
+
+
+def test_a_hub_id_resolves_online_and_offline_only_from_the_cache(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert resolve_target(TargetConfig(model="org/some-model")) == "org/some-model"  # the hub is asked when loaded
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match=r"target.model 'org/some-model' is not in the Hugging Face cache .* "
+                                          r"\(HF_HUB_OFFLINE=1\): download it once .*`hf download org/some-model`.*"
+                                          "local directory"):
+        resolve_target(TargetConfig(model="org/some-model"))
 
 
 def test_invalid_hub_id_is_a_config_error():
@@ -125,7 +136,7 @@ def test_unreachable_hub_model_is_a_config_error(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache: nothing to fall back on
-    with pytest.raises(ConfigError, match="could not be reached.*HF_TOKEN"):
+    with pytest.raises(ConfigError, match="'peagle-test/no-such-model' is not in the Hugging Face cache"):
         load_target_config_and_tokenizer(TargetConfig(model="peagle-test/no-such-model", mask_token_id=0))
 
 

@@ -91,6 +91,26 @@ def test_vllm_serves_it_as_transformers_runs_it(imported):
     assert "def" in got.text
 
 
+@pytest.mark.slow
+def test_the_files_license_reaches_the_heads_card(imported):
+    """The GGUF file's header names its license (SmolLM2: apache-2.0); the import keeps it beside the
+    weights, where the head's card reads it, and a kept import gains it without importing again."""
+    from peagle.target.metadata import target_metadata
+
+    report = imported / IMPORT_REPORT
+    assert json.loads(report.read_text())["license"] == "apache-2.0"
+    cfg = load_config(REPO / "configs" / "demo.yaml", {"target.model": str(imported)})
+    found = target_metadata(cfg, str(imported))
+    assert (found.hub_id, found.license) == (None, "apache-2.0")  # a local directory: its hub id is card.base_model's
+
+    recorded = json.loads(report.read_text())
+    report.write_text(json.dumps({k: v for k, v in recorded.items() if k != "license"}))
+    before = (imported / "model.safetensors").stat().st_mtime_ns
+    import_gguf(packaged_gguf(PACKAGE), imported)
+    assert json.loads(report.read_text()) == recorded
+    assert (imported / "model.safetensors").stat().st_mtime_ns == before
+
+
 def test_the_shipped_config_points_at_the_made_directory():
     cfg = load_config(REPO / "configs" / "demo.yaml")
     made = subprocess.run(["make", "-s", "-n", "-B", "smollm2"], cwd=REPO, capture_output=True, text=True).stdout

@@ -45,11 +45,13 @@ class World:
     def cfg(self, **more):
         return load_config(REPO / "configs" / "tiny.yaml", {**self.overrides, **more})
 
-    def register(self, cfg, target, *, promote: bool, champion_score: float | None = None) -> str:
-        """A head trained on ``cfg``'s current inputs, registered; promoted when asked, else
-        refused by the gate against the champion measured beside it at ``champion_score``."""
+    def register(self, cfg, target, *, promote: bool, champion_score: float | None = None,
+                 recorded: dict | None = None) -> str:
+        """A head trained on ``cfg``'s current inputs (or the lineage ``recorded``), registered;
+        promoted when asked, else refused by the gate against the champion measured beside it
+        at ``champion_score``."""
         head = self.make_head_dir(self.tmp / f"head-{next(_seeds)}", seed=next(_seeds))
-        (head / LINEAGE_FILE).write_text(json.dumps(lineage(cfg, target)))
+        (head / LINEAGE_FILE).write_text(json.dumps(recorded or lineage(cfg, target)))
         with Tracker(cfg.tracking, cfg.target.model, run_name="retrain-plan-tests") as tracker:
             name = tracker.registered_model_name
             version = register_head(tracker, tracker.run_id, head, name, tags={}, metrics={})
@@ -161,6 +163,38 @@ def test_a_changed_data_config_retrains_and_rebuilds_the_dataset(world, trained)
     cfg, target, _ = trained
     plan = plan_retraining(world.cfg(**{"data.heldout_samples": cfg.data.heldout_samples + 1}), target)
     assert plan.retrain and plan.rebuild_data and plan.changes[0].startswith("data/target config changed")
+
+
+def test_a_magpie_file_is_new_prompt_data_only_once_it_changes(world):
+    """The data stage records the magpie file it wrote; the plan names it the same way: nothing
+    new while it is unchanged, new prompt data once the target's requests are sampled again."""
+    magpie = world.tmp / "magpie.jsonl"
+    sources = [*world.overrides["data.sources"], {"kind": "magpie", "path": str(magpie), "max_samples": 2}]
+    cfg = world.cfg(**{"data.sources": sources})
+    target = prepare_target(cfg)
+    assert plan_retraining(cfg, target).changes == ["no champion yet"]
+    magpie.write_text(world.prompts.read_text().splitlines()[0] + "\n")  # what the data stage wrote
+    champion = world.register(cfg, target, promote=True)
+    plan = plan_retraining(cfg, target)
+    assert not plan.retrain and plan.message.startswith(f"nothing new: champion v{champion}")
+    magpie.write_text(world.prompts.read_text().splitlines()[1] + "\n")
+    assert plan_retraining(cfg, target).changes == [f"prompt file {magpie} changed (new prompt data)"]
+
+
+def test_a_champion_that_named_a_local_file_by_config_retrains_once(world):
+    """A lineage that named a local file like a hub set ("hub:<path>@<split>/") is reported once,
+    as such; the head retrained then records the file by content."""
+    cfg = world.cfg()
+    target = prepare_target(cfg)
+    current = lineage(cfg, target)
+    named = {str(world.prompts): f"hub:{world.prompts}@train/"}
+    world.register(cfg, target, promote=True, recorded={**current, "prompt_files": json.dumps(named)})
+    plan = plan_retraining(cfg, target)
+    assert plan.retrain and plan.changes == [
+        f"prompt source {world.prompts} was recorded by name (hub:{world.prompts}@train/), not by what was read: "
+        "retraining records its content"]
+    world.register(cfg, target, promote=False, champion_score=2.0)
+    assert not plan_retraining(cfg, target).retrain
 
 
 def test_forced_retrains_with_nothing_new(world, trained):

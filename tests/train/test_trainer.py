@@ -189,6 +189,18 @@ def test_bad_inputs_fail_before_training(tiny_run, tmp_path):
         train_drafter(tiny_config(max_steps=1, drafter_layers=2), data_dir, str(target), out, progress=False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex attention trains on CUDA")
+def test_flex_attention_on_a_cpu_is_refused_before_training(tiny_run, tmp_path):
+    """torch has no flex-attention backward on CPU: ``train.attention: flex`` there is named with
+    its fix before DeepSpeed starts; ``auto`` (the default) trains there with the dense mask."""
+    from peagle.train.trainer import train_drafter
+
+    data_dir, target = tiny_run
+    with pytest.raises(ValueError, match=r"train.attention: flex cannot train on cpu.*set train.attention: auto"):
+        train_drafter(tiny_config(attention="flex"), data_dir, str(target), tmp_path / "flex", progress=False)
+    assert not (tmp_path / "flex").exists()
+
+
 def test_launcher_streams_output_and_reports_a_failing_child(caplog, tmp_path):
     from peagle.train.launch import TrainingFailed, run_streaming, training_command
 
