@@ -29,7 +29,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_common import Run, bench_spec, synthetic_sample  # noqa: E402
+from train_common import Run, bench_spec, run_capped, synthetic_sample  # noqa: E402
 
 K, COD_RATIO, COD_FLOOR, HIDDEN, LAYERS, DRAFT_VOCAB = 8, 0.8, 0.2, 256, 1, 256  # a small Vd: its logits would hide attention
 MEM_CAP_GIB, TIME_CAP_S, BUDGET_S = 6.0, 300.0, 840.0
@@ -160,36 +159,11 @@ def mask_sizes(length: int) -> dict:
 # ----------------------------------------------------------------------------- the grid (this process)
 
 
-def rss_gib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    except FileNotFoundError:
-        pass
-    return 0.0
-
-
 def in_subprocess(args: list[str], mem_cap: float, time_cap: float, threads: int) -> dict:
     """Run ``--cell``/``--masks`` in a fresh interpreter, stopped at the memory or time cap."""
-    env = {**os.environ, "PEAGLE_BENCH_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    start, seen = time.monotonic(), 0.0
-    while proc.poll() is None:
-        seen = max(seen, rss_gib(proc.pid))
-        reason = (f"stopped at the {mem_cap:g} GiB cap" if seen > mem_cap else
-                  f"stopped at the {time_cap:g} s cap (RSS {seen:.2f} GiB)" if time.monotonic() - start > time_cap
-                  else None)
-        if reason:
-            proc.kill()
-            proc.wait()
-            return {"status": reason}
-        time.sleep(0.05)
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        return {"status": f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"}
-    return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}
+    return run_capped([sys.executable, __file__, *args], threads, mem_cap, time_cap, 0.05,
+                      over_memory="stopped at the {cap:g} GiB cap",
+                      over_time="stopped at the {cap:g} s cap (RSS {rss:.2f} GiB)")
 
 
 class Grid:

@@ -297,3 +297,42 @@ def tiny_head_dataset(root: Path, num_train: int = 12, num_eval: int = 4, draft_
     build_draft_vocab(counts, draft_vocab).save(data.vocab)
     facts.save(data.facts)
     return data.root, target
+
+
+# ----------------------------------------------------------------------------- a cell in its own process
+
+
+def rss_gib(pid: int) -> float:
+    """A live process's resident memory (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    except FileNotFoundError:
+        pass
+    return 0.0
+
+
+def run_capped(cmd: list[str], threads: int, mem_cap: float, time_cap: float, poll_s: float,
+               over_memory: str, over_time: str) -> dict:
+    """Run a bench cell in a fresh interpreter, killed past ``mem_cap`` GiB of RSS or ``time_cap`` s:
+    ``{"status": "ok", **its last stdout line as JSON}``, or the status that says why not
+    (``over_memory``/``over_time`` formatted with ``cap`` and the ``rss`` seen)."""
+    import subprocess
+
+    env = {**os.environ, "PEAGLE_BENCH_THREADS": str(threads)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    start, seen = time.monotonic(), 0.0
+    while proc.poll() is None:
+        seen = max(seen, rss_gib(proc.pid))
+        reason = (over_memory.format(cap=mem_cap, rss=seen) if seen > mem_cap else
+                  over_time.format(cap=time_cap, rss=seen) if time.monotonic() - start > time_cap else None)
+        if reason:
+            proc.kill()
+            proc.wait()
+            return {"status": reason}
+        time.sleep(poll_s)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        return {"status": f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"}
+    return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}

@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_common import Run, bench_spec, synthetic_sample  # noqa: E402
+from train_common import Run, bench_spec, run_capped, synthetic_sample  # noqa: E402
 
 K, COD_RATIO, COD_FLOOR, LAYERS, HIDDEN = 8, 0.8, 0.2, 2, 192
 MEM_CAP_GIB, TIME_CAP_S = 10.0, 180.0
@@ -96,37 +95,10 @@ def _warm_up(drafter, head, spec) -> None:
     drafter.zero_grad(set_to_none=True)
 
 
-def rss_gib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    except FileNotFoundError:
-        pass
-    return 0.0
-
-
 def measure(length: int, segments: int, mem_cap: float, time_cap: float, threads: int) -> dict:
     """Run one cell in a fresh interpreter under the memory and time caps."""
-    cmd = [sys.executable, __file__, "--cell", str(length), str(segments)]
-    env = {**os.environ, "PEAGLE_BENCH_THREADS": str(threads)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    start, reason, seen = time.monotonic(), None, 0.0
-    while proc.poll() is None:
-        seen = max(seen, rss_gib(proc.pid))
-        if seen > mem_cap:
-            reason = f"OOM (>{mem_cap:g} GiB)"
-        elif time.monotonic() - start > time_cap:
-            reason = f"skipped (>{time_cap:g} s; RSS {seen:.2f} GiB when stopped)"
-        if reason:
-            proc.kill()
-            proc.wait()
-            return {"status": reason}
-        time.sleep(0.1)
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        return {"status": f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"}
-    return {"status": "ok", **json.loads(out.strip().splitlines()[-1])}
+    return run_capped([sys.executable, __file__, "--cell", str(length), str(segments)], threads, mem_cap, time_cap,
+                      0.1, over_memory="OOM (>{cap:g} GiB)", over_time="skipped (>{cap:g} s; RSS {rss:.2f} GiB when stopped)")
 
 
 def main() -> None:
