@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig, TargetConfig
+from peagle.data.provenance import HUB_TIMEOUT_S
 from peagle.fileio import sha256_file, write_json_atomic
 from peagle.layout import LINEAGE_FILE, DataLayout
 
@@ -38,7 +39,6 @@ LINEAGE_PREFIX = "peagle.lineage."  # model version tags holding a head's lineag
 DATASET_KEYS = ("data_config_hash", "target_revision", "prompt_files")  # what builds a dataset
 COMMIT_SHA = re.compile(r"^[0-9a-f]{40}$")
 DIGEST_CACHE = Path("cache") / "file-sha256.json"  # under PEAGLE_HOME: sha256 of big files by (path, size, mtime)
-HUB_TIMEOUT_S = 30  # a scheduled run must not hang on an unreachable hub: it falls back to the cache
 NAMED_ONLY = "hub:"  # a prompt source a lineage names by its config alone ("hub:<path>@<split>/<subset>")
 
 # Top-level files that decide what a local target computes (config, tokenizer, weights, remote

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.peagle_cli import Result, assert_refused, peagle
+from tests.support.conversations import CONVERSATIONS
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "tiny.yaml"
@@ -148,15 +149,6 @@ def test_muon_on_a_cpu_without_a_compiler_is_refused_before_the_data_stage(tmp_p
 # ----------------------------------------------------------------------------- what a config names
 
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "Write a stack class."},
-     {"role": "assistant", "content": "class Stack:\n    def __init__(self):\n        self.items = []\n"}],
-    [{"role": "user", "content": "Add a push method: def push(self, x)."},
-     {"role": "assistant", "content": "    def push(self, x):\n        self.items.append(x)\n"}],
-] + [
-    [{"role": "user", "content": f"Print the square of {i}."}, {"role": "assistant", "content": f"print({i} * {i})"}]
-    for i in range(6)
-]
 EVAL_PROMPTS = ["Reverse a list in place.", "Sum the digits of a number."]
 
 

@@ -6,16 +6,7 @@ import json
 import pytest
 
 from tests.peagle_cli import assert_refused, peagle
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "Write a stack class."},
-     {"role": "assistant", "content": "class Stack:\n    def __init__(self):\n        self.items = []\n"}],
-    [{"role": "user", "content": "Add a push method: def push(self, x)."},
-     {"role": "assistant", "content": "    def push(self, x):\n        self.items.append(x)\n"}],
-] + [
-    [{"role": "user", "content": f"Print the square of {i}."}, {"role": "assistant", "content": f"print({i} * {i})"}]
-    for i in range(6)
-]
+from tests.support.conversations import CONVERSATIONS
 
 
 @pytest.fixture(scope="module")
