@@ -60,9 +60,9 @@ def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Check a config against everything it names, without an engine or a download: types, keys
     and combinations; the target (its tokenizer and the mask token); every prompt source and
     evaluation set; the counts; the run directory."""
+    cfg = _load(config, set_)  # a config that does not parse is refused before the checks' libraries load
     from peagle.stages import check_config
 
-    cfg = _load(config, set_)
     try:
         notes = check_config(cfg)
     except ConfigError as err:
@@ -463,7 +463,7 @@ def main() -> None:
     from peagle.logs import show_on_console
 
     show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
-    from peagle.data.store import CorruptShardError, DiskSpaceError
+    from peagle.data.errors import CorruptShardError, DiskSpaceError
     from peagle.services import EXIT_UNAVAILABLE, ServiceUnavailable
     from peagle.serving.engine import EngineStartError
 

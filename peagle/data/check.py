@@ -15,10 +15,9 @@ import logging
 import shutil
 from pathlib import Path
 
+from peagle.data.errors import CorruptShardError, MissingDatasetError
 from peagle.data.store import (
     REPAIR_COMMAND,
-    CorruptShardError,
-    MissingDatasetError,
     ShardCheck,
     drop_shards,
     format_bytes,

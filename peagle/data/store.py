@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from peagle.data.errors import CorruptShardError, DiskSpaceError
 from peagle.fileio import atomic_open, is_temp_name, json_digest, sha256_file, write_json_atomic
 from peagle.layout import MANIFEST_FILE
 from peagle.paths import peagle_home
@@ -68,18 +69,6 @@ _SAFETENSORS_DTYPE = {
     torch.int64: "I64",
     torch.uint8: "U8",
 }
-
-
-class DiskSpaceError(RuntimeError):
-    """The output disk cannot hold what a stage is about to write (or ran out while writing)."""
-
-
-class CorruptShardError(RuntimeError):
-    """A shard whose bytes do not match the manifest (truncated, edited or bit-rotted)."""
-
-
-class MissingDatasetError(FileNotFoundError):
-    """A stage needs a dataset that is not there (or not finished)."""
 
 
 @dataclass

@@ -14,7 +14,8 @@ from test_pipeline import peagle, small_facts, tiny_data_config, tree_bytes  # n
 from test_store import flip_bytes, write  # noqa: E402
 
 from peagle.data.check import check_dataset, mend_corrupt_shards  # noqa: E402
-from peagle.data.store import CorruptShardError, MissingDatasetError, ShardReader  # noqa: E402
+from peagle.data.errors import CorruptShardError, MissingDatasetError  # noqa: E402
+from peagle.data.store import ShardReader  # noqa: E402
 from peagle.layout import DataLayout  # noqa: E402
 
 

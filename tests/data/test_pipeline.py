@@ -144,7 +144,7 @@ def test_the_disk_is_checked_before_any_vllm_work(tmp_path, prompts_path, tiny_t
     regenerated text) is refused before an engine starts, and the message says what needs it."""
     import re
 
-    from peagle.data.store import DiskSpaceError
+    from peagle.data.errors import DiskSpaceError
 
     disk = small_disk(1 << 20)
     cfg = parse_config({**cfg_dict(tmp_path, prompts_path), "workdir": str(disk.path / "run")})

@@ -15,9 +15,8 @@ from safetensors import safe_open
 
 from peagle import fileio
 from peagle.data import store
+from peagle.data.errors import CorruptShardError, DiskSpaceError
 from peagle.data.store import (
-    CorruptShardError,
-    DiskSpaceError,
     ShardReader,
     ShardWriter,
     bytes_per_token,

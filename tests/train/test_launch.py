@@ -119,7 +119,7 @@ def test_a_corrupt_shard_is_refused_before_any_rank_starts(tmp_path, monkeypatch
     """16 bytes flipped in one shard: no rank starts; the message names the shard and the fix."""
     import pytest
 
-    from peagle.data.store import CorruptShardError
+    from peagle.data.errors import CorruptShardError
     from peagle.train.launch import launch_training
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -140,7 +140,7 @@ def test_a_corrupt_shard_is_refused_before_any_rank_starts(tmp_path, monkeypatch
 def test_no_dataset_is_refused_before_any_rank_starts(tmp_path):
     import pytest
 
-    from peagle.data.store import MissingDatasetError
+    from peagle.data.errors import MissingDatasetError
     from peagle.train.launch import launch_training
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -155,7 +155,7 @@ def test_no_dataset_is_refused_before_any_rank_starts(tmp_path):
 def test_too_little_disk_for_the_checkpoints_is_refused_before_any_rank_starts(tmp_path, small_disk):
     import pytest
 
-    from peagle.data.store import DiskSpaceError
+    from peagle.data.errors import DiskSpaceError
     from peagle.train.launch import checkpoint_space_needed, launch_training
 
     sys.path.insert(0, str(Path(__file__).parent))
