@@ -150,13 +150,15 @@ def deployment_config(d: Deployment):
 
 def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:
     """Do the GPUs ``d`` asks its pool for cover the ranks (and vLLM replicas) its config starts?"""
-    vllm_gpus = cfg.vllm.tensor_parallel_size * cfg.vllm.data_parallel_size
+    dp = cfg.vllm.data_parallel_size
+    vllm_gpus = cfg.vllm.tensor_parallel_size * (1 if dp == "auto" else dp)  # auto: one engine, more where given
     ranks = cfg.train.ranks_per_node  # a multi-node run's deployment runs on every node: one node's share
     needed = max(ranks, vllm_gpus)
     spread = f" over train.nodes {cfg.train.nodes}" if cfg.train.nodes > 1 else ""
     starts = (f"train.world_size {cfg.train.world_size}{spread}: {ranks} ranks per node" if spread
               else f"train.world_size {cfg.train.world_size} ranks")
-    needs = f"train.world_size {cfg.train.world_size}{spread}, vLLM tensor x data parallel {vllm_gpus}"
+    needs = (f"train.world_size {cfg.train.world_size}{spread}, vLLM tensor x data parallel {vllm_gpus}"
+             + (" (data parallel auto: at least one engine)" if dp == "auto" else ""))
     requested = requested_gpus(pool.type, {**pool.defaults(), **d.job_variables})
     if requested is None:
         where = "the worker host's devices" if pool.type == "process" else "every GPU of the host (count -1)"

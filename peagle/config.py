@@ -147,7 +147,9 @@ class VllmConfig(Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     # Engine replicas for the data stage (regeneration and extraction split over them, one
     # process and tensor_parallel_size devices each); evaluation and serving use one engine.
-    data_parallel_size: int = Field(1, ge=1)
+    # "auto": every GPU the data stage sees busy (visible GPUs // tensor_parallel_size), and one
+    # engine on CPU, where it already computes on every core (peagle.serving.engine.data_parallel_replicas).
+    data_parallel_size: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     max_model_len: int = Field(1024, ge=64)
     max_num_seqs: int = Field(32, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
@@ -688,6 +690,46 @@ def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConf
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON: {err}") from None
         return parse_config(apply_overrides(data, overrides), path)
+    data, bases = read_config_file(path)
+    source = f"{path} (extends {' -> '.join(map(str, bases))})" if bases else path
+    return parse_config(apply_overrides(data, overrides), source)
+
+
+EXTENDS = "extends"  # a config file's key: the file (relative to it) whose settings it starts from
+
+
+def read_config_file(path: Path, _extending: tuple[Path, ...] = ()) -> tuple[dict, list[Path]]:
+    """(the settings of the YAML config file ``path``, the files it extends, nearest first).
+    A file that names another in ``extends`` starts from that file's settings: its own sections
+    merge into the base's key by key, and any other value (a list too) replaces the base's."""
+    data = _read_yaml_mapping(path)
+    base = data.pop(EXTENDS, None)
+    if base is None:
+        return data, []
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: extends must name a config file, as a path relative to {path.parent}")
+    base_path = (path.parent / base).resolve()
+    if base_path in (*_extending, path.resolve()):
+        chain = " -> ".join(map(str, (*_extending, path.resolve(), base_path)))
+        raise ConfigError(f"{path}: extends {base!r} makes a circle ({chain}): a base config may not extend "
+                          "a file that extends it")
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: extends {base!r}, but {base_path} is not a file: fix the path (it is "
+                          f"relative to {path.parent})")
+    base_data, bases = read_config_file(base_path, (*_extending, path.resolve()))
+    return merge_settings(base_data, data), [base_path, *bases]
+
+
+def merge_settings(base: dict, own: dict) -> dict:
+    """``base`` with ``own`` on top: sections merge key by key, every other value replaces."""
+    merged = dict(base)
+    for key, value in own.items():
+        both_sections = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = merge_settings(base[key], value) if both_sections else value
+    return merged
+
+
+def _read_yaml_mapping(path: Path) -> dict:
     try:
         data = read_yaml(path.read_text()) or {}
     except DuplicateKeyError as err:
@@ -699,7 +741,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> PipelineConf
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_config(apply_overrides(data, overrides), path)
+    return data
 
 
 def write_resolved_config(cfg: PipelineConfig) -> Path:

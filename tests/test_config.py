@@ -218,3 +218,59 @@ def test_a_kv_head_count_that_is_not_a_number_or_num_heads_is_refused():
     data["drafter"]["num_kv_heads"] = "all"
     with pytest.raises(ConfigError, match="drafter.num_kv_heads"):
         parse_config(data)
+
+
+# ----------------------------------------------------------------------------- extends
+
+
+GPU_TARGETS = ["llama-3.1-8b-instruct", "qwen3-8b", "gpt-oss-20b"]
+
+
+@pytest.mark.parametrize("name", GPU_TARGETS)
+def test_each_gpu_config_is_the_gpu_recipe_with_its_target(name):
+    own = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    assert own.pop("extends") == "gpu/base.yaml" and set(own) == {"name", "target"}, own
+    cfg, base = load_config(REPO / "configs" / f"{name}.yaml"), yaml.safe_load(
+        (REPO / "configs" / "gpu" / "base.yaml").read_text())
+    assert cfg.target.model == own["target"]["model"]
+    assert cfg.train.optimizer == base["train"]["optimizer"] and cfg.data.max_samples == base["data"]["max_samples"]
+    assert [s.path for s in cfg.data.sources] == [s["path"] for s in base["data"]["sources"]]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_a_config_extends_a_base_section_by_section_and_a_list_replaces(tmp_path):
+    write(tmp_path / "recipes" / "base.yaml",
+          "name: base\ndata:\n  sources:\n    - {kind: jsonl, path: data/prompts/code_train.jsonl}\n"
+          "train:\n  epochs: 7\n  k_train: 4\neval:\n  ks: [1, 2, 3]\n")
+    mid = write(tmp_path / "recipes" / "mid.yaml", "extends: base.yaml\ntrain:\n  k_train: 3\n")
+    top = write(tmp_path / "top.yaml", "extends: recipes/mid.yaml\nname: top\neval:\n  ks: [2]\n")
+    cfg = load_config(top)
+    assert (cfg.name, cfg.train.epochs, cfg.train.k_train, cfg.eval.ks) == ("top", 7, 3, [2])
+    assert load_config(mid).eval.ks == [1, 2, 3]
+    assert load_config(top, {"train.epochs": 2}).train.epochs == 2  # overrides apply last
+
+
+def test_an_unknown_key_in_a_base_is_refused_naming_the_chain(tmp_path):
+    base = write(tmp_path / "base.yaml", "train:\n  epocs: 3\n")
+    top = write(tmp_path / "top.yaml", "extends: base.yaml\nname: top\n")
+    with pytest.raises(ConfigError, match=r"train\.epocs: unknown key") as info:
+        load_config(top)
+    assert f"{top} (extends {base})" in str(info.value)
+
+
+@pytest.mark.parametrize("extends, says", [
+    ("missing.yaml", "is not a file: fix the path"),
+    ("top.yaml", "makes a circle"),
+    ("loop.yaml", "makes a circle"),
+    ("[a, b]", "extends must name a config file"),
+])
+def test_a_base_that_cannot_be_read_is_refused_with_the_fix(tmp_path, extends, says):
+    write(tmp_path / "loop.yaml", "extends: top.yaml\n")
+    top = write(tmp_path / "top.yaml", f"extends: {extends}\nname: top\n")
+    with pytest.raises(ConfigError, match=says):
+        load_config(top)

@@ -63,6 +63,7 @@ from peagle.config import ConfigError, PipelineConfig
 from peagle.data import mask_token
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.check import mend_corrupt_shards
+from peagle.data.errors import DiskSpaceError
 from peagle.data.preflight import check_data_inputs
 from peagle.data.prompts import COMPLETION_ROLES, Conversation, split_heldout
 from peagle.data.provenance import hub_commits, source_digests
@@ -74,7 +75,6 @@ from peagle.data.served import (
     served_tokens_to_extract,
 )
 from peagle.data.store import (
-    DiskSpaceError,
     ShardReader,
     ShardWriter,
     check_free_space,
@@ -518,13 +518,15 @@ class _LazyEngine:
     def get(self):
         if self.llm is None:
             from peagle.data.extract import open_data_engine
+            from peagle.serving.engine import with_data_parallel_replicas
 
-            replicas = self.cfg.vllm.data_parallel_size
+            vllm_cfg = with_data_parallel_replicas(self.cfg.vllm)
+            replicas = vllm_cfg.data_parallel_size
             log.info(f"data: starting vLLM for {self.target_path}"
                      + (f" ({replicas} engine replicas)" if replicas > 1 else ""))
             t = self.cfg.target
             self.llm = self.stack.enter_context(open_data_engine(
-                self.target_path, self.cfg.vllm, self.facts.stored_layer_ids, self.work_dir,
+                self.target_path, vllm_cfg, self.facts.stored_layer_ids, self.work_dir,
                 revision=t.revision, trust_remote_code=t.trust_remote_code, dtype=t.dtype,
             ))
         return self.llm

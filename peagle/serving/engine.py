@@ -223,6 +223,37 @@ class _ProcessState:
         torch.set_rng_state(self.rng_states[2])
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may give engines: ``CUDA_VISIBLE_DEVICES`` where set, else every one torch sees."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def replicas_for(devices: int, tensor_parallel_size: int) -> int:
+    """How many engines of ``tensor_parallel_size`` devices ``devices`` devices hold (at least one:
+    too few devices for one engine is for ``replica_environments`` to refuse, naming them)."""
+    return max(1, devices // tensor_parallel_size)
+
+
+def data_parallel_replicas(vllm_cfg: VllmConfig) -> int:
+    """``vllm.data_parallel_size`` as a number: ``auto`` is one engine on CPU and on GPU as many as
+    the visible GPUs hold (``replicas_for``), so no GPU of the node idles through the data stage."""
+    if vllm_cfg.data_parallel_size != "auto":
+        return vllm_cfg.data_parallel_size
+    if is_cpu_platform():
+        return 1
+    return replicas_for(len(visible_gpus()), vllm_cfg.tensor_parallel_size)
+
+
+def with_data_parallel_replicas(vllm_cfg: VllmConfig) -> VllmConfig:
+    """``vllm_cfg`` with ``data_parallel_size`` resolved (``data_parallel_replicas``)."""
+    return vllm_cfg.model_copy(update={"data_parallel_size": data_parallel_replicas(vllm_cfg)})
+
+
 def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
     """Environment for each of ``data_parallel_size`` independent engine replicas.
 
@@ -231,7 +262,7 @@ def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
     ``tensor_parallel_size`` GPUs (from ``CUDA_VISIBLE_DEVICES`` if set) or, on CPU, an
     equal share of this process's cores (unless ``VLLM_CPU_OMP_THREADS_BIND`` is set).
     """
-    dp, tp = vllm_cfg.data_parallel_size, vllm_cfg.tensor_parallel_size
+    dp, tp = data_parallel_replicas(vllm_cfg), vllm_cfg.tensor_parallel_size
     if is_cpu_platform():
         if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
             return [{} for _ in range(dp)]
@@ -242,10 +273,7 @@ def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
         share = len(cores) // (dp * tp)
         groups = [",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(dp * tp)]
         return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups[r * tp : (r + 1) * tp])} for r in range(dp)]
-    import torch
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    devices = visible_gpus()
     if len(devices) < dp * tp:
         raise _too_few_devices("GPU", f"{len(devices)} visible", dp, tp,
                                "(CUDA_VISIBLE_DEVICES names the GPUs vLLM may use)")

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from peagle.config import VllmConfig
-from peagle.serving.engine import EngineStartError, open_llm, replica_environments
+from peagle.serving.engine import EngineStartError, open_llm, replica_environments, with_data_parallel_replicas
 
 POLL_S = 2.0  # how often a waiting parent checks that its replicas are alive
 
@@ -165,6 +165,7 @@ def open_engines(model: str, vllm_cfg: VllmConfig, *, replica_options: Callable[
     per-replica ones (a scratch directory of its own, say).
     """
     extra = replica_options or (lambda rank: {})
+    vllm_cfg = with_data_parallel_replicas(vllm_cfg)
     if vllm_cfg.data_parallel_size == 1:
         with open_llm(model, vllm_cfg, **options, **extra(0)) as llm:
             yield llm
