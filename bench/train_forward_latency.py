@@ -37,7 +37,7 @@ from train_common import Run, bench_spec  # noqa: E402
 LAYERS = 4
 
 
-def chain_inputs(spec, context: int, depth: int, with_context: bool):
+def chain_inputs(spec, context: int, depth: int, with_context: bool, device=None, dtype=torch.float32):
     """Elements of one draft: depth-0 anchors 0..C (context + next-token slot), then the
     chain (anchor C, depth 1..depth-1). Without context only anchor C's chain is kept."""
     first = 0 if with_context else context
@@ -46,54 +46,62 @@ def chain_inputs(spec, context: int, depth: int, with_context: bool):
     n = anchor.numel()
     g = torch.Generator().manual_seed(0)
     return dict(
-        input_ids=torch.randint(4, spec.vocab_size, (1, n), generator=g),
-        aux_hidden=torch.randn(1, n, 3 * spec.target_hidden_size, generator=g),
-        position_ids=(anchor + depth_ids)[None],
+        input_ids=torch.randint(4, spec.vocab_size, (1, n), generator=g).to(device),
+        aux_hidden=torch.randn(1, n, 3 * spec.target_hidden_size, generator=g).to(device, dtype),
+        position_ids=(anchor + depth_ids)[None].to(device),
         anchor=anchor,
         depth=depth_ids,
     )
 
 
-def attention(mask: PrecomputedMask, inputs) -> torch.Tensor:
+def attention(mask: PrecomputedMask, inputs, device=None) -> torch.Tensor:
     anchor, depth = inputs["anchor"], inputs["depth"]
-    return mask.mask_for(anchor - anchor.min(), depth)[None]
+    return mask.mask_for(anchor - anchor.min(), depth)[None].to(device)
 
 
-def peagle_pass(drafter, mask, spec, context: int, k: int, with_context: bool) -> float:
+def clock(device) -> float:
+    """Now, once the device has finished what it was given (a GPU runs behind the host)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def peagle_pass(drafter, mask, spec, context: int, k: int, with_context: bool, device=None, dtype=torch.float32) -> float:
     """Seconds for one P-EAGLE pass drafting k tokens (inputs and mask built beforehand)."""
-    x = chain_inputs(spec, context, k, with_context)
-    attn = attention(mask, x)
-    is_mask = (x["depth"] > 0)[None]
+    x = chain_inputs(spec, context, k, with_context, device, dtype)
+    attn = attention(mask, x, device)
+    is_mask = (x["depth"] > 0)[None].to(device)
     slots = torch.zeros_like(is_mask)
     slots[0, -k:] = True
-    start = time.perf_counter()
+    start = clock(device)
     drafter(x["input_ids"], x["aux_hidden"], x["position_ids"], attn, is_mask=is_mask, logits_mask=slots)
-    return time.perf_counter() - start
+    return clock(device) - start
 
 
-def eagle3_chain(drafter, mask, spec, context: int, steps: int, with_context: bool) -> list[float]:
+def eagle3_chain(drafter, mask, spec, context: int, steps: int, with_context: bool, device=None,
+                 dtype=torch.float32) -> list[float]:
     """Seconds of each of ``steps`` sequential EAGLE-3 passes of one chain (KV-less)."""
-    full = chain_inputs(spec, context, steps, with_context)
-    attns = [attention(mask, _take(full, j)) for j in range(steps)]  # masks: loader work, not timed
+    full = chain_inputs(spec, context, steps, with_context, device, dtype)
+    attns = [attention(mask, _take(full, j), device) for j in range(steps)]  # masks: loader work, not timed
     per_step = []
     hidden, token = None, None
     for j in range(steps):
         x = _take(full, j)
         n = x["anchor"].numel()
-        slot = torch.zeros(1, n, dtype=torch.bool)
+        slot = torch.zeros(1, n, dtype=torch.bool, device=device)
         slot[0, -1] = True
-        start = time.perf_counter()
+        start = clock(device)
         ids, override, override_mask = x["input_ids"], None, None
         if j > 0:  # step j reads step j-1's drafted token and pre-norm hidden state
             ids = ids.clone()
             ids[0, -1] = token
-            override = torch.zeros(1, n, spec.hidden_size)
+            override = torch.zeros(1, n, spec.hidden_size, device=device, dtype=dtype)
             override[0, -1] = hidden
             override_mask = slot
         out = drafter(ids, x["aux_hidden"], x["position_ids"], attns[j], hidden_override=override,
                       override_mask=override_mask, logits_mask=slot)
         token, hidden = int(out.logits[-1].argmax()), out.hidden[0, -1]
-        per_step.append(time.perf_counter() - start)
+        per_step.append(clock(device) - start)
     return per_step
 
 
@@ -104,28 +112,32 @@ def _take(full, step: int):
 
 
 def measure(hidden: int, vocab: int, draft_vocab: int, context: int, ks: list[int], reps: int) -> list[list]:
+    return measure_spec(bench_spec(hidden=hidden, layers=LAYERS, vocab=vocab, draft_vocab=draft_vocab), context, ks, reps)
+
+
+def measure_spec(spec, context: int, ks: list[int], reps: int, device=None, dtype=torch.float32) -> list[list]:
+    """Rows [H, mode, K, P-EAGLE ms, EAGLE-3 ms, ratio] for a drafter of ``spec`` on ``device``."""
     torch.manual_seed(0)
-    spec = bench_spec(hidden=hidden, layers=LAYERS, vocab=vocab, draft_vocab=draft_vocab)
-    drafter = PEagleDrafter(spec).eval()
+    drafter = PEagleDrafter(spec).eval().to(device, dtype)
     mask = PrecomputedMask(context + max(ks) + 1, max(ks))
     rows = []
     with torch.inference_mode():
         for with_context in (True, False):
-            peagle_pass(drafter, mask, spec, context, max(ks), with_context)  # warm-up
-            eagle3_chain(drafter, mask, spec, context, 2, with_context)
+            peagle_pass(drafter, mask, spec, context, max(ks), with_context, device, dtype)  # warm-up
+            eagle3_chain(drafter, mask, spec, context, 2, with_context, device, dtype)
             pe_times, chains = {k: [] for k in ks}, []
             # no-context passes are cheap; interleaved, so both schemes see the same machine load
             for _ in range(reps if with_context else 4 * reps):
                 for k in ks:
-                    pe_times[k].append(peagle_pass(drafter, mask, spec, context, k, with_context))
-                chains.append(eagle3_chain(drafter, mask, spec, context, max(ks), with_context))
+                    pe_times[k].append(peagle_pass(drafter, mask, spec, context, k, with_context, device, dtype))
+                chains.append(eagle3_chain(drafter, mask, spec, context, max(ks), with_context, device, dtype))
             pe = {k: min(t) for k, t in pe_times.items()}
             step_best = [min(c[j] for c in chains) for j in range(max(ks))]
             e3 = {k: sum(step_best[:k]) for k in ks}
             mode = f"recompute, context {context}" if with_context else "no-context proxy (KV cache)"
             for k in ks:
-                rows.append([hidden, mode, k, 1000 * pe[k], 1000 * e3[k], e3[k] / pe[k]])
-            print(f"H={hidden} {mode}: done", flush=True)
+                rows.append([spec.hidden_size, mode, k, 1000 * pe[k], 1000 * e3[k], e3[k] / pe[k]])
+            print(f"H={spec.hidden_size} {mode}: done", flush=True)
     return rows
 
 

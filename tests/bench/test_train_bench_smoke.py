@@ -22,6 +22,7 @@ SCRIPTS = {
     "train_loss_weighting": 6,  # weighting, seed, K=1..3 (quick K_train 3), train s
     "quality": 11,  # method, budget, trained as, train s, steps, seeds, K=1..3, per position, offline split
     "train_throughput": 10,  # trainer, trainable, elements, ms/step, 4 phases, tokens/s, vs the peer
+    "gpu_smoke": 8,  # backend, tokens, S, tokens/s, step s, 2 peaks, status (its CPU smoke: dense, fp32)
 }
 
 
@@ -48,6 +49,10 @@ def test_bench_quick_writes_results(name, tmp_path):
     if name == "attention_memory":  # every quick cell runs: both backends, their ratios, the training step
         assert all(isinstance(v, float) for r in table["rows"] for v in r[2:10]), table["rows"]
         assert [r[0] for r in result["tables"][1]["rows"]] == [256, 512]
+    if name == "gpu_smoke":  # every CPU smoke cell trains one optimizer step; drafting has both Ks
+        assert [(r[0], r[1], r[2], r[7]) for r in table["rows"]] == [
+            ("dense", n, s, "ok") for n in (256, 512) for s in (1, 2)], table["rows"]
+        assert [r[2] for r in result["tables"][1]["rows"]] == [1, 4, 1, 4]
     if name == "train_seqlen_memory":  # every quick cell fits: S=1 is the ratio's reference
         assert all(r[4] != "-" for r in table["rows"]), table["rows"]
         assert [r[5] for r in table["rows"] if r[1] == 1] == [1.0, 1.0]
