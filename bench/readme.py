@@ -38,10 +38,11 @@ this file is what it writes).
 Every script prints its tables and writes `bench/results/<name>.json` (all numbers) and
 `<name>.md` (the same tables) through one writer, `bench/result_files.py`;
 `PEAGLE_BENCH_RESULTS=DIR` sends them elsewhere, and `--render-only`, where a script has it,
-re-renders the tables from the saved numbers. Results of another machine live in a folder
-named after it (`results/h100/`, `results/h200/`). Most results come from a shared 2-core CPU
-machine, so each records the load average it ran under: compare ratios taken within one run,
-not absolute numbers across runs.
+re-renders the tables from the saved numbers. What a result says, where someone has read it
+off the numbers, is `<name>.findings.md` beside it, shown under its table. Results of another
+machine live in a folder named after it (`results/h100/`, `results/h200/`). Most results come
+from a shared 2-core CPU machine, so each records the load average it ran under: compare
+ratios taken within one run, not absolute numbers across runs.
 """
 
 
@@ -54,6 +55,11 @@ class Result:
     @property
     def md_path(self) -> Path:
         return self.json_path.with_suffix(".md")
+
+    @property
+    def findings_path(self) -> Path:
+        """What the result says, written by hand from its numbers (``<name>.findings.md``), if anyone has."""
+        return self.json_path.with_name(f"{self.json_path.stem}.findings.md")
 
     @property
     def link(self) -> str:
@@ -138,7 +144,9 @@ def result_section(result: Result) -> list[str]:
     lines = [f"#### [`{result.link}`]({result.link}){state}", "",
              f"{recorded_date(meta)} · {recorded_machine(meta)} · commit {meta.get('commit') or NOT_RECORDED}", ""]
     table = first_table(result.md_path.read_text())
-    return [*lines, *(table or [f"No table: see [`{result.link}`]({result.link})."]), ""]
+    findings = result.findings_path.read_text().strip() if result.findings_path.is_file() else ""
+    return [*lines, *(table or [f"No table: see [`{result.link}`]({result.link})."]), "",
+            *(["**What it says**", "", findings, ""] if findings else [])]
 
 
 def script_section(script: Path, results: list[Result]) -> list[str]:

@@ -44,3 +44,14 @@ def test_first_table_keeps_its_caption_and_note_but_not_the_next_tables_caption(
                                             "two runs, best of 3"]
     rendered = "\n".join(["Rounds:", "", "| a |", "|---:|", "| 1 |", "", "Ratios:", "", "| r |", "|---:|", "| 2 |"])
     assert readme.first_table(rendered) == ["**Rounds:**", "", "| a |", "|---:|", "| 1 |"]
+
+
+def test_what_a_result_says_is_shown_under_its_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(readme, "BENCH", tmp_path)
+    result = readme.Result(tmp_path / "quality.json")
+    result.json_path.write_text('{"meta": {"finished_utc": "2026-11-28T10:00:00Z", "commit": "abc"}}')
+    result.md_path.write_text("# quality\n\n| a |\n|---:|\n| 1 |\n")
+    assert "**What it says**" not in readme.result_section(result)
+    result.findings_path.write_text("P-EAGLE leads.\n")
+    section = readme.result_section(result)
+    assert section[section.index("| 1 |") + 1:] == ["", "**What it says**", "", "P-EAGLE leads.", ""]
