@@ -84,15 +84,39 @@ def pytest_unconfigure(config):
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
+# Shared fixtures whose one-time set-up the first test that asks for one pays inside its own time
+# limit (pyproject.toml's `timeout`, set-up included, so a hung server or engine still fails the
+# suite). Each adds its budget, about three times what it takes on 2 loaded cores, to the limit
+# of every test that uses it.
+LONG_SETUPS_S = {
+    "embedded_target": 1200,  # copied from tests/support when its recipe is shipped; else built, 4-20 minutes
+    "pipeline_run": 900,  # one whole pipeline run: data, both heads, evaluation, publish (~300 s)
+    "deployed": 900,  # the same as a Prefect deployment run on a worker (~250 s)
+    "extraction": 300,  # a vLLM extraction engine and its hidden states (tests/data/test_extract.py)
+    "data_engine": 300,  # the data stage's vLLM engine (tests/data/test_regenerate.py)
+    "single_node": 300,  # a training run under torchrun (tests/train/test_multinode.py)
+    "zero2_reference": 300,  # a ZeRO-2 training run (tests/train/test_deepspeed.py)
+    "imported": 300,  # SmolLM2 imported from its GGUF file (tests/target/test_gguf.py)
+    "champion": 300,  # a head trained, registered and pulled (tests/tracking/test_pull_and_serve.py)
+    "mlflow_server": 120,  # a real `mlflow server`
+}
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run where torch sees a CUDA device; elsewhere each is skipped with the
-    reason, so the summary counts what this machine could not check."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu); torch sees none here")
+    reason, so the summary counts what this machine could not check. A test using a fixture of
+    ``LONG_SETUPS_S`` gets that fixture's budget on top of its time limit."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(
+        reason="needs a CUDA device (marked gpu); torch sees none here")
     for item in items:
-        if "gpu" in item.keywords:
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        setup_s = sum(LONG_SETUPS_S.get(name, 0) for name in getattr(item, "fixturenames", ()))
+        if setup_s:
+            own = item.get_closest_marker("timeout")
+            limit = own.args[0] if own and own.args else float(config.getini("timeout") or 0)
+            if limit:
+                item.add_marker(pytest.mark.timeout(limit + setup_s), append=False)
 
 
 @pytest.fixture(scope="session")
@@ -132,10 +156,8 @@ def code_train_prompt_lines() -> list[str]:
 
 
 def pipeline_overrides(tmp: Path, tracking_uri: str) -> dict:
-    """tiny.yaml shrunk to fit the CI budget, every code path kept (the EAGLE-3 baseline too).
-
-    The prompts come from a file of the run's own, so the retraining tests can append to it.
-    """
+    """tiny.yaml shrunk to fit the CI budget, every code path kept (the EAGLE-3 baseline too),
+    on a prompt file of the run's own."""
     return {
         "name": "suite",
         "workdir": str(tmp / "run"),
@@ -163,17 +185,6 @@ class PipelineRun:
     result: object  # flows.pipeline.PipelineResult
     seconds: float
     champion_after: str  # the registry's champion version right after the run
-
-    def append_new_prompts(self, n: int) -> None:
-        """Append the next ``n`` prompts of code_train.jsonl to the run's prompt file."""
-        path = self.tmp / "prompts.jsonl"
-        have = len(path.read_text().splitlines())
-        with open(path, "a") as fh:
-            fh.write("\n".join(code_train_prompt_lines()[have:have + n]) + "\n")
-
-    @property
-    def first_prompts(self) -> int:
-        return PIPELINE_PROMPTS
 
 
 @pytest.fixture(scope="session")

@@ -254,6 +254,7 @@ def shared_data_copy(pipeline_run, dest: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # four CLI processes: two torchrun trainings and export's vLLM check (~100 s)
 def test_stage_commands_one_at_a_time(pipeline_run, user_env, tmp_path):
     """`peagle data`, `peagle train [--method eagle3]`, `peagle export` one after another on a
     copy of the shared run's dataset, as a user runs the stages: data finds the dataset built,
@@ -291,6 +292,7 @@ def test_stage_commands_one_at_a_time(pipeline_run, user_env, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # four vLLM engines: no speculation, n-gram lookup, both heads (~100 s)
 def test_evaluate_the_shared_runs_heads(pipeline_run, user_env, tmp_path):
     """`peagle evaluate` on a copy of the shared run's exported heads (P-EAGLE and EAGLE-3), 4 prompts:
     both heads' drafts are accepted in vLLM."""
@@ -311,6 +313,7 @@ def test_evaluate_the_shared_runs_heads(pipeline_run, user_env, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a pull, then a `vllm serve` started and asked over HTTP (~130 s)
 def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, user_env, embedded_target, tmp_path):
     """`peagle pull models:/peagle-embedded@champion heads/champion --target TARGET` from the shared
     run's `mlflow server` (MLFLOW_TRACKING_URI names it, as the README says), then

@@ -185,6 +185,7 @@ def test_clock_and_step_seconds_are_refused_together():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # bench/quality.py --quick's budgets part: two torchrun trainings and their evaluation
 def test_clock_trains_each_budget_on_the_pipelines_clock(tmp_path):
     """--clock: no calibration, train.max_train_seconds = the budget (--quick's 3 s), and the
     result says so."""

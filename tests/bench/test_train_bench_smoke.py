@@ -31,6 +31,7 @@ PEER_MISSING = pytest.mark.skipif(importlib.util.find_spec("speculators") is Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a whole benchmark script in a process of its own, up to its 600 s limit below
 @pytest.mark.parametrize("name", [pytest.param(n, marks=PEER_MISSING) if n == "train_throughput" else n
                                   for n in sorted(SCRIPTS)])
 def test_bench_quick_writes_results(name, tmp_path):

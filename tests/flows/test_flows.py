@@ -2,41 +2,21 @@
 
 The first run is ``tests/conftest.py::pipeline_run`` (shared with the end-to-end tests);
 here: a second run with unchanged inputs (data, training and online evaluation come from
-the cache), the head published alone into another registry (its lineage goes with it), a
-retraining run with nothing new (does nothing), and one after new prompts were appended
-(regenerates only what it lacks; the champion is measured beside the new head in the same
-vLLM run, and promotion is decided on that comparison).
+the cache), the head published alone into another registry (its lineage goes with it), and a
+retraining run with nothing new (does nothing). A retraining on new prompts runs where users
+run it, as a scheduled deployment run: tests/flows/test_deployment_run.py.
 """
 
 import json
-import re
 import time
 from pathlib import Path
 
 import pytest
 
 from flows.common import artifact_key
-from peagle.config import load_config
-from peagle.contract import NGRAM
 from peagle.lineage import read_head_lineage, recorded_lineage
-from peagle.tracking.gate import head_score
 
 pytestmark = pytest.mark.slow
-
-NEW_PROMPTS = 8
-
-
-def retrain_overrides(run) -> dict:
-    """The shared run's config, without the EAGLE-3 baseline: retraining trains one head
-    (the shared run covers the baseline), which the lineage records as a config change too.
-    Two Ks, so the evaluation shows the champion served at the largest alone."""
-    return {**run.overrides, "train.eagle3_baseline": False, "eval.ks": [1, 3]}
-
-
-def samples(run: Path) -> dict[str, dict]:
-    lines = (run / "data" / "samples.jsonl").read_text().splitlines()
-    return {d["id"]: d for d in map(json.loads, lines)}
-
 
 @pytest.fixture(scope="module")
 def two_runs(pipeline_run):
@@ -152,86 +132,6 @@ def test_retraining_with_nothing_new_does_nothing(two_runs, pipeline_run):
     assert "nothing new" in result.message
     assert seconds < 45  # a vLLM engine start alone takes longer here
     assert not (tmp / "run" / "revisions").exists()
-
-
-def test_retraining_on_new_prompts_regenerates_only_them_and_gates_promotion(two_runs, pipeline_run, caplog):
-    from mlflow import MlflowClient
-
-    from flows.retrain import retrain_flow
-
-    tmp = pipeline_run.tmp
-    before = samples(tmp / "run")
-    pipeline_run.append_new_prompts(NEW_PROMPTS)
-    caplog.set_level("INFO", logger="peagle")
-    caplog.clear()
-    start = time.perf_counter()
-    result = retrain_flow(pipeline_run.config, retrain_overrides(pipeline_run), warm_start=True)
-    seconds = time.perf_counter() - start
-    out = caplog.text  # peagle's log lines (the data stage's included)
-    print(f"\nretrain on {NEW_PROMPTS} new prompts (warm start): {seconds:.1f} s; {result.message}")
-
-    assert result.retrained and any("prompt file" in c for c in result.changes)
-    after = samples(tmp / "run")
-    new_ids = set(after) - set(before)
-    assert len(new_ids) == NEW_PROMPTS
-    # regenerated responses of prompts already done (same split) were restored, not regenerated
-    kept = sum(1 for i, d in before.items() if after[i]["split"] == d["split"])
-    restored = int(re.search(r"(\d+) regenerated responses restored", out).group(1))
-    assert restored == kept and kept >= pipeline_run.first_prompts // 2
-    for i in new_ids:
-        assert after[i]["regen"] == "ok"
-    # a new revision directory; the shared dataset grew
-    assert Path(result.pipeline.head_dir).is_relative_to(tmp / "run" / "revisions")
-    assert result.pipeline.data_dir == str(tmp / "run" / "data")
-
-    # the gate measured the champion beside the new head, in the same vLLM run, and decided on that
-    client = MlflowClient(tracking_uri=pipeline_run.overrides["tracking.tracking_uri"])
-    champion_before = client.get_model_version("peagle-embedded", result.champion_before)
-    new = client.get_model_version("peagle-embedded", result.pipeline.model_version)
-    online, label = result.pipeline.online, f"champion-v{champion_before.version}"
-    assert online.heads() == ["p-eagle", label] and NGRAM in online.methods()  # n-gram lookup: the floor
-    rows = {m: [(r.k, r.concurrency, r.requests) for r in online.rows if r.method == m] for m in online.heads()}
-    cfg = load_config(pipeline_run.config, retrain_overrides(pipeline_run))
-    assert [k for k, _, _ in rows["p-eagle"]] == cfg.eval.ks == [1, 3]
-    # the champion on one engine, at the K the gate compares (the largest), on the same prompts
-    assert rows[label] == [r for r in rows["p-eagle"] if r[0] == 3]
-    assert all(r.num_drafts > 0 for r in online.rows if r.method == label)
-    score, champion_score = head_score(cfg, online, "p-eagle"), head_score(cfg, online, label)
-    assert float(new.tags["peagle.score"]) == score
-    assert float(new.tags["peagle.promotion.champion_score"]) == champion_score
-    better = score > champion_score * (1 + cfg.tracking.promotion_margin)
-    assert result.pipeline.promotion.promoted == better, result.pipeline.promotion.reason
-    assert "measured in the same run" in result.pipeline.promotion.reason
-    first_cfg = load_config(pipeline_run.config, pipeline_run.overrides)  # the champion's own-run score: history
-    assert float(champion_before.tags["peagle.score"]) == head_score(first_cfg, pipeline_run.result.online, "p-eagle")
-    champion = client.get_model_version_by_alias("peagle-embedded", "champion")
-    assert champion.version == (new.version if better else champion_before.version)
-    assert json.loads(new.tags["peagle.lineage.prompt_files"]) != json.loads(
-        champion_before.tags["peagle.lineage.prompt_files"])
-    # the new head's card states its own acceptance, not the champion's
-    card = (Path(result.pipeline.head_dir) / "README.md").read_text()
-    assert label not in card
-    assert f"| 3 | {online.acceptance_by_k('p-eagle')[3]:.2f} |" in card
-
-    # warm-started from the champion it replaces: its first steps start from the champion's loss
-    revision = Path(result.pipeline.checkpoint_dir).parent
-    warm = json.loads((revision / "train_result.json").read_text())["warm_start"]
-    assert Path(warm["head_dir"]).name == f"v{champion_before.version}"
-    assert warm["lm_head_rows_copied"] > 0
-    first_training = Path(pipeline_run.result.checkpoint_dir).parent  # checkpoints/peagle/<identity>
-    first_loss = [r["loss"] for r in map(json.loads, (first_training / "metrics.jsonl")
-                                         .read_text().splitlines()) if "loss" in r][0]
-    warm_loss = [r["loss"] for r in map(json.loads, (revision / "metrics.jsonl").read_text().splitlines())
-                 if "loss" in r][0]
-    assert warm_loss < 0.8 * first_loss, (warm_loss, first_loss)
-
-
-def test_retraining_again_on_the_same_inputs_does_nothing(two_runs, pipeline_run):
-    """Whether or not the gate promoted the retrained head, its inputs are already trained on."""
-    from flows.retrain import retrain_flow
-
-    result = retrain_flow(pipeline_run.config, retrain_overrides(pipeline_run))
-    assert not result.retrained and "nothing new" in result.message
 
 
 def test_artifacts_hold_the_acceptance_table_and_the_mlflow_run(two_runs):
