@@ -1,9 +1,11 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   bootstrap .venv if missing, install, run the pipeline on configs/demo.yaml
 #   make test   bootstrap the same way, run the test suite
-#   make test-fast  the same without the tests marked slow (vLLM engines, DeepSpeed training under
-#                   torchrun, the one shared pipeline run of tests/conftest.py, deploying to the
-#                   real Prefect server); the Prefect tests it keeps share the suite's one server.
+#   make test-fast  the same without the tests marked slow (over ~7 s each: vLLM engines, DeepSpeed
+#                   training under torchrun, the one shared pipeline run of tests/conftest.py, deploying
+#                   to the real Prefect server, most commands run as processes), under 5 minutes on 2
+#                   cores; the Prefect tests it keeps share the suite's one server. Any test over 180 s
+#                   fails the suite (pyproject.toml's timeout; the long ones say why).
 #                   Tests marked gpu run where torch sees a CUDA device and are counted as skipped elsewhere.
 #   make lint   ruff over the tree (its rules: pyproject.toml [tool.ruff])
 #   make smollm2  the demo's target, a real pretrained chat model (SmolLM2-135M-Instruct), as a local

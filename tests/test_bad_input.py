@@ -101,6 +101,7 @@ def test_eval_ks_beyond_what_p_eagle_trains_is_refused():
                    "lower eval.ks to at most 5 or raise train.k_train to 7")
 
 
+@pytest.mark.slow
 def test_eval_num_prompts_beyond_the_prompt_set_is_refused():
     prompts = REPO / "data" / "prompts" / "code_eval.jsonl"
     assert_refused(check(DEMO, "--set", "eval.num_prompts=65"),
@@ -109,12 +110,14 @@ def test_eval_num_prompts_beyond_the_prompt_set_is_refused():
 
 
 @pytest.mark.parametrize("key", ["eval.prompts", "eval.completion_prompts"])
+@pytest.mark.slow
 def test_a_missing_eval_prompt_file_is_refused(tmp_path, key):
     missing = tmp_path / "nope.jsonl"
     assert_refused(check(DEMO, "--set", f"{key}={missing}"),
                    f"{key}: '{missing}' is neither a file", f"fix {key}")
 
 
+@pytest.mark.slow
 def test_a_malformed_eval_prompt_file_names_the_line(tmp_path):
     bad = tmp_path / "eval.jsonl"
     bad.write_text('{"prompt": "hi"}\n{"oops": 1}\n')
@@ -130,6 +133,7 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
                        "workdir", f"{afile} is a file, not a directory", "set workdir to a directory")
 
 
+@pytest.mark.slow
 def test_a_stage_command_refuses_before_building_the_target(tmp_path):
     """`peagle data` with an eval set too short: refused before the embedded target is built."""
     home = tmp_path / "home"
@@ -138,6 +142,7 @@ def test_a_stage_command_refuses_before_building_the_target(tmp_path):
     assert not (home / "targets").exists()
 
 
+@pytest.mark.slow
 def test_muon_on_a_cpu_without_a_compiler_is_refused_before_the_data_stage(tmp_path):
     """The default optimizer compiles its update: `peagle run` on a machine without g++ or clang++
     says so before the data stage, not when training starts after it."""
@@ -211,6 +216,7 @@ def test_a_config_whose_inputs_all_check_is_valid(tmp_path, local_target):
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_the_command_refuses_a_target_it_cannot_have(tmp_path, local_target):
     """The same through `peagle` itself: exit 2, one message, no traceback."""
     assert_refused(check(target_config(tmp_path, local_target), "--set", "target.model=peagle-test/not-cached"),

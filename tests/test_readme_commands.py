@@ -207,6 +207,7 @@ def test_the_parser_reads_optional_parts_comments_and_continuations():
 # ----------------------------------------------------------------------------- cheap commands, run for real
 
 
+@pytest.mark.slow
 def test_config_check(user_env):
     """The README's check of a GPU config, with the hub off as the suite runs (tests/conftest.py):
     it reads the target's tokenizer from the Hugging Face cache, so where Llama is not cached it
@@ -235,6 +236,7 @@ def test_config_env(user_env):
     assert {"hf_home", "hf_token_found", "prefect"} <= set(seen)
 
 
+@pytest.mark.slow
 def test_target_build(user_env, embedded_target):
     report = Path(embedded_target) / "build_report.json"
     before = report.stat().st_mtime_ns

@@ -64,6 +64,7 @@ SLOW = pytest.mark.slow  # over ~15 s on 2 cores: the commands that import vLLM'
 
 
 @pytest.mark.parametrize("name", [pytest.param("run", marks=SLOW), pytest.param("retrain", marks=SLOW), "deploy"])
+@pytest.mark.slow
 def test_prefect_api_down(tmp_path, name):
     api = f"http://127.0.0.1:{free_port()}/api"
     result = run_without(tmp_path, name, env={"PREFECT_API_URL": api})

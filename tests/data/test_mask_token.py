@@ -42,6 +42,7 @@ def occurrences(tokenizer, token_id: int, texts) -> tuple[int, int]:
     return sum(counts), sum(1 for c in counts if c)
 
 
+@pytest.mark.slow
 def test_a_mask_token_in_the_prompts_is_refused_before_any_engine_starts(tmp_path, tiny_target):
     from transformers import AutoTokenizer
 
@@ -60,6 +61,7 @@ def test_a_mask_token_in_the_prompts_is_refused_before_any_engine_starts(tmp_pat
     assert not (tmp_path / "run" / "data" / "splits").exists()  # nothing extracted, no engine started
 
 
+@pytest.mark.slow
 def test_a_mask_token_the_chat_template_writes_is_refused_before_extraction(tmp_path, tiny_target):
     """`<|end|>` closes every turn: no prompt text holds it, every rendered sample does."""
     from transformers import AutoTokenizer

@@ -210,6 +210,7 @@ def check_readable(split_dir, n):
     return len(ids)
 
 
+@pytest.mark.slow
 def test_kill_9_at_any_moment_then_resume(tmp_path):
     """SIGKILL a writer at random moments; readers only ever see whole shards; the rerun completes."""
     n, split_dir = 200, tmp_path / "train"

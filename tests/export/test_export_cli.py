@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 
@@ -16,6 +17,8 @@ from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, read_serve_
 from peagle.export.selftest import draft_vocab_skipping_low_ids, random_head_state_dict
 from peagle.facts import head_spec_for
 from peagle.train.checkpoint import BEST, write_pointer
+
+pytestmark = pytest.mark.slow  # each test runs `peagle export` in a process of its own (~12 s)
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFT_VOCAB = 256

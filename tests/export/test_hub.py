@@ -122,6 +122,7 @@ def hub_head(tmp_path, state, spec, vocab, tiny_target):
                        target_path=tiny_target)
 
 
+@pytest.mark.slow
 def test_push_dry_run_lists_each_file_and_the_repository(hub_head):
     said = peagle("push", hub_head, "me/tiny-p-eagle", "--dry-run")
     assert said.returncode == 0, said.output
@@ -142,11 +143,13 @@ def test_the_uploaded_card_serves_the_head_from_its_repository(hub_head):
     assert (hub_head / "README.md").read_text() != upload.card  # the head directory itself is left as it is
 
 
+@pytest.mark.slow
 def test_push_refuses_a_head_of_unknown_license(head):
     assert_refused(peagle("push", head, "me/tiny-p-eagle", "--dry-run"),
                    "names no license of the target (license: other)", "set card.license in the config")
 
 
+@pytest.mark.slow
 def test_push_refuses_a_broken_head_before_any_upload(hub_head, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(hub_head, broken)
@@ -155,6 +158,7 @@ def test_push_refuses_a_broken_head_before_any_upload(hub_head, tmp_path):
     assert_refused(peagle("push", hub_head, "not a repo", "--dry-run"), "is not a Hub repository id")
 
 
+@pytest.mark.slow
 def test_a_push_offline_fails_in_one_line_before_any_upload(hub_head):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_not_a_real_token_0000",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

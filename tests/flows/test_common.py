@@ -162,6 +162,7 @@ def test_runs_are_named_by_stage_config_and_target(prefect_server, tmp_path):
     assert named(str(tmp_path / "missing.yaml")) == "train missing"  # the flow itself reports the bad path
 
 
+@pytest.mark.slow
 def test_two_runs_on_one_accelerator_queue(prefect_server, tmp_path):
     """The accelerator limit is created when missing; two holders never overlap."""
     import contextvars
@@ -197,6 +198,7 @@ def test_two_runs_on_one_accelerator_queue(prefect_server, tmp_path):
     assert len(spans) == 2 and s2 >= e1  # the second waited for the first to release the slot
 
 
+@pytest.mark.slow
 def test_a_slot_left_taken_is_reported_with_the_command_that_frees_it(prefect_server, tmp_path):
     """A killed run's slot (taken in the database, no lease behind it) makes the next stage say
     in its run log why it waits and how to free it; running that command lets the stage run."""

@@ -44,6 +44,7 @@ def doctored(tmp_path, edit) -> Path:
 # ----------------------------------------------------------------------------- --check
 
 
+@pytest.mark.slow
 def test_check_passes_the_repos_file():
     result = peagle("deploy", "--check")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -54,6 +54,7 @@ def descendants() -> set[int]:
 
 
 @needs_two_cores
+@pytest.mark.slow
 def test_a_replica_that_cannot_start_is_an_engine_start_error(tmp_path):
     before = descendants()
     with pytest.raises(EngineStartError, match=r"engine replica \d: .*could not start an engine"):

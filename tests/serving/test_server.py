@@ -72,6 +72,7 @@ def test_a_card_without_a_name_leaves_the_name_to_vllm(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated weights", "corrupt config"])
+@pytest.mark.slow
 def test_serve_refuses_a_truncated_or_corrupt_head_naming_the_file(tmp_path, damage):
     from tests.peagle_cli import assert_refused, peagle
 

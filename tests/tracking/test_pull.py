@@ -69,6 +69,7 @@ def test_pull_never_names_the_training_machines_target_path(registered, tmp_path
     assert "/srv/train-box" not in (tmp_path / "there" / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_pull_from_a_sqlite_store_that_does_not_exist_is_refused_and_creates_none(registered, tmp_path, mlflow_uri):
     """A mistyped store: MLflow would create an empty database there and say "no such model version"."""
     from tests.peagle_cli import assert_refused, peagle

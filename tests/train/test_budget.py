@@ -85,6 +85,7 @@ def timed_records(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_run, tmp_path):
     """A real DeepSpeed run: it stops when its steps have taken the budget (more than one epoch of
     the tiny dataset), the learning rate warms up and decays to ~0 over the time, and a run killed

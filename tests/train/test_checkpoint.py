@@ -69,6 +69,7 @@ def _one_step(engine, objective, batch):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.slow
 def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path, optimizer):
     from peagle.model import PEagleDrafter
     from peagle.objective.loss import TargetHead
@@ -195,6 +196,7 @@ ckpt.save_checkpoint(engine, tiny_spec(), state(2), root, keep_last=2)
 """
 
 
+@pytest.mark.slow
 def test_killed_write_leaves_no_visible_partial_checkpoint(tmp_path):
     root, marker = tmp_path / "ckpts", tmp_path / "writing"
     script = tmp_path / "child.py"

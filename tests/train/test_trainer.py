@@ -49,6 +49,7 @@ train_drafter(cfg, Path(data_dir), target, Path(out), progress=False, on_metrics
 """
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
     from peagle.train.trainer import train_drafter
 
