@@ -7,6 +7,7 @@ cache, the checkpoint directory and the lineage agree on when a head is the same
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,12 +23,22 @@ def _digest_parts(*parts) -> str:
     return json_digest([str(p) for p in parts], length=24)
 
 
+WRITTEN_BY_THE_TARGET = "written by the target"
+
+
 def dataset_key(cfg, target) -> str:
     """The dataset: target+data config, prompt-file contents, target revision (``target``: a
-    ``peagle.stages.TargetInfo``), and what its served split is made of (``peagle.data.served``)."""
+    ``peagle.stages.TargetInfo``), and what its served split is made of (``peagle.data.served``).
+
+    A ``kind: magpie`` file counts by what writes it, its source's settings (in the data config)
+    and the target, not by its content: the first run writes it after its key is taken, and the
+    next run must find that run's dataset. The lineage still names the file by its content."""
     values = dataset_inputs(cfg, target)
-    return "data-" + _digest_parts(values["data_config_hash"], values["prompt_files"], values["target_revision"],
-                                   served_key(cfg))
+    written = {src.path for src in cfg.data.sources if src.kind == "magpie"}
+    files = {path: WRITTEN_BY_THE_TARGET if path in written else digest
+             for path, digest in json.loads(values["prompt_files"]).items()}
+    return "data-" + _digest_parts(values["data_config_hash"], json.dumps(files, sort_keys=True),
+                                   values["target_revision"], served_key(cfg))
 
 
 def training_key(cfg, data_dir, method: str | DraftingMethod) -> str:

@@ -108,3 +108,21 @@ def test_the_optimizer_counts_and_muons_lr_counts_under_muon():
     assert training_hash(with_train(adamw, muon_learning_rate=0.05)) == training_hash(adamw)
     muon = with_train(adamw, optimizer="muon")
     assert training_hash(with_train(muon, muon_learning_rate=0.05)) != training_hash(muon) != training_hash(adamw)
+
+
+def test_the_dataset_key_of_a_run_with_a_magpie_source_is_the_same_before_and_after_it_writes_the_file(inputs):
+    """A rerun finds the first run's dataset: the magpie file the first run wrote does not change
+    the key it was cached under; a grown prompt file does."""
+    from flows.cache_keys import dataset_key
+    from peagle.config import PromptSource
+
+    cfg, target = inputs
+    magpie = Path(cfg.data.sources[0].path).with_name("magpie.jsonl")
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"sources": [
+        *cfg.data.sources, PromptSource(kind="magpie", path=str(magpie), max_samples=2)]})})
+    before = dataset_key(cfg, target)
+    magpie.write_text('{"messages": [{"role": "user", "content": "Write a sort."}]}\n')
+    assert dataset_key(cfg, target) == before
+    with open(cfg.data.sources[0].path, "a") as fh:
+        fh.write('{"messages": [{"role": "user", "content": "more"}]}\n')
+    assert dataset_key(cfg, target) != before

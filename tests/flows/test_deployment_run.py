@@ -340,7 +340,7 @@ def check_the_retrained_revision(deployed: Deployed, before: dict[str, dict], lo
     cfg = load_config(REPO / "configs" / "tiny.yaml", retrain_overrides(deployed.tmp))
     assert float(new.tags["peagle.score"]) == head_score(cfg, online, "p-eagle")
     assert float(new.tags["peagle.promotion.champion_score"]) == head_score(cfg, online, label)
-    assert client.get_model_version_by_alias("peagle-embedded", "champion").version == "1"
+    assert str(client.get_model_version_by_alias("peagle-embedded", "champion").version) == "1"
     assert json.loads(new.tags["peagle.lineage.prompt_files"]) != json.loads(champion.tags["peagle.lineage.prompt_files"])
     card = (revision / "heads" / "peagle" / "README.md").read_text()
     assert label not in card and f"| 2 | {online.acceptance_by_k('p-eagle')[2]:.2f} |" in card
