@@ -49,6 +49,7 @@ def test_mending_takes_out_exactly_the_corrupt_shards(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a data stage, then training refused and a repair, each a command of its own (~180 s)
 def test_a_corrupt_shard_is_found_before_training_and_repair_fixes_it(tmp_path):
     """16 bytes flipped in one shard of a dataset `peagle data` built: `peagle train` refuses
     before any rank starts, naming the shard and `--repair`; `--verify` reports it; a plain

@@ -255,6 +255,7 @@ def hf_states(target_dir, token_ids, layer_ids):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # a data stage, interrupted and resumed (~75 s)
 def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -344,6 +345,7 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores for 2 engine replicas")
+@pytest.mark.timeout(600)  # two engine replicas, one killed, and a rerun (~145 s)
 def test_two_replicas_build_one_store_and_a_rerun_resumes_after_one_dies(tmp_path):
     """``vllm.data_parallel_size: 2`` through ``peagle data``, as a user runs it: one replica is
     killed mid-extraction; the command fails saying so, and a rerun finishes the same store
@@ -448,6 +450,7 @@ def tree_bytes(root) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three data stages (~130 s)
 def test_force_never_destroys_a_dataset_before_its_replacement_is_complete(tmp_path):
     """--force with a typo in a prompt path: refused while loading the prompts, the built dataset
     byte for byte as it was, and the next correct run needs no --force. A real --force rebuild
@@ -487,6 +490,7 @@ def test_force_never_destroys_a_dataset_before_its_replacement_is_complete(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # two data stages on a small disk (~100 s)
 def test_a_full_disk_stops_the_stage_at_once_and_a_rerun_resumes(tmp_path, small_disk):
     """The disk fills up during extraction: the command stops (no wait on a file vLLM could not
     write) naming the disk, what is kept and how to go on; once there is room, the same command

@@ -115,6 +115,7 @@ print("RESULT", ngram_in_a_process, numba_here, next_in_a_process, after_numba_i
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # three engine starts, one in a process of its own (~100 s)
 def test_numba_never_costs_a_later_engine_its_in_process_start(tiny_model):
     """vLLM's in-process worker scans every imported module and fails on numba's llvmlite, which
     vLLM's n-gram drafter imports: n-gram engines start in a process of their own, so the next
