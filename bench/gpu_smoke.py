@@ -82,8 +82,9 @@ def llama8b_spec(quick: bool):
 # ----------------------------------------------------------------------------- training cells (one process a backend)
 
 
-def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bool) -> list[dict]:
-    """Every (length, S) cell of one attention backend in this process; one JSON line each."""
+def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bool) -> None:
+    """Every (length, S) cell of one attention backend in this process, printed as one JSON line each
+    (``run_backend`` reads them)."""
     cuda = torch.cuda.is_available()
     spec = llama8b_spec(quick)
     train = TrainConfig(k_train=K_TRAIN, cod_ratio=COD_RATIO, max_len=max(lengths), attention=backend,
@@ -98,7 +99,6 @@ def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bo
     engine.train()
     head = TargetHead(spec.target_hidden_size, spec.draft_vocab_size, spec.rms_norm_eps).to(engine.device)
     failed: set[int] = set()
-    out = []
     for length in lengths:
         for s in segments:
             if s in failed:
@@ -110,8 +110,6 @@ def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bo
                     failed.add(s)
             cell.update(backend=backend, length=length, segments=s)
             print(json.dumps(cell), flush=True)
-            out.append(cell)
-    return out
 
 
 def _train_cell(engine, train, spec, head, length: int) -> dict:
