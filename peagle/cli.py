@@ -59,17 +59,20 @@ def _library_output(cfg):
 def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Check a config against everything it names, without an engine or a download: types, keys
     and combinations; the target (its tokenizer and the mask token); every prompt source and
-    evaluation set; the counts; the run directory."""
+    evaluation set; the counts; the run directory. Then its plan: samples, tokens and disk, stored
+    or streamed (data.hidden_states), against the free disk; a dataset that cannot fit is refused."""
     cfg = _load(config, set_)  # a config that does not parse is refused before the checks' libraries load
     from peagle.stages import check_config
 
     try:
-        notes = check_config(cfg)
+        report = check_config(cfg)
     except ConfigError as err:
         console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
-    for note in notes:
+    for note in report.notes:
         console.print(f"not checked here: {note}", soft_wrap=True)
+    for line in report.plan:
+        console.print(f"plan: {line}", soft_wrap=True)
     console.print(f"[green]{config}: valid[/green] (run directory {cfg.run_dir})")
 
 

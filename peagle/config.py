@@ -69,6 +69,25 @@ def _holds_bool(value) -> bool:
     return False
 
 
+# A field's json_schema_extra says how it counts in ``PipelineConfig.section_hash`` (the identity
+# of what a stage builds): a setting that changes how much, not what, is not hashed; a setting
+# added with a default that keeps what was built before counts only once set otherwise, so
+# datasets built before it existed keep their identity.
+NOT_HASHED = {"hashed": "never"}
+HASHED_UNLESS_DEFAULT = {"hashed": "unless_default"}
+
+
+def hashed_fields(section: BaseModel) -> dict:
+    """``section`` as JSON for its hash: every field but those marked otherwise."""
+    dumped = section.model_dump(mode="json", by_alias=True)
+    for name, field in type(section).model_fields.items():
+        rule = (field.json_schema_extra or {}).get("hashed") if isinstance(field.json_schema_extra, dict) else None
+        key = field.alias or name
+        if rule == "never" or (rule == "unless_default" and getattr(section, name) == field.default):
+            dumped.pop(key, None)
+    return dumped
+
+
 class Strict(BaseModel):
     """Every config section: unknown keys, infinite or NaN numbers and booleans given for
     numbers are errors (pydantic would read ``epochs: yes`` as 1 and ``.inf`` as a number)."""
@@ -150,6 +169,9 @@ class VllmConfig(Strict):
     # "auto": every GPU the data stage sees busy (visible GPUs // tensor_parallel_size), and one
     # engine on CPU, where it already computes on every core (peagle.serving.engine.data_parallel_replicas).
     data_parallel_size: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    # The GPUs (CUDA device ids) the engines use; None: every visible one. Training beside a
+    # streamed dataset's engines keeps them apart from train.devices. Where, not what: not hashed.
+    devices: list[str] | None = Field(None, min_length=1, json_schema_extra=NOT_HASHED)
     max_model_len: int = Field(1024, ge=64)
     max_num_seqs: int = Field(32, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
@@ -232,6 +254,12 @@ class DataConfig(Strict):
     # Refuse to go on when the target's answers look degenerate (peagle.data.health: openings
     # alike, loops, cut at max_tokens, all copied from the context); otherwise it only warns.
     strict_health: bool = False
+    # stored: the train split's hidden states are extracted once into the dataset (reused by every
+    # epoch and head). streamed: the dataset keeps the train split's tokens only, and training
+    # extracts its hidden states beside itself into a spool of at most spool_gib GiB, each shard
+    # deleted once every rank has read it (peagle.data.spool): for data that does not fit the disk.
+    hidden_states: Literal["stored", "streamed"] = Field("stored", json_schema_extra=HASHED_UNLESS_DEFAULT)
+    spool_gib: float = Field(4.0, gt=0, json_schema_extra=NOT_HASHED)  # how much, not what: not the dataset's identity
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -338,6 +366,7 @@ class TrainConfig(Strict):
     # the c10d rendezvous at rdzv_endpoint, or this host starts all of them over ssh with
     # DeepSpeed's launcher (hostfile). ---
     world_size: int = Field(1, ge=1)  # ranks over all nodes
+    devices: list[str] | None = Field(None, min_length=1)  # GPUs (CUDA ids) this node's ranks use; None: the first visible
     nodes: int = Field(1, ge=1)  # hosts taking part; each runs world_size // nodes ranks
     rdzv_endpoint: str | None = None  # "HOST:PORT" every node reaches (nodes > 1); that host keeps the store
     rdzv_id: str | None = None  # the job's rendezvous id, the same on every node; default: from the checkpoint dir
@@ -560,6 +589,33 @@ class PipelineConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _devices_fit(self):
+        """train.devices holds this node's ranks; beside a streamed dataset's engines, apart from vllm.devices."""
+        train, engines = self.train.devices, self.vllm.devices
+        if train is not None and len(train) < self.train.ranks_per_node:
+            raise ValueError(f"train.devices {train} holds fewer GPUs than the {self.train.ranks_per_node} rank(s) a "
+                             "node runs (train.world_size / train.nodes): name one GPU a rank")
+        for key, ids in (("train.devices", train), ("vllm.devices", engines)):
+            if ids is not None and len(set(ids)) != len(ids):
+                raise ValueError(f"{key} {ids} names a GPU twice")
+        shared = sorted(set(train or []) & set(engines or []))
+        if self.data.hidden_states == "streamed" and shared:
+            raise ValueError(
+                f"data.hidden_states: streamed runs vLLM's engines beside the ranks, but GPU(s) {', '.join(shared)} are "
+                "in both vllm.devices and train.devices: give each its own GPUs")
+        return self
+
+    @model_validator(mode="after")
+    def _streamed_on_one_node(self):
+        """A streamed dataset's producer runs beside the ranks of one launcher: one node."""
+        if self.data.hidden_states == "streamed" and (self.train.nodes > 1 or self.train.hostfile):
+            raise ValueError(
+                "data.hidden_states: streamed trains on one node (its hidden states are extracted beside the ranks "
+                "of one launcher); with train.nodes > 1 or train.hostfile use data.hidden_states: stored"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ks_trained(self):
         """A head is evaluated (offline and served) at every K of ``eval.ks``: none may be beyond
         the positions its method trains (``DraftingMethod.max_eval_k``; P-EAGLE's ``k_train``)."""
@@ -598,8 +654,7 @@ class PipelineConfig(Strict):
 
     def section_hash(self, *sections: str) -> str:
         """A stable hash of the named sections: the cache key of a stage's inputs."""
-        payload = {s: getattr(self, s).model_dump(mode="json", by_alias=True) for s in sections}
-        return json_digest(payload)
+        return json_digest({s: hashed_fields(getattr(self, s)) for s in sections})
 
 
 class ConfigError(ValueError):

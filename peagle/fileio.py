@@ -67,6 +67,19 @@ def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
+def tree_bytes(root: str | Path) -> int:
+    """Bytes of the files under ``root`` now (``du``); a file renamed or deleted while counted, by a
+    writer working beside the count, counts as gone."""
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename inside ``path`` durable (the directory entry, not only the file)."""
     fd = os.open(path, os.O_RDONLY)

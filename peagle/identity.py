@@ -37,8 +37,8 @@ Bookkeeping, which never counts (``BOOKKEEPING``):
 - ``attention``: which kernels evaluate the attention rule (flex attention's block-sparse mask
   or a dense mask), not the rule: both give the same outputs and gradients
   (``tests/model/test_flex_attention.py``), so a run may switch between them on resume.
-- ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``: where the
-  ranks run, not what they compute.
+- ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``, ``devices``: where
+  the ranks run, not what they compute.
 ``world_size`` and ``grad_accum`` count as their product (``micro_batches_per_step``): with
 ``micro_batch_size`` it sets the global batch, and step s trains the same samples however
 it splits into ranks x accumulation (``peagle.train.data``), so a head trained on 2 ranks
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
                          "init_from", "attention"})
-LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "hostfile"})
+LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "hostfile", "devices"})
 SPLIT_OF_THE_BATCH = frozenset({"world_size", "grad_accum"})  # count as micro_batches_per_step
 
 

@@ -10,6 +10,8 @@
                                         it replaces data/ once complete
       checkpoints/<method>/<identity>/  one head's training (peagle.identity, first 12 hex digits):
                                         launch_config.json, metrics.jsonl, train_result.json, latest, best
+        spool/                          a streamed dataset's hidden states while this head trains
+                                        (peagle.data.spool)
         step-NNNNNN/                    drafter.safetensors, head_spec.json, trainer_state.json
       heads/<method>/                   the exported head (config.json, model.safetensors, README.md, lineage.json)
       eval/                             online_results.json, online_acceptance.png
@@ -47,6 +49,12 @@ BEST = "best"  # the step with the best offline acceptance
 LAUNCH_CONFIG_FILE = "launch_config.json"
 METRICS_FILE = "metrics.jsonl"
 TRAIN_RESULT_FILE = "train_result.json"
+SPOOL_DIR = "spool"
+
+
+def spool_dir(checkpoints: str | Path) -> Path:
+    """Where a head trained on a streamed dataset gets its hidden states (``peagle.data.spool``)."""
+    return Path(checkpoints) / SPOOL_DIR
 
 RESOLVED_CONFIG_FILE = "config.resolved.json"
 # <run>/data.rebuild-<config hash>/: a dataset of another configuration being built (--force)

@@ -75,18 +75,26 @@ def checked_target_facts(cfg: PipelineConfig, path: str) -> tuple[TargetFacts, o
     return facts, tokenizer
 
 
-def check_config(cfg: PipelineConfig) -> list[str]:
+@dataclass
+class ConfigReport:
+    notes: list[str]  # what is left to the run (an embedded target not built yet, a source not read here)
+    plan: list[str]  # what the dataset will cost (``peagle.data.budget``); empty before the target is built
+
+
+def check_config(cfg: PipelineConfig) -> ConfigReport:
     """``peagle config check``: every check of ``cfg`` that needs no engine and downloads no
     weights, data or benchmark; a ``ConfigError`` naming the key and the fix at the first that
     fails. The target resolves (a local directory; a hub id in the cache when the hub is off; the
     embedded target once built) and the config fits it (``checked_target_facts``, the draft
-    vocabulary); the data stage's own checks follow (``peagle.data.preflight``). Returns a line
-    for each thing left to the run (an embedded target not built yet, a source not read here)."""
+    vocabulary); the data stage's own checks follow (``peagle.data.preflight``); then the
+    dataset's cost on the run's disk, stored or streamed, a stored one that cannot fit refused
+    (``peagle.data.budget``)."""
+    from peagle.data.budget import data_budget, expected_samples
     from peagle.data.preflight import CONFIG_CHECK_PROMPTS, check_data_inputs, check_writable
     from peagle.target import resolve_target
     from peagle.target.build import embedded_target_dir, is_complete
 
-    notes, tokenizer, mask_token_id = [], None, None
+    notes, tokenizer, mask_token_id, facts = [], None, None, None
     if cfg.target.is_embedded and not is_complete(embedded_target_dir(cfg.target.embedded)):
         check_writable(embedded_target_dir(cfg.target.embedded), "PEAGLE_HOME")
         notes.append(f"target: the embedded target is built on first use, in minutes (`peagle target build`), "
@@ -96,7 +104,13 @@ def check_config(cfg: PipelineConfig) -> list[str]:
         facts.with_draft_vocab(cfg.data.draft_vocab_size or facts.vocab_size)
         mask_token_id = facts.mask_token_id
     inputs = check_data_inputs(cfg, tokenizer, mask_token_id, download=False, scan=CONFIG_CHECK_PROMPTS)
-    return notes + inputs.notes()
+    plan = []
+    if facts is not None:
+        samples = expected_samples(cfg, len(inputs.prompts), inputs.unwritten, inputs.unread)
+        budget = data_budget(cfg, len(facts.stored_layer_ids), facts.target_hidden_size, samples)
+        budget.check_fits()
+        plan = budget.lines()
+    return ConfigReport(notes=notes + inputs.notes(), plan=plan)
 
 
 def check_training_runs_here(cfg: PipelineConfig) -> None:

@@ -210,10 +210,29 @@ def check_here(*args) -> Result:
     return Result(done.exit_code, " ".join(done.output.split()))
 
 
-def test_a_config_whose_inputs_all_check_is_valid(tmp_path, local_target):
+def test_a_config_whose_inputs_all_check_is_valid_and_its_plan_is_printed(tmp_path, local_target):
     result = check_here(target_config(tmp_path, local_target))
     assert result.returncode == 0 and "valid" in result and "not checked here" not in result, result.output
     assert not (tmp_path / "run").exists()  # nothing written
+    for line in ("plan: samples: at most 8 (6 to train on), each at most 64 tokens: at most 512 tokens",
+                 "plan: hidden states: 4 layers x 128 a token",
+                 "plan: stored (data.hidden_states: stored):", "in bfloat16", "in float8",
+                 "plan: streamed (data.hidden_states: streamed):", "plan: disk:"):
+        assert line in result, (line, result.output)
+
+
+def test_a_stored_dataset_the_disk_cannot_hold_is_refused_naming_streaming(tmp_path, local_target, small_disk):
+    """8 prompts of up to 64 tokens x 4 layers x 128 in bf16 is ~530 KB: on a 256 KiB disk config check
+    refuses it before any work, naming data.hidden_states: streamed, which fits (tokens, held-out
+    states and a 50 KiB spool)."""
+    disk = small_disk(256 << 10)
+    config = target_config(tmp_path, local_target)
+    where = ("--set", f"workdir={disk.path / 'run'}")
+    assert_refused(check_here(config, *where), "a stored dataset of this config takes up to",
+                   "8 samples of up to 64 tokens", "set data.hidden_states: streamed")
+    streamed = check_here(config, *where, "--set", "data.hidden_states=streamed", "--set", "data.spool_gib=0.00005")
+    assert streamed.returncode == 0 and "valid" in streamed, streamed.output
+    assert "this config (streamed) needs at most" in streamed
 
 
 @pytest.mark.slow

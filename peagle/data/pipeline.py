@@ -61,6 +61,7 @@ from tqdm.auto import tqdm
 
 from peagle.config import ConfigError, PipelineConfig
 from peagle.data import mask_token
+from peagle.data.budget import data_budget, expected_samples
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.check import mend_corrupt_shards
 from peagle.data.errors import DiskSpaceError
@@ -88,7 +89,7 @@ from peagle.data.synthesize import synthesize_prompts
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
 from peagle.fileio import atomic_open, is_disk_full, json_digest, publish_dir, write_json_atomic
-from peagle.layout import SAMPLES_FILE, SPLITS, DataLayout, RunLayout
+from peagle.layout import SAMPLES_FILE, SPLITS, TRAIN_SPLIT, DataLayout, RunLayout
 from peagle.logs import console_stream
 
 log = logging.getLogger(__name__)
@@ -177,11 +178,14 @@ def build_dataset(
     # every input checked before any engine starts (what `peagle config check` runs too)
     inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
     if inputs.unwritten:  # magpie sources: the requests the target writes itself, then read with the rest
+        check_budget(cfg, facts, expected_samples(cfg, len(inputs.prompts), inputs.unwritten, []),
+                     RunLayout(cfg.run_dir).data, force)
         synthesize_prompts(cfg, target_path, tokenizer)
         read = source_digests(cfg.data.sources, commits)
         inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
     prompts = inputs.prompts
     plan = plan_build(RunLayout(cfg.run_dir), config_hash, force=force, repair=repair)
+    check_budget(cfg, facts, expected_samples(cfg, len(prompts), inputs.unwritten, []), plan.layout, force)
     key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
     layout = plan.layout
     try:
@@ -223,7 +227,7 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
     with ExitStack() as stack:
         writers = {
             split: stack.enter_context(ShardWriter(
-                layout.split(split), facts.stored_layer_ids, facts.target_hidden_size,
+                layout.split(split), stored_layers(cfg, facts, split), facts.target_hidden_size,
                 cfg.data.storage_dtype, cfg.data.shard_max_tokens, meta, max_buffer_s=FLUSH_EVERY_S,
             ))
             for split in SPLITS
@@ -251,6 +255,9 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
         check_disk(space_needed(cfg, facts, records, stored, {}, served, layout.samples), layout.root, force,
                    f"data: {len(todo)} sequences ({sum(r.num_tokens for r in todo)} tokens, {truncated} truncated to "
                    f"{cfg.data.max_seq_len}) to extract ({nl} layers x {ht} x {cfg.data.storage_dtype})")
+        if not stored_layers(cfg, facts, TRAIN_SPLIT):
+            store_tokens(writers[TRAIN_SPLIT], [r for r in todo if r.split == TRAIN_SPLIT], ht)
+            todo = [r for r in todo if r.split != TRAIN_SPLIT]
         if todo:
             extract_into(engine.get(), todo, writers, cfg, progress)
         if not served_is_current(cfg, layout):
@@ -386,7 +393,7 @@ def space_needed(cfg: PipelineConfig, facts: TargetFacts, records: list[Record],
     """Bytes this build still writes, by what writes them: each split's shards, vLLM's
     scratch files (one per sequence of an extraction batch, in the engine's dtype) and the
     regenerated text. ``bounds``: the longest each pending response can make its sequence."""
-    nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
+    ht = facts.target_hidden_size
     tokens, longest = Counter(), 0
     for r in records:
         if r.id in stored:
@@ -397,13 +404,31 @@ def space_needed(cfg: PipelineConfig, facts: TargetFacts, records: list[Record],
     served_tokens, served_longest = served
     tokens[SERVED_SPLIT] += served_tokens
     longest = max(longest, served_longest)
-    need = {f"{split} shards": estimate_bytes(n, nl, ht, cfg.data.storage_dtype) for split, n in tokens.items() if n}
+    need = {f"{split} shards": estimate_bytes(n, len(stored_layers(cfg, facts, split)), ht, cfg.data.storage_dtype)
+            for split, n in tokens.items() if n}
     if longest:
+        nl = len(facts.stored_layer_ids)
         need["vLLM scratch files"] = cfg.data.extract_batch_size * longest * nl * ht * SCRATCH_BYTES_PER_VALUE
     if bounds:  # appended as regenerated, then samples.jsonl is rewritten whole beside itself
         current = samples.stat().st_size if samples.exists() else 0
         need["regenerated text"] = current + 2 * sum(bounds.values()) * TEXT_BYTES_PER_TOKEN
     return need
+
+
+def check_budget(cfg: PipelineConfig, facts: TargetFacts, samples: int | None, layout: DataLayout,
+                 force: bool) -> None:
+    """Before any work: the dataset at its largest (``peagle.data.budget``: every prompt, every
+    sequence at ``data.max_seq_len``) fits the disk, less what a resumed build already stored; a
+    stored one that cannot is refused naming ``data.hidden_states: streamed`` (``force``: warn)."""
+    budget = data_budget(cfg, len(facts.stored_layer_ids), facts.target_hidden_size, samples)
+    stored = sum(json.loads(layout.manifest(s).read_text()).get("bytes", 0)
+                 for s in (*SPLITS, SERVED_SPLIT) if layout.manifest(s).exists())
+    problem = budget.shortfall(already_stored=stored)
+    if problem is None:
+        return
+    if not force:
+        raise DiskSpaceError(f"{problem} (--force writes anyway)")
+    log.warning(problem)
 
 
 def check_disk(need: dict[str, int], data_dir: Path, force: bool, doing: str) -> None:
@@ -565,6 +590,20 @@ def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, sampl
         append_samples(samples_path, batch)
         bar.update(len(batch))
     bar.close()
+
+
+def stored_layers(cfg: PipelineConfig, facts: TargetFacts, split: str) -> list[int]:
+    """The layers whose hidden states ``split`` stores: none for a streamed train split, whose
+    hidden states are extracted while training (``peagle.data.spool``)."""
+    if split == TRAIN_SPLIT and cfg.data.hidden_states == "streamed":
+        return []
+    return facts.stored_layer_ids
+
+
+def store_tokens(writer: ShardWriter, records: list[Record], hidden_size: int) -> None:
+    """The samples of a streamed split: token ids and loss mask, no hidden states."""
+    for r in records:
+        writer.add(r.id, r.token_ids, r.loss_mask, torch.empty(len(r.token_ids), 0, hidden_size))
 
 
 def extract_into(llm, records: list[Record], writers: dict[str, ShardWriter], cfg: PipelineConfig,

@@ -125,8 +125,10 @@ def mount_point(path: str | Path) -> Path:
 
 
 DATA_SPACE_FIXES = (
-    "Free some space, point PEAGLE_HOME or `workdir` at a larger disk, lower data.max_samples / "
-    "data.max_seq_len, or use a smaller data.storage_dtype (float8 halves bfloat16); --force writes anyway."
+    "Set data.hidden_states: streamed (the train split keeps its tokens only; its hidden states are extracted "
+    "while training, into a spool of data.spool_gib), free some space, point PEAGLE_HOME or `workdir` at a larger "
+    "disk, lower data.max_samples / data.max_seq_len, or use a smaller data.storage_dtype (float8 halves "
+    "bfloat16); --force writes anyway."
 )
 
 
@@ -206,6 +208,8 @@ def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check_representable(sample_id: str, hidden: torch.Tensor, storage_dtype: str) -> None:
     """NaN/inf or values the storage dtype cannot hold (one min/max pass; NaN propagates)."""
+    if hidden.numel() == 0:  # a token-only sample (a streamed split)
+        return
     lo, hi = (float(v) for v in torch.aminmax(hidden.detach()))
     limit = torch.finfo(STORAGE_DTYPES[storage_dtype]).max
     if not (-limit <= lo and hi <= limit):
@@ -461,9 +465,10 @@ class VerifiedShards:
     written or is lost, shards are simply hashed again.
     """
 
-    def __init__(self, split_dir: Path, full: bool = False):
+    def __init__(self, split_dir: Path, full: bool = False, remember: bool = True):
         self.path = verified_record(split_dir)
         self.full = full
+        self.remember = remember  # False: a split read once and deleted (a spool chunk) leaves no record
         self._known: dict | None = None  # the record as read once (a store of many shards reads it once)
 
     def check(self, shard: Path, entry: dict) -> None:
@@ -493,7 +498,7 @@ class VerifiedShards:
         if sha256_file(shard) != entry["sha256"]:
             return "its sha256 does not match the manifest's"
         changed_late = time.time_ns() - max(before["mtime_ns"], before["ctime_ns"]) < RACY_WINDOW_NS
-        if file_identity(shard) == before and not changed_late:
+        if self.remember and file_identity(shard) == before and not changed_late:
             self._record(shard.name, {**before, "sha256": entry["sha256"]})
         return None
 
@@ -528,7 +533,7 @@ class ShardReader:
     (e.g. counting tokens for the vocabulary right after the writer produced the split).
     """
 
-    def __init__(self, split_dir: str | Path, verify: bool | str = True):
+    def __init__(self, split_dir: str | Path, verify: bool | str = True, *, remember_checks: bool = True):
         self.split_dir = Path(split_dir)
         path = self.split_dir / MANIFEST
         if not path.exists():
@@ -548,7 +553,7 @@ class ShardReader:
         for s in self.manifest["shards"]:
             self._starts.append(self._starts[-1] + s["samples"])
         self._open: dict[int, tuple] = {}
-        self._verified = VerifiedShards(self.split_dir, full=verify == "full")
+        self._verified = VerifiedShards(self.split_dir, full=verify == "full", remember=remember_checks)
 
     def __getstate__(self):
         # Open shard handles cannot be pickled (DataLoader workers started by spawn); reopen lazily.

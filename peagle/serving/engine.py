@@ -233,6 +233,11 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def engine_gpus(vllm_cfg: VllmConfig) -> list[str]:
+    """The GPUs the engines may use: ``vllm.devices``, else every visible one."""
+    return list(vllm_cfg.devices) if vllm_cfg.devices else visible_gpus()
+
+
 def replicas_for(devices: int, tensor_parallel_size: int) -> int:
     """How many engines of ``tensor_parallel_size`` devices ``devices`` devices hold (at least one:
     too few devices for one engine is for ``replica_environments`` to refuse, naming them)."""
@@ -246,7 +251,7 @@ def data_parallel_replicas(vllm_cfg: VllmConfig) -> int:
         return vllm_cfg.data_parallel_size
     if is_cpu_platform():
         return 1
-    return replicas_for(len(visible_gpus()), vllm_cfg.tensor_parallel_size)
+    return replicas_for(len(engine_gpus(vllm_cfg)), vllm_cfg.tensor_parallel_size)
 
 
 def with_data_parallel_replicas(vllm_cfg: VllmConfig) -> VllmConfig:
@@ -273,10 +278,10 @@ def replica_environments(vllm_cfg: VllmConfig) -> list[dict[str, str]]:
         share = len(cores) // (dp * tp)
         groups = [",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(dp * tp)]
         return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups[r * tp : (r + 1) * tp])} for r in range(dp)]
-    devices = visible_gpus()
+    devices = engine_gpus(vllm_cfg)
     if len(devices) < dp * tp:
         raise _too_few_devices("GPU", f"{len(devices)} visible", dp, tp,
-                               "(CUDA_VISIBLE_DEVICES names the GPUs vLLM may use)")
+                               "(vllm.devices, else CUDA_VISIBLE_DEVICES, names the GPUs vLLM may use)")
     return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[r * tp : (r + 1) * tp])} for r in range(dp)]
 
 

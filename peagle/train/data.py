@@ -19,48 +19,12 @@ ranks to step together.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How an epoch splits into optimizer steps for one rank."""
-
-    num_samples: int  # in the split
-    world_size: int
-    micro_batch_size: int
-    grad_accum: int
-
-    @property
-    def samples_per_rank(self) -> int:
-        return self.num_samples // self.world_size
-
-    @property
-    def samples_per_step(self) -> int:
-        """Samples one rank consumes per optimizer step."""
-        return self.micro_batch_size * self.grad_accum
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.samples_per_rank // self.samples_per_step
-
-    @property
-    def micro_batches_per_epoch(self) -> int:
-        return self.steps_per_epoch * self.grad_accum
-
-    def check(self) -> None:
-        if self.steps_per_epoch < 1:
-            raise ValueError(
-                f"the training split has {self.num_samples} samples, fewer than one optimizer step needs "
-                f"(world_size {self.world_size} x micro_batch_size {self.micro_batch_size} x grad_accum "
-                f"{self.grad_accum} = {self.world_size * self.samples_per_step}); generate more data "
-                "(data.max_samples) or lower train.micro_batch_size / train.grad_accum / train.world_size"
-            )
+from peagle.data.order import BatchPlan, epoch_permutation, mix_seed
 
 
 def training_samples(samples: Sequence, max_samples: int | None) -> Sequence:
@@ -73,12 +37,6 @@ def training_samples(samples: Sequence, max_samples: int | None) -> Sequence:
     return Subset(samples, range(max_samples))
 
 
-def epoch_permutation(num_samples: int, epoch: int, seed: int) -> list[int]:
-    """The whole split's order in ``epoch``: the same on every rank and every run."""
-    generator = torch.Generator().manual_seed(_mix(seed, epoch))
-    return torch.randperm(num_samples, generator=generator).tolist()
-
-
 def rank_order(plan: BatchPlan, epoch: int, seed: int, rank: int) -> list[int]:
     """Sample indices rank ``rank`` trains on in ``epoch`` (equal length on every rank)."""
     if not 0 <= rank < plan.world_size:
@@ -89,13 +47,7 @@ def rank_order(plan: BatchPlan, epoch: int, seed: int, rank: int) -> list[int]:
 
 def example_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """A generator owned by one (epoch, sample): COD draws do not depend on what ran before."""
-    return torch.Generator().manual_seed(_mix(seed, epoch, index))
-
-
-def _mix(*values: int) -> int:
-    """A well-spread 63-bit seed from small integers (numpy's SeedSequence hashing)."""
-    state = np.random.SeedSequence([int(v) for v in values]).generate_state(2, dtype=np.uint32)
-    return (int(state[0]) << 31 | int(state[1])) & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(mix_seed(seed, epoch, index))
 
 
 class EpochSamples(Dataset):
@@ -114,6 +66,8 @@ class EpochSamples(Dataset):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        if hasattr(self.samples, "set_epoch"):  # a streamed split reads each epoch from its own chunks
+            self.samples.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -55,11 +55,13 @@ import json
 import logging
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +174,8 @@ def launch_training(
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    if cfg.train.devices:  # the ranks' GPUs; LOCAL_RANK picks one of them
+        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(cfg.train.devices)
     total = planned_steps(cfg, Path(data_dir))
     progress_log = TrainingProgress(out_dir / METRICS_FILE, total, f"train {cfg.train.method}",
                                     resumed_at=resume_step(out_dir), on_records=on_metrics,
@@ -180,12 +184,88 @@ def launch_training(
     log.info("training %s: %d rank(s) on %d node(s), %s optimizer steps; rank output in %s", cfg.train.method,
              cfg.train.world_size, cfg.train.nodes, budget or (total if total is not None else "?"),
              out_dir / RANK_OUTPUT)
-    run_streaming(cmd, child_env, output=out_dir / RANK_OUTPUT, on_poll=progress_log.poll)
+    with hidden_states_beside_ranks(cfg, Path(data_dir), target_path, out_dir, total):
+        run_streaming(cmd, child_env, output=out_dir / RANK_OUTPUT, on_poll=progress_log.poll)
     progress_log.poll(final=True)
     result_path = out_dir / RESULT_FILE
     if not result_path.exists():
         raise TrainingFailed(f"training exited cleanly but wrote no {result_path}")
     return TrainResult.from_json(result_path.read_text())
+
+
+@contextmanager
+def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path: str, out_dir: Path,
+                               total_steps: int | None):
+    """Nothing for a stored dataset. For a streamed one (``data.hidden_states: streamed``), one
+    vLLM extraction engine in this process writes the hidden states the ranks read next into
+    the head's spool (``peagle.data.spool``), from the ranks' resume point on, while the block
+    runs them; the spool is removed after."""
+    from peagle.data.spool import is_streamed
+
+    data = DataLayout(data_dir)
+    if not is_streamed(data.train):
+        yield
+        return
+    from peagle.data.extract import extract_with_engine, open_data_engine
+    from peagle.data.spool import SpoolPlan, chunk_samples_for, producing, start_spool
+    from peagle.data.store import ShardReader, bytes_per_token
+    from peagle.facts import load_dataset_facts
+    from peagle.layout import spool_dir
+    from peagle.serving.engine import with_data_parallel_replicas
+    from peagle.train.data import training_samples
+
+    check_engines_apart_from_ranks(cfg)
+    facts = load_dataset_facts(data)
+    reader = ShardReader(data.train)
+    tokens = training_samples(reader, cfg.train.max_samples)
+    layers, ht, dtype = facts.stored_layer_ids, facts.target_hidden_size, cfg.data.storage_dtype
+    cap = int(cfg.data.spool_gib * 2**30)
+    t = cfg.train
+    plan = SpoolPlan(num_samples=len(tokens), seed=t.seed, world_size=t.world_size,
+                     micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+                     chunk_samples=chunk_samples_for(cap, max(reader.lengths()), bytes_per_token(len(layers), ht, dtype)),
+                     start_step=resume_step(out_dir), total_steps=total_steps)
+    spool = start_spool(spool_dir(out_dir), plan)
+    log.info("training on a streamed dataset: hidden states extracted beside the ranks into %s (at most %.1f GiB, "
+             "%d samples a chunk)", spool.root, cfg.data.spool_gib, plan.chunk_samples)
+    tc = cfg.target
+    scratch = out_dir / ".extraction"  # vLLM's per-request files, beside the spool: the cap is the spool's
+    try:
+        with open_data_engine(target_path, with_data_parallel_replicas(cfg.vllm), layers, scratch,
+                              revision=tc.revision, trust_remote_code=tc.trust_remote_code, dtype=tc.dtype) as llm:
+            def extract(sequences):
+                return extract_with_engine(llm, sequences, batch_size=cfg.data.extract_batch_size, progress=False)
+
+            with producing(spool, tokens, extract, layers, ht, dtype, cap):
+                yield
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def check_engines_apart_from_ranks(cfg: PipelineConfig) -> None:
+    """On GPUs, a streamed dataset's engines and the ranks beside them each need their own
+    (``vllm.devices``, ``train.devices``); on CPU they share the cores."""
+    from peagle.serving.engine import engine_gpus, is_cpu_platform, visible_gpus, with_data_parallel_replicas
+
+    if is_cpu_platform():
+        return
+    vllm = with_data_parallel_replicas(cfg.vllm)
+    engines = engine_gpus(cfg.vllm)[: vllm.data_parallel_size * vllm.tensor_parallel_size]
+    ranks = list(cfg.train.devices) if cfg.train.devices else visible_gpus()[: cfg.train.ranks_per_node]
+    problem = devices_shared(engines, ranks)
+    if problem:
+        raise ConfigError(problem)
+
+
+def devices_shared(engines: list[str], ranks: list[str]) -> str | None:
+    """What is wrong when the engines' GPUs and the ranks' overlap, with the fix; else None."""
+    shared = [d for d in engines if d in ranks]
+    if not shared:
+        return None
+    return (f"data.hidden_states: streamed extracts beside training, but GPU(s) {', '.join(shared)} would serve both "
+            f"vLLM (engines on {', '.join(engines)}) and the ranks (on {', '.join(ranks)}): set vllm.devices and "
+            "train.devices to GPUs of their own (e.g. vllm.devices: ['6', '7'] and train.devices: ['0', '1', '2', '3', "
+            "'4', '5'] with train.world_size: 6 on 8 GPUs)")
 
 
 def check_optimizer_runs_here(train: TrainConfig) -> None:
@@ -253,14 +333,18 @@ def checkpoint_space_needed(cfg: PipelineConfig, data_dir: Path, out_dir: Path) 
 
 def check_checkpoint_space(cfg: PipelineConfig, data_dir: Path, out_dir: Path) -> None:
     """Refuse (``DiskSpaceError``) before any rank starts when the checkpoints cannot fit."""
+    from peagle.data.spool import is_streamed
     from peagle.data.store import check_free_space, format_bytes
 
     needed, at_once, each = checkpoint_space_needed(cfg, data_dir, out_dir)
+    spool = int(cfg.data.spool_gib * 2**30) if is_streamed(DataLayout(data_dir).train) else 0
     check_free_space(
-        out_dir, needed,
+        out_dir, needed + spool,
         what=f"training ({at_once} checkpoints of up to {format_bytes(each)} on disk at once: train.keep_last="
-             f"{cfg.train.keep_last}, the best and the one being written)",
-        fixes="Free some space, point `workdir` or PEAGLE_HOME at a larger disk, or lower train.keep_last.",
+             f"{cfg.train.keep_last}, the best and the one being written"
+             + (f"; the streamed dataset's spool, data.spool_gib {format_bytes(spool)}" if spool else "") + ")",
+        fixes="Free some space, point `workdir` or PEAGLE_HOME at a larger disk, or lower train.keep_last"
+              + (" or data.spool_gib." if spool else "."),
     )
 
 

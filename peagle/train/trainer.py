@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
 from peagle.fileio import write_text_atomic
 from peagle.identity import dataset_manifests, head_identity
-from peagle.layout import METRICS_FILE, TRAIN_SPLIT
+from peagle.layout import METRICS_FILE, TRAIN_SPLIT, spool_dir
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
 from peagle.objective import Objective
 from peagle.train import checkpoint as ckpt
@@ -103,11 +103,13 @@ class TrainingInputs:
     spec: HeadSpec  # the head being trained: saved in every checkpoint
     samples: Any  # a ShardReader (or any sequence of samples)
     draft_ids: torch.Tensor
+    streamed: bool = False  # samples hold tokens only; hidden states come from the spool (peagle.data.spool)
 
 
 def load_training_inputs(data_dir: Path, cfg: PipelineConfig) -> TrainingInputs:
     """The head ``cfg`` trains on a dataset directory: its spec (the dataset's target facts +
     ``cfg.drafter``'s shape + the method), training split and draft vocabulary, checked first."""
+    from peagle.data.spool import is_streamed
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
     from peagle.facts import head_spec_for, load_dataset_facts
@@ -125,7 +127,8 @@ def load_training_inputs(data_dir: Path, cfg: PipelineConfig) -> TrainingInputs:
             f"{data.vocab.name} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
         )
     samples = training_samples(ShardReader(data.train), cfg.train.max_samples)
-    return TrainingInputs(spec=head_spec_for(cfg, facts), samples=samples, draft_ids=vocab.draft_ids)
+    return TrainingInputs(spec=head_spec_for(cfg, facts), samples=samples, draft_ids=vocab.draft_ids,
+                          streamed=is_streamed(data.train))
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -311,6 +314,11 @@ def train_drafter(
             f"train.world_size={train.world_size} but this process group has {dist_info.world_size} ranks; "
             "start training with peagle.train.launch.launch_training (it runs torchrun with the right size)"
         )
+    if inputs.streamed:
+        from peagle.data.spool import SpooledSamples
+
+        inputs = replace(inputs, samples=SpooledSamples(inputs.samples, spool_dir(out_dir), dist_info.rank),
+                         streamed=False)
     plan = BatchPlan(len(inputs.samples), dist_info.world_size, train.micro_batch_size, train.grad_accum)
     plan.check()
     # A time budget stops the loop by the clock (at most max_steps); total_steps 0 then means "no step count".

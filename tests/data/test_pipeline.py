@@ -160,6 +160,20 @@ def test_the_disk_is_checked_before_any_vllm_work(tmp_path, prompts_path, tiny_t
     assert not (disk.path / "run" / "data" / BUILD_FILE).exists()
 
 
+def test_a_stored_dataset_too_big_for_the_disk_is_refused_before_any_work(tmp_path, prompts_path, tiny_tokenizer_dir,
+                                                                         small_disk):
+    """12 prompts of up to 64 tokens x 4 layers x 64 in bf16 (~400 KB) on a 256 KiB disk: refused at
+    once, every sequence at its longest, naming streaming; nothing is written."""
+    from peagle.data.errors import DiskSpaceError
+
+    disk = small_disk(256 << 10)
+    cfg = parse_config({**cfg_dict(tmp_path, prompts_path), "workdir": str(disk.path / "run")})
+    with pytest.raises(DiskSpaceError, match="set data.hidden_states: streamed") as info:
+        build_dataset(cfg, str(tiny_tokenizer_dir), small_facts(), progress=False)
+    assert "12 samples of up to 64 tokens" in str(info.value)
+    assert not (disk.path / "run" / "data" / "samples.jsonl").exists()
+
+
 def test_draft_vocab_larger_than_target_is_refused(tmp_path, prompts_path):
     cfg = make_cfg(tmp_path, prompts_path, draft_vocab_size=1000)
     with pytest.raises(ConfigError, match="draft_vocab_size"):

@@ -39,3 +39,33 @@ def test_auto_on_a_gpu_node_starts_an_engine_per_visible_gpu():
     assert data_parallel_replicas(VllmConfig()) == torch.cuda.device_count()
     assert [env["CUDA_VISIBLE_DEVICES"] for env in replica_environments(VllmConfig())] == \
         [str(i) for i in range(torch.cuda.device_count())]
+
+
+def test_vllm_devices_names_the_gpus_the_engines_use(monkeypatch):
+    """On a GPU node, vllm.devices narrows the engines to its GPUs (as CUDA_VISIBLE_DEVICES would)."""
+    from peagle.serving import engine
+
+    monkeypatch.setattr(engine, "is_cpu_platform", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in replica_environments(VllmConfig())] == [str(i) for i in range(8)]
+    narrowed = VllmConfig(devices=["6", "7"])
+    assert data_parallel_replicas(narrowed) == 2
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in replica_environments(narrowed)] == ["6", "7"]
+    with pytest.raises(Exception, match="vllm.devices, else CUDA_VISIBLE_DEVICES"):
+        replica_environments(VllmConfig(devices=["7"], data_parallel_size=2))
+
+
+def test_streamed_engines_and_ranks_on_the_same_gpus_are_refused_with_the_fix():
+    from peagle.config import parse_config
+    from peagle.train.launch import devices_shared
+
+    base = {"name": "d", "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}], "hidden_states": "streamed"}}
+    with pytest.raises(ValueError, match="GPU\\(s\\) 1 are in both vllm.devices and train.devices"):
+        parse_config({**base, "vllm": {"devices": ["1", "2"]}, "train": {"devices": ["0", "1"], "world_size": 2}})
+    with pytest.raises(ValueError, match="holds fewer GPUs than the 2 rank"):
+        parse_config({**base, "train": {"devices": ["0"], "world_size": 2}})
+    apart = parse_config({**base, "vllm": {"devices": ["7"]}, "train": {"devices": ["0", "1"], "world_size": 2}})
+    assert apart.section_hash("vllm") == parse_config(base).section_hash("vllm")  # where, not what
+    assert devices_shared(["6", "7"], ["0", "1"]) is None
+    message = devices_shared([str(i) for i in range(8)], ["0", "1"])
+    assert "GPU(s) 0, 1 would serve both vLLM" in message and "set vllm.devices and train.devices" in message
