@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, VllmConfig, load_config, parse_overrides
+from peagle.interrupt import interrupted, record_interrupts
 from peagle.layout import RunLayout
 from peagle.paths import configure_environment
 
@@ -463,6 +464,7 @@ def print_summary(result) -> None:
 
 def main() -> None:
     configure_environment()  # once, before any library the commands import reads its settings
+    record_interrupts()
     from peagle.logs import show_on_console
 
     show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
@@ -486,6 +488,11 @@ def main() -> None:
         sys.exit(EXIT_UNAVAILABLE)
     except SystemExit as done:
         if done.code == INTERRUPTED:
+            exit_now(INTERRUPTED)
+        raise
+    except Exception:
+        if interrupted():  # an engine that died of the same Ctrl-C: the interruption, not a fault
+            console.print("[yellow]interrupted[/yellow]")
             exit_now(INTERRUPTED)
         raise
 

@@ -89,6 +89,7 @@ from peagle.data.synthesize import synthesize_prompts
 from peagle.data.vocab import build_draft_vocab, count_tokens
 from peagle.facts import TargetFacts
 from peagle.fileio import atomic_open, is_disk_full, json_digest, publish_dir, write_json_atomic
+from peagle.interrupt import interrupted
 from peagle.layout import SAMPLES_FILE, SPLITS, TRAIN_SPLIT, DataLayout, RunLayout
 from peagle.logs import console_stream
 
@@ -201,6 +202,9 @@ def build_dataset(
         log.warning(f"data: interrupted. {kept_summary(plan)} Rerun the same command to go on from there.")
         raise
     except Exception as err:
+        if interrupted():  # the Ctrl-C reached vLLM's engines first: they died of it, not of a fault
+            log.warning(f"data: interrupted. {kept_summary(plan)} Rerun the same command to go on from there.")
+            raise KeyboardInterrupt from err
         if not is_disk_full(err):
             raise
         raise DiskSpaceError(out_of_space_message(plan, err)) from err
@@ -250,14 +254,17 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
         mask_token.check_samples(records, tokenizer, cfg.target, facts.mask_token_id)  # the answers too
         report_health(records, layout, cfg)
         todo = [r for r in records if r.status == "ok" and r.id not in stored]
-        truncated = sum(r.truncated_from is not None for r in todo)
+        tokens_only = [r for r in todo if not stored_layers(cfg, facts, r.split)]  # a streamed train split
+        todo = [r for r in todo if stored_layers(cfg, facts, r.split)]
+        truncated = sum(r.truncated_from is not None for r in todo + tokens_only)
         nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
         check_disk(space_needed(cfg, facts, records, stored, {}, served, layout.samples), layout.root, force,
-                   f"data: {len(todo)} sequences ({sum(r.num_tokens for r in todo)} tokens, {truncated} truncated to "
-                   f"{cfg.data.max_seq_len}) to extract ({nl} layers x {ht} x {cfg.data.storage_dtype})")
-        if not stored_layers(cfg, facts, TRAIN_SPLIT):
-            store_tokens(writers[TRAIN_SPLIT], [r for r in todo if r.split == TRAIN_SPLIT], ht)
-            todo = [r for r in todo if r.split != TRAIN_SPLIT]
+                   f"data: {len(todo)} sequences ({sum(r.num_tokens for r in todo)} tokens) to extract ({nl} layers x "
+                   f"{ht} x {cfg.data.storage_dtype})"
+                   + (f" and {len(tokens_only)} train sequences ({sum(r.num_tokens for r in tokens_only)} tokens) to "
+                      "store as tokens (data.hidden_states: streamed)" if tokens_only else "")
+                   + f", {truncated} truncated to {cfg.data.max_seq_len}")
+        store_tokens(writers[TRAIN_SPLIT], tokens_only, ht)
         if todo:
             extract_into(engine.get(), todo, writers, cfg, progress)
         if not served_is_current(cfg, layout):
