@@ -41,6 +41,7 @@ import torch
 from peagle.data.order import BatchPlan, epoch_permutation
 from peagle.data.store import Sample, ShardReader, ShardWriter, bytes_per_token, format_bytes
 from peagle.fileio import staged_dir, tree_bytes, write_json_atomic
+from peagle.layout import MANIFEST_FILE
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class ProducerStopped(RuntimeError):
 
 def is_streamed(split_dir: str | Path) -> bool:
     """A split stored as tokens only: its hidden states come from a spool while training."""
-    return json.loads((Path(split_dir) / "manifest.json").read_text()).get("layer_ids") == []
+    return json.loads((Path(split_dir) / MANIFEST_FILE).read_text()).get("layer_ids") == []
 
 
 @dataclass(frozen=True)
