@@ -71,7 +71,6 @@ class DataBudget:
         tokens = self.tokens(self.samples)
         stored = ", ".join(f"{size(self.stored_bytes(d))} in {d}"
                            for d in dict.fromkeys((self.storage_dtype, *STORAGE_CHOICES)))
-        chosen = {"stored": "stored", "streamed": "streamed"}[self.hidden_states]
         return [
             f"samples: at most {count(self.samples)} ({count(self.train_samples)} to train on), each at most "
             f"{self.max_tokens:,} tokens: at most {count(tokens)} tokens",
@@ -81,7 +80,7 @@ class DataBudget:
             f"streamed (data.hidden_states: streamed): {size(self.streamed_bytes())} of dataset + a spool of at most "
             f"{format_bytes(self.spool_bytes)} while training; every epoch extracts the train split again "
             f"({count(self.tokens(self.train_samples))} tokens of prefill through the target)",
-            f"disk: {format_bytes(self.free)} free at {self.where}; this config ({chosen}) needs at most "
+            f"disk: {format_bytes(self.free)} free at {self.where}; this config ({self.hidden_states}) needs at most "
             f"{size(self.needed())}",
         ]
 
@@ -99,7 +98,7 @@ class DataBudget:
             return None
         if self.hidden_states == "stored":
             return (
-                f"data: a stored dataset of this config takes up to {format_bytes(need)} ({count_words(self)}) and "
+                f"data: a stored dataset of this config takes up to {format_bytes(need)} ({samples_and_lengths(self)}) and "
                 f"{self.where} has {format_bytes(self.free)} free: set data.hidden_states: streamed (the train "
                 f"split's hidden states extracted while training into a spool of data.spool_gib, "
                 f"{format_bytes(self.streamed_bytes() + self.spool_bytes)} in all here), or lower data.max_samples / "
@@ -116,7 +115,7 @@ def shard_bytes(num_tokens: int, num_layers: int, hidden_size: int, storage_dtyp
     return int(num_tokens * bytes_per_token(num_layers, hidden_size, storage_dtype) * 1.01)
 
 
-def count_words(budget: DataBudget) -> str:
+def samples_and_lengths(budget: DataBudget) -> str:
     return f"{budget.samples:,} samples of up to {budget.max_tokens:,} tokens"
 
 
