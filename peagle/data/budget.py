@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peagle.config import ConfigError, PipelineConfig
+from peagle.data.preflight import expected_prompts
 from peagle.data.store import bytes_per_token, format_bytes, free_bytes, mount_point
 
 STORAGE_CHOICES = ("bfloat16", "float8")  # what the plan prices a stored dataset in, beside the config's own
@@ -132,10 +133,9 @@ def data_budget(cfg: PipelineConfig, num_layers: int, hidden_size: int, samples:
 
 
 def expected_samples(cfg: PipelineConfig, loaded: int, unwritten: list, unread: list) -> int | None:
-    """Prompts the build mixes: those loaded, magpie requests, hub sets not read here by their
-    ``max_samples`` (None when one has none), at most ``data.max_samples``."""
-    uncounted = [s for s in unread if s.max_samples is None]
-    total = loaded + sum(s.max_samples for s in unwritten) + sum(s.max_samples or 0 for s in unread)
-    if uncounted:
-        return cfg.data.max_samples  # None, or the cap the mix cannot pass
-    return min(total, cfg.data.max_samples) if cfg.data.max_samples else total
+    """Prompts the build mixes (``peagle.data.preflight.expected_prompts``), a hub set not read
+    here counted by its ``max_samples``; with one that has none, only ``data.max_samples`` bounds
+    the mix (None when unset)."""
+    if any(s.max_samples is None for s in unread):
+        return cfg.data.max_samples
+    return expected_prompts(cfg, loaded + sum(s.max_samples for s in unread), unwritten)
