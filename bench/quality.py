@@ -234,9 +234,11 @@ def answers_per_step(train) -> int:
 
 
 class Bench:
-    """Runs keyed by (part, recipe, method, budget, seed); step-time calibration per recipe, unless
-    a method's seconds per step are given (``--step-seconds``): then a budget is the same number of
-    steps whatever else the machine is running, e.g. an idle run's steps on a second dataset."""
+    """Runs keyed by (part, recipe, method, budget, seed), each head trained once: a row whose
+    config (recipe, steps, seed) an earlier row trained shares that row's run. Step-time
+    calibration per recipe, unless a method's seconds per step are given (``--step-seconds``):
+    then a budget is the same number of steps whatever else the machine is running, e.g. an
+    idle run's steps on a second dataset."""
 
     def __init__(self, config: str, base: dict, target, data_dir: Path, work: Path, ks: list[int],
                  given_step_s: dict[str, float] | None = None, clock: bool = False, experiment: str = NAME):
@@ -245,6 +247,7 @@ class Bench:
         self.step_s: dict[str, float] = {}
         self.given_step_s = dict(given_step_s or {})
         self.clock = clock
+        self.trained: dict[str, dict] = {}  # a run's row by the config it trained: one training a head
         self.recorded = {"target_revision": self.target_revision(), "data_build": dataset_build(data_dir),
                          "data_dir": str(Path(data_dir).resolve()), "cpu": cpu_model()}
 
@@ -311,6 +314,13 @@ class Bench:
     def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
         held, step_s, source = self.budget_overrides(method, recipe, budget)
         cfg = self.cfg(method, recipe, {**held, "train.seed": seed}, f"{part}-{method}-{seed}")
+        trained_as = cfg.model_dump_json(exclude={"workdir"})  # everything the head is, but where it is written
+        if trained_as in self.trained:  # e.g. the ablation's whole recipe is the config recipe of the budgets
+            first = self.trained[trained_as]
+            print(f"[quality] {part} {label} {method} budget {budget}s seed {seed}: the head of "
+                  f"{first['part']} | {first['recipe']}, trained as it", flush=True)
+            return {**first, "part": part, "recipe": label, "overrides": recipe,
+                    "same_training_as": f"{first['part']} | {first['recipe']}"}
         tracked = BenchRun.start(cfg.tracking, self.experiment, f"{part} | {label} | {method} | {budget:g} s | seed {seed}")
         try:
             measured = measure(cfg, self.target, self.data_dir, tracked.run_id)
@@ -321,6 +331,7 @@ class Bench:
                "calibrated_step_s": step_s, "step_s_source": source, **self.recorded, **measured,
                "mlflow_run_id": tracked.run_id}
         tracked.finish(row)
+        self.trained[trained_as] = row
         print(f"[quality] {part} {label} {method} budget {budget}s seed {seed}: {row['steps']} steps, "
               f"{row['train_seconds']:.0f} s, AL {row['acceptance_length']}", flush=True)
         return row
@@ -962,6 +973,9 @@ def main() -> None:
         ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
         bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s, args.clock,
                       name)
+        if args.quick:  # one calibration a method: the quick recipes' steps then scale from it, as given ones do
+            for method in args.methods:
+                bench.given_step_s.setdefault(method, bench.seconds_per_step(method, {})[0])
         results = Results(run, args.quick, {
             "data_dir": str(Path(data_dir).resolve()),
             "data_name": "tiny random target" if args.quick else Path(args.config).stem,

@@ -140,6 +140,8 @@ class TargetConfig(Strict):
     model: str = EMBEDDED_TARGET
     revision: str | None = None
     trust_remote_code: bool = False
+    # The dtype vLLM runs the target in; auto: the model's own, but float32 on an x86 CPU without
+    # native bfloat16 (peagle.serving.engine.engine_dtype).
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     # The P-EAGLE mask token: a token string the tokenizer knows, or an explicit id of an
     # otherwise unused token. Exactly one is used; the embedded target reserves "<|mask|>".

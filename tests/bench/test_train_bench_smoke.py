@@ -80,10 +80,11 @@ def test_bench_quick_writes_results(name, tmp_path):
         # the recipe as trained: the variant's change in it
         assert variants[1][2] == ("K_train 3, lr 0.003, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0, "
                                   "true previous tokens in the mask slots")
-        # the data part: the first 4 answers for the budget's steps, beside none of the whole split's
-        # (its budgets run trained other steps)
+        # the data part: the first 4 answers for the budget's steps, beside the whole split's 12 (the
+        # config recipe's run of the same steps: --quick calibrates each method once, for every recipe)
         data = result["tables"][3]
-        assert data["title"].startswith("Data size") and [r[0] for r in data["rows"]] == [4]
+        assert data["title"].startswith("Data size") and [r[0] for r in data["rows"]] == [4, 12]
+        assert len({r[1] for r in data["rows"]}) == 1  # the same steps
         # every run is walked beside vLLM's n-gram lookup on the same tokens
         copying = result["tables"][4]
         assert copying["title"].startswith("Copying") and len(copying["rows"]) >= 5
@@ -102,6 +103,13 @@ def test_bench_quick_writes_results(name, tmp_path):
             assert tracked.info.status == "FINISHED" and tracked.data.params["method"] == row["method"]
             assert tracked.data.metrics["acceptance_length_k1"] == pytest.approx(row["acceptance_length"]["1"])
             assert len(client.get_metric_history(row["mlflow_run_id"], "loss")) == row["steps"]
+        # a row whose config an earlier row trained (the ablation's whole recipe is the config
+        # recipe the variants and budgets train) shares that row's run: each head trains once
+        runs = result["meta"]["runs"]
+        trained = {r["mlflow_run_id"] for r in runs if "same_training_as" not in r}
+        shared = [r for r in runs if "same_training_as" in r]
+        assert shared and all(r["mlflow_run_id"] in trained for r in shared), [r.get("same_training_as") for r in runs]
+        assert len(trained) + len(shared) == len(runs)
         # the staged run: an EAGLE-3 head for half the budget, then P-EAGLE warm started from it
         run = next(r for r in result["meta"]["runs"] if r["recipe"] == staged)
         assert run["method"] == "peagle" and run["overrides"] == {"staged_eagle3_share": 0.5}

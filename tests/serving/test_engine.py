@@ -167,3 +167,18 @@ def test_an_in_process_start_that_fails_starts_the_engine_in_its_own_process(tin
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "RESULT ['0', None] True 8" in out.stdout, out.stdout[-3000:]
     assert "could not start" in out.stdout and "starting it in a process of its own" in out.stdout
+
+
+@pytest.mark.parametrize("flags, asked, runs", [
+    ("fpu avx2 avx512f avx512bw", "auto", "float32"),  # bfloat16 would be emulated: float32 decodes faster
+    ("fpu avx2 avx512f avx512_bf16", "auto", "auto"),  # native bfloat16: the model's own dtype
+    ("fpu avx2 amx_bf16 amx_tile", "auto", "auto"),
+    ("fpu avx2 avx512f", "bfloat16", "bfloat16"),  # target.dtype given: as given
+    (None, "auto", "auto"),  # no x86 flags line (an Arm CPU's cpuinfo says Features): vLLM decides
+])
+def test_a_cpu_engine_runs_float32_where_bfloat16_would_be_emulated(tmp_path, flags, asked, runs):
+    from peagle.serving.engine import engine_dtype
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: a CPU\n" + (f"flags\t\t: {flags}\n" if flags else "Features\t: fp asimd\n"))
+    assert engine_dtype(asked, cpuinfo=str(cpuinfo)) == runs
