@@ -99,19 +99,18 @@ def tables(result: dict):
 def notes(result: dict) -> list[str]:
     flags = result.get("native_bf16_flags") or "none"
     return [f"CPU: {result.get('cpu_model')}; native bfloat16 flags: {flags}.",
-            "Both dtypes answer the same token ids, greedy; their answers may differ where logits tie closely.",
+            "Both dtypes get the same prompt token ids, greedy; their answers differ in places, so each rate "
+            "counts its own answers' tokens.",
             "Each ratio is taken within one round: the cores are shared."]
 
 
 def cpu_facts() -> tuple[str | None, str]:
-    from peagle.serving.engine import NATIVE_BF16_FLAGS
+    """The CPU's model name and the native bfloat16 flags it lists."""
+    from peagle.serving.engine import NATIVE_BF16_FLAGS, cpu_flags
 
-    model, flags = None, []
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and model is None:
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and not flags:
-            flags = line.split(":", 1)[1].split()
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), None)
+    flags = cpu_flags() or []
     return model, ", ".join(f for f in NATIVE_BF16_FLAGS if f in flags)
 
 

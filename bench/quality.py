@@ -315,7 +315,7 @@ class Bench:
         held, step_s, source = self.budget_overrides(method, recipe, budget)
         cfg = self.cfg(method, recipe, {**held, "train.seed": seed}, f"{part}-{method}-{seed}")
         trained_as = cfg.model_dump_json(exclude={"workdir"})  # everything the head is, but where it is written
-        if trained_as in self.trained:  # e.g. the ablation's whole recipe is the config recipe of the budgets
+        if trained_as in self.trained:  # e.g. the budgets part's config recipe, trained by the variants part
             first = self.trained[trained_as]
             print(f"[quality] {part} {label} {method} budget {budget}s seed {seed}: the head of "
                   f"{first['part']} | {first['recipe']}, trained as it", flush=True)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from peagle.config import VllmConfig
 
@@ -69,6 +70,15 @@ def require_vllm(vllm_cfg: VllmConfig | None = None) -> None:
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo: x86 CPUs that compute in bfloat16
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
+    """The first CPU's feature flags as an x86 ``/proc/cpuinfo`` lists them; None where it lists none."""
+    try:
+        lines = Path(cpuinfo).read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), None)
+
+
 def engine_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     """The dtype an engine runs in: ``target.dtype``, where ``auto`` is the model's own, but
     for an x86 CPU without native bfloat16 (neither AVX512-BF16 nor AMX). vLLM would emulate a
@@ -78,10 +88,7 @@ def engine_dtype(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str:
     bfloat16 checkpoint's weights are exact in float32."""
     if dtype != "auto" or not is_cpu_platform():
         return dtype
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in open(cpuinfo) if line.startswith("flags")), None)
-    except OSError:
-        return dtype
+    flags = cpu_flags(cpuinfo)
     if flags is None or any(f in flags for f in NATIVE_BF16_FLAGS):  # no x86 flags line: not ours to judge
         return dtype
     log.info("vLLM runs in float32: this CPU has no native bfloat16 (set target.dtype to choose)")

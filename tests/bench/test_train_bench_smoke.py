@@ -103,8 +103,8 @@ def test_bench_quick_writes_results(name, tmp_path):
             assert tracked.info.status == "FINISHED" and tracked.data.params["method"] == row["method"]
             assert tracked.data.metrics["acceptance_length_k1"] == pytest.approx(row["acceptance_length"]["1"])
             assert len(client.get_metric_history(row["mlflow_run_id"], "loss")) == row["steps"]
-        # a row whose config an earlier row trained (the ablation's whole recipe is the config
-        # recipe the variants and budgets train) shares that row's run: each head trains once
+        # a row whose config an earlier row trained (the budgets part's two heads: the variants'
+        # config recipe and the ablation's EAGLE-3 at the same budget) shares that row's run
         runs = result["meta"]["runs"]
         trained = {r["mlflow_run_id"] for r in runs if "same_training_as" not in r}
         shared = [r for r in runs if "same_training_as" in r]
