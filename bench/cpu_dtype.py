@@ -35,21 +35,16 @@ SINGLE_REQUESTS = 4
 
 
 def prompt_requests(cfg, count: int) -> list[list[dict]]:
-    """The first ``count`` user requests of the config's JSONL prompt sources, as chat messages."""
+    """The first ``count`` chat requests of the config's prompt files (``load_jsonl_prompts``'s user turns)."""
+    from peagle.data.prompt_sets import load_jsonl_prompts
+
     out = []
     for source in cfg.data.sources:
-        if source.kind not in ("jsonl", "magpie") or not Path(source.path).exists():
-            continue
-        for line in Path(source.path).read_text().splitlines():
-            messages = json.loads(line).get("messages") or []
-            user = next((m for m in messages if m["role"] == "user"), None)
-            if user:
-                out.append([{"role": "user", "content": user["content"]}])
-            if len(out) == count:
-                return out
-    if len(out) < count:
-        raise SystemExit(f"the config's prompt files hold {len(out)} user requests, fewer than --prompts {count}")
-    return out
+        if source.kind in ("jsonl", "magpie") and Path(source.path).exists():
+            out += [p for p in load_jsonl_prompts(Path(source.path), count - len(out)) if not isinstance(p, str)]
+        if len(out) >= count:
+            return out[:count]
+    raise SystemExit(f"the config's prompt files hold {len(out)} chat requests, fewer than --prompts {count}")
 
 
 def decode_rate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
