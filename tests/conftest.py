@@ -102,13 +102,49 @@ LONG_SETUPS_S = {
 }
 
 
+# `make test` runs the suite on several workers (pytest-xdist, --dist loadgroup): most of a test's
+# time here is single-threaded start-up (imports, servers, engines, torchrun) that overlaps well on
+# 2 cores. A module's tests stay on one worker, so its module fixtures start once; every test that
+# reads a session build named here joins that build's group, so it is built once per test run, not
+# once per worker.
+SHARED_BUILDS = ("pipeline_run",)
+
+
+def xdist_group(item) -> str:
+    shared = [name for name in SHARED_BUILDS if name in getattr(item, "fixturenames", ())]
+    return shared[0] if shared else item.nodeid.split("::")[0]
+
+
+def expected_seconds(item) -> float:
+    """A rough cost: a third of the test's own time limit where it names one (they are set at about
+    three times what the test takes), else a slow test's ~60 s or a fast test's ~1 s."""
+    own = item.get_closest_marker("timeout")
+    if own and own.args:
+        return own.args[0] / 3
+    return 60 if "slow" in item.keywords else 1
+
+
+def heaviest_groups_first(items) -> list:
+    """The items grouped, heaviest group first (each group in its own order): a worker that draws
+    a long group late would leave the other idle at the end."""
+    weight: dict[str, float] = {}
+    for item in items:
+        group = xdist_group(item)
+        weight[group] = weight.get(group, 0) + expected_seconds(item)
+    order = {group: rank for rank, group in enumerate(sorted(weight, key=lambda g: -weight[g]))}
+    return sorted(items, key=lambda item: order[xdist_group(item)])
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run where torch sees a CUDA device; elsewhere each is skipped with the
     reason, so the summary counts what this machine could not check. A test using a fixture of
-    ``LONG_SETUPS_S`` gets that fixture's budget on top of its time limit."""
+    ``LONG_SETUPS_S`` gets that fixture's budget on top of its time limit. Each test gets its
+    worker group (``xdist_group``), the heaviest groups first."""
+    items[:] = heaviest_groups_first(items)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(
         reason="needs a CUDA device (marked gpu); torch sees none here")
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
         setup_s = sum(LONG_SETUPS_S.get(name, 0) for name in getattr(item, "fixturenames", ()))
