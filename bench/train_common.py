@@ -271,9 +271,9 @@ def tiny_head_dataset(root: Path, num_train: int = 12, num_eval: int = 4, draft_
 
     from peagle.data.store import ShardWriter
     from peagle.data.vocab import build_draft_vocab
-    from peagle.export.selftest import build_tiny_target, tiny_target_facts
     from peagle.layout import DataLayout
-    from peagle.serving.tiny import SPECIAL_TOKENS
+    from peagle.testing.golden import build_tiny_target, tiny_target_facts
+    from peagle.testing.tiny import SPECIAL_TOKENS
 
     target = build_tiny_target(root / "target", num_layers=8, hidden_size=64, seed=seed)
     facts = tiny_target_facts(target, draft_vocab_size=draft_vocab)

@@ -33,7 +33,8 @@ from peagle.catalogue import DEFAULT_METHOD, available_methods, get_method
 from peagle.fileio import json_digest
 from peagle.paths import REPO_ROOT, peagle_home
 
-EMBEDDED_TARGET = "embedded"
+EMBEDDED_TARGET = "embedded"  # the tiny test target, built from scratch (peagle target build)
+DEMO_TARGET_LINE = "./.peagle/targets/smollm2-135m-instruct"  # configs/demo.yaml's target (make smollm2)
 
 
 def _takes_number(annotation) -> bool:
@@ -137,7 +138,7 @@ class EmbeddedTargetRecipe(Strict):
 class TargetConfig(Strict):
     """The model the head drafts for: ``embedded`` (built offline), a hub id or a local path."""
 
-    model: str = EMBEDDED_TARGET
+    model: str  # no default: a config that forgets its target must not train on the tiny test target
     revision: str | None = None
     trust_remote_code: bool = False
     # The dtype vLLM runs the target in; auto: the model's own, but float32 on an x86 CPU without
@@ -384,8 +385,8 @@ class TrainConfig(Strict):
     # EAGLE-3 baseline trained on the same data (training-time-test steps).
     eagle3_baseline: bool = False
     # How long the baseline trains: "same_steps" as the head, or "same_time" (the seconds the
-    # head's optimizer steps took, read from its checkpoint directory): a fair comparison of two
-    # methods whose steps cost differently.
+    # head's optimizer steps took, read from its checkpoint directory, with no step cap): a fair
+    # comparison of two methods whose steps cost differently.
     eagle3_baseline_budget: Literal["same_steps", "same_time"] = "same_steps"
     eagle3_ttt_steps: int = Field(7, ge=1)
     # EAGLE-3 heads' decoder layers (None: drafter.num_layers). Each method at its best depth for
@@ -550,7 +551,7 @@ class CardConfig(Strict):
 class PipelineConfig(Strict):
     name: str
     workdir: str | None = None  # None: <PEAGLE_HOME>/runs/<name>
-    target: TargetConfig = TargetConfig()
+    target: TargetConfig
     vllm: VllmConfig = VllmConfig()
     data: DataConfig
     drafter: DrafterConfig = DrafterConfig()
@@ -718,7 +719,10 @@ def _format_errors(path: Path, err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "missing" and key in ("target", "target.model"):
+            msg = (f"required: the model the head drafts for, a hub id or a local path, as configs/demo.yaml "
+                   f"writes it: `target: {{model: {DEMO_TARGET_LINE}}}`")
+        elif e["type"] == "extra_forbidden":
             msg = "unknown key (check its spelling against configs/demo.yaml)"
         elif e["type"] == "finite_number":
             msg = f"{e['input']!r} is not a finite number (.inf and .nan are refused): write a finite value"

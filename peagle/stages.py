@@ -157,14 +157,15 @@ def with_method(cfg: PipelineConfig, method: Method) -> PipelineConfig:
 def method_config(cfg: PipelineConfig, method: Method, data_dir: Path) -> PipelineConfig:
     """The config ``method``'s head trains with on ``data_dir``: ``with_method``, and for the
     EAGLE-3 baseline beside another head with ``train.eagle3_baseline_budget: same_time`` a
-    time budget (``train.max_train_seconds``) of the seconds that head's optimizer steps took.
+    time budget (``train.max_train_seconds``) of the seconds that head's optimizer steps took, and
+    no step cap: its steps are cheaper or dearer than the head's, and the time is what is shared.
     Everything that names a head (its checkpoint directory, training key, lineage) asks here."""
     method = get_method(method)
     resolved = with_method(cfg, method)
     head = get_method(cfg.train.method)
     if method is head or method is not get_method(BASELINE) or cfg.train.eagle3_baseline_budget != "same_time":
         return resolved
-    return with_train(resolved, max_train_seconds=head_training_seconds(cfg, head, data_dir))
+    return with_train(resolved, max_train_seconds=head_training_seconds(cfg, head, data_dir), max_steps=None)
 
 
 def head_training_seconds(cfg: PipelineConfig, method: Method, data_dir: Path) -> float:

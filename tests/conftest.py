@@ -97,22 +97,39 @@ LONG_SETUPS_S = {
     "single_node": 300,  # a training run under torchrun (tests/train/test_multinode.py)
     "zero2_reference": 300,  # a ZeRO-2 training run (tests/train/test_deepspeed.py)
     "imported": 300,  # SmolLM2 imported from its GGUF file (tests/target/test_gguf.py)
-    "champion": 300,  # a head trained, registered and pulled (tests/tracking/test_pull_and_serve.py)
     "mlflow_server": 120,  # a real `mlflow server`
 }
 
 
-# `make test` runs the suite on several workers (pytest-xdist, --dist loadgroup): most of a test's
-# time here is single-threaded start-up (imports, servers, engines, torchrun) that overlaps well on
-# 2 cores. A module's tests stay on one worker, so its module fixtures start once; every test that
-# reads a session build named here joins that build's group, so it is built once per test run, not
-# once per worker.
-SHARED_BUILDS = ("pipeline_run",)
+# `make test` runs the suite on several workers (pytest-xdist): most of a test's time here is
+# single-threaded start-up (imports, servers, engines, torchrun) that overlaps well on 2 cores.
+# Tests go to the workers in groups (``worker_group``): a module's tests stay on one worker, so its
+# module fixtures start once, and the modules that read the one shared pipeline run form one group,
+# so it is built once per test run, not once per worker. xdist schedules by node id alone, so the
+# group is a rule on the module; collection refuses a reader of the shared run left out of it.
+SHARED_RUN_MODULES = frozenset({
+    "tests/test_pipeline_e2e.py", "tests/test_readme_commands.py", "tests/flows/test_flows.py",
+    "tests/data/test_health.py", "tests/eval/test_offline_predicts_vllm.py",
+    "tests/tracking/test_pipeline_in_mlflow.py",
+})
 
 
-def xdist_group(item) -> str:
-    shared = [name for name in SHARED_BUILDS if name in getattr(item, "fixturenames", ())]
-    return shared[0] if shared else item.nodeid.split("::")[0]
+def worker_group(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return "pipeline_run" if module in SHARED_RUN_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to a worker, in collection order (``heaviest_groups_first``)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    config.option.loadscopereorder = False  # xdist's reorder by test count would undo ours
+    return GroupScheduling(config, log)
 
 
 def expected_seconds(item) -> float:
@@ -129,22 +146,29 @@ def heaviest_groups_first(items) -> list:
     a long group late would leave the other idle at the end."""
     weight: dict[str, float] = {}
     for item in items:
-        group = xdist_group(item)
+        group = worker_group(item.nodeid)
         weight[group] = weight.get(group, 0) + expected_seconds(item)
     order = {group: rank for rank, group in enumerate(sorted(weight, key=lambda g: -weight[g]))}
-    return sorted(items, key=lambda item: order[xdist_group(item)])
+    return sorted(items, key=lambda item: order[worker_group(item.nodeid)])
+
+
+def refuse_shared_run_readers_outside_its_group(items) -> None:
+    for item in items:
+        if "pipeline_run" in getattr(item, "fixturenames", ()) and worker_group(item.nodeid) != "pipeline_run":
+            raise pytest.UsageError(f"{item.nodeid} reads the shared pipeline run: add its module to "
+                                    "SHARED_RUN_MODULES in tests/conftest.py, or each worker builds the run again")
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run where torch sees a CUDA device; elsewhere each is skipped with the
     reason, so the summary counts what this machine could not check. A test using a fixture of
-    ``LONG_SETUPS_S`` gets that fixture's budget on top of its time limit. Each test gets its
-    worker group (``xdist_group``), the heaviest groups first."""
+    ``LONG_SETUPS_S`` gets that fixture's budget on top of its time limit. The heaviest worker
+    groups come first."""
+    refuse_shared_run_readers_outside_its_group(items)
     items[:] = heaviest_groups_first(items)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(
         reason="needs a CUDA device (marked gpu); torch sees none here")
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
         setup_s = sum(LONG_SETUPS_S.get(name, 0) for name in getattr(item, "fixturenames", ()))
@@ -170,8 +194,8 @@ def embedded_target():
 
 @pytest.fixture(scope="session")
 def golden_pair(tmp_path_factory):
-    """(marker target, golden head) of ``peagle.export.selftest``, built once for every test."""
-    from peagle.export.selftest import build_golden_pair
+    """(marker target, golden head) of ``peagle.testing.golden``, built once for every test."""
+    from peagle.testing.golden import build_golden_pair
 
     return build_golden_pair(tmp_path_factory.mktemp("golden"))
 

@@ -14,6 +14,7 @@ DEMO = REPO / "configs" / "tiny.yaml"
 
 MINIMAL = """\
 name: bad-input
+target: {model: embedded}
 data:
   sources:
     - kind: jsonl
@@ -36,13 +37,13 @@ def check(*args) -> Result:
 
 def test_a_second_section_of_the_same_name_is_refused_naming_both_lines(tmp_path):
     path = config_file(tmp_path, MINIMAL + "train:\n  epochs: 3\neval:\n  ks: [3]\ntrain:\n  k_train: 4\n")
-    assert_refused(check(path), f"{path}:10: train is given twice (first on line 6)", "keep one train")
+    assert_refused(check(path), f"{path}:11: train is given twice (first on line 7)", "keep one train")
 
 
 @pytest.mark.parametrize("text, key, lines", [
-    (MINIMAL + "train:\n  epochs: 3\n  seed: 1\n  epochs: 5\n", "train.epochs", (9, 7)),
-    (MINIMAL + "      weight: 1\n      weight: 2\n", "data.sources[0].weight", (7, 6)),
-    (MINIMAL + "tracking:\n  wandb:\n    mode: offline\n    mode: online\n", "tracking.wandb.mode", (9, 8)),
+    (MINIMAL + "train:\n  epochs: 3\n  seed: 1\n  epochs: 5\n", "train.epochs", (10, 8)),
+    (MINIMAL + "      weight: 1\n      weight: 2\n", "data.sources[0].weight", (8, 7)),
+    (MINIMAL + "tracking:\n  wandb:\n    mode: offline\n    mode: online\n", "tracking.wandb.mode", (10, 9)),
 ])
 def test_a_key_given_twice_at_any_depth_is_refused(tmp_path, text, key, lines):
     path = config_file(tmp_path, text)
@@ -51,7 +52,7 @@ def test_a_key_given_twice_at_any_depth_is_refused(tmp_path, text, key, lines):
 
 
 def test_a_merge_may_override_the_keys_it_brings(tmp_path):
-    merged = config_file(tmp_path, "name: merged\n"  # a merge (<<: *anchor) is not a key given twice
+    merged = config_file(tmp_path, "name: merged\ntarget: {model: embedded}\n"  # a merge (<<: *anchor) is not a key given twice
                                    "data:\n  sources:\n    - &src {kind: jsonl, path: data/prompts/code_train.jsonl}\n"
                                    "    - <<: *src\n      weight: 2\n")
     result = check(merged)
@@ -167,7 +168,7 @@ EVAL_PROMPTS = ["Reverse a list in place.", "Sum the digits of a number."]
 @pytest.fixture(scope="module")
 def local_target(tmp_path_factory):
     """A tiny random Llama in a local directory (its tokenizer has a `<|mask|>` special token)."""
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("checked") / "target", num_layers=8)
 

@@ -7,6 +7,7 @@ import yaml
 from transformers import LlamaConfig
 
 from peagle.config import (
+    DEMO_TARGET_LINE,
     ConfigError,
     apply_overrides,
     load_config,
@@ -36,6 +37,18 @@ def test_shipped_configs_validate(path):
 def test_real_target_configs_are_shipped():
     names = {p.stem for p in CONFIGS}
     assert {"demo", "llama-3.1-8b-instruct", "qwen3-8b", "gpt-oss-20b"} <= names
+
+
+def test_a_config_without_its_target_is_refused_showing_the_demos_line(tmp_path):
+    """No default target: a config that forgets it would otherwise train on the tiny test target."""
+    data = demo_dict()
+    del data["target"]["model"]
+    message = _error(data)
+    assert "target.model: required" in message and f"target: {{model: {DEMO_TARGET_LINE}}}" in message, message
+    del data["target"]
+    assert "  - target: required" in _error(data)
+    demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    assert demo["target"]["model"] == DEMO_TARGET_LINE  # the line the message shows is the demo's
 
 
 def _error(data: dict) -> str:
@@ -245,7 +258,7 @@ def write(path: Path, text: str) -> Path:
 
 def test_a_config_extends_a_base_section_by_section_and_a_list_replaces(tmp_path):
     write(tmp_path / "recipes" / "base.yaml",
-          "name: base\ndata:\n  sources:\n    - {kind: jsonl, path: data/prompts/code_train.jsonl}\n"
+          "name: base\ntarget: {model: embedded}\ndata:\n  sources:\n    - {kind: jsonl, path: data/prompts/code_train.jsonl}\n"
           "train:\n  epochs: 7\n  k_train: 4\neval:\n  ks: [1, 2, 3]\n")
     mid = write(tmp_path / "recipes" / "mid.yaml", "extends: base.yaml\ntrain:\n  k_train: 3\n")
     top = write(tmp_path / "top.yaml", "extends: recipes/mid.yaml\nname: top\neval:\n  ks: [2]\n")

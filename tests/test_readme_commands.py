@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -317,22 +318,30 @@ def test_evaluate_the_shared_runs_heads(pipeline_run, user_env, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a pull, then a `vllm serve` started and asked over HTTP (~130 s)
 def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, user_env, embedded_target, tmp_path):
-    """`peagle pull models:/peagle-embedded@champion heads/champion --target TARGET` from the shared
-    run's `mlflow server` (MLFLOW_TRACKING_URI names it, as the README says), then
-    `peagle serve heads/champion --port PORT` as written (no vLLM arguments added): chat over
-    HTTP, and vLLM's own counters show the trained head's drafts accepted."""
+    """A registry consumer, end to end, as the README writes it: `peagle pull
+    models:/peagle-smollm2-135m@champion heads/champion --target TARGET` from the shared run's real
+    `mlflow server` (MLFLOW_TRACKING_URI names it), refused without `--target` since the champion's
+    target is a path on the training machine; then `peagle serve heads/champion --port PORT` as
+    written (no vLLM arguments added): chat over HTTP under the registered name, and vLLM's own
+    `/metrics` counters show K parallel drafts per step and the trained head's drafts accepted."""
     from peagle.export.card import read_serve_line
-    from tests.tracking.test_pull_and_serve import http_json, spec_decode_counters, stop_tree
+    from tests.vllm_server import counted_between, http_json, spec_decode_counters, stop_tree, wait_for_ready_line
 
     env = {**user_env, "MLFLOW_TRACKING_URI": pipeline_mlflow}
     argv = readme_argv(".venv/bin/peagle pull models:/peagle-smollm2-135m@champion heads/champion --target TARGET",
                        TARGET=str(embedded_target))
-    out, _ = run(argv, env, cwd=tmp_path)
     head = tmp_path / "heads" / "champion"
+    without_target = argv[:argv.index("--target")]
+    refused = subprocess.run(without_target, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "not a hub id; pass --target" in refused.stdout, refused.stdout + refused.stderr
+    assert not head.exists(), "a refused pull left a head behind"
+
+    out, _ = run(argv, env, cwd=tmp_path)
     assert "pulled peagle-embedded version" in out and f"peagle serve {head}" in " ".join(out.split())
     assert (head / "model.safetensors").exists()
     line = read_serve_line((head / "README.md").read_text())
-    assert (Path(line.target_ref).resolve(), line.head_ref) == (Path(embedded_target).resolve(), str(head))
+    assert (Path(line.target_ref).resolve(), line.head_ref, line.parallel_drafting) == \
+        (Path(embedded_target).resolve(), str(head), True)
 
     port = free_port()
     argv = readme_argv(".venv/bin/peagle serve heads/champion --port 8000", **{"8000": str(port)})
@@ -342,12 +351,11 @@ def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, 
         server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=output, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while f"ready: {url}/v1" not in log.read_text(errors="replace"):  # the line the user waits for
-            assert server.poll() is None, f"peagle serve exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"peagle serve not ready after 600 s: {log.read_text()[-3000:]}"
-            time.sleep(2)
+        wait_for_ready_line(server, log, url)
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
+            assert health.status == 200
         model = http_json(f"{url}/v1/models")["data"][0]["id"]
+        assert model == "peagle-embedded", "the server should answer under the registered head's name"
         before = spec_decode_counters(url)
         reply = http_json(f"{url}/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": "Write a Python function that reverses a list."}],
@@ -357,11 +365,11 @@ def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, 
         leftovers = stop_tree(server)
     assert not leftovers, f"peagle serve left {leftovers} running"
     assert reply["usage"]["completion_tokens"] == 48
-    drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
-    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+    drafts, draft_tokens, accepted = counted_between(before, after)
     print(f"served the shared run's champion: {drafts:.0f} drafts, acceptance length "
-          f"{1 + accepted / drafts if drafts else 0:.2f}")
+          f"{1 + accepted / drafts if drafts else 0:.2f} at K={line.k}")
     assert drafts > 0 and accepted > 0
+    assert draft_tokens == line.k * drafts, "parallel drafting proposes the card's K tokens per draft"
 
 
 # ----------------------------------------------------------------------------- Prefect

@@ -41,7 +41,7 @@ def templates():
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
-    from peagle.serving.tiny import build_tiny_tokenizer
+    from peagle.testing.tiny import build_tiny_tokenizer
 
     out = tmp_path_factory.mktemp("tiny_tokenizer")
     build_tiny_tokenizer(out)

@@ -57,7 +57,8 @@ def test_a_resumed_build_counts_what_it_already_stored():
 
 
 def test_hub_sets_not_read_here_count_by_max_samples_else_the_mix_cap():
-    cfg = parse_config({"name": "b", "data": {"sources": [{"kind": "hf", "path": "x/y"}], "max_samples": 1000}})
+    cfg = parse_config({"name": "b", "target": {"model": "embedded"},
+                        "data": {"sources": [{"kind": "hf", "path": "x/y"}], "max_samples": 1000}})
     [source] = cfg.data.sources
     assert expected_samples(cfg, 0, [], [source]) == 1000
     uncapped = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_samples": None})})
@@ -67,7 +68,7 @@ def test_hub_sets_not_read_here_count_by_max_samples_else_the_mix_cap():
 
 
 def test_spool_gib_is_not_the_datasets_identity_but_hidden_states_is():
-    base = {"name": "b", "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}]}}
+    base = {"name": "b", "target": {"model": "embedded"}, "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}]}}
     stored = parse_config(base)
     explicit = parse_config({**base, "data": {**base["data"], "hidden_states": "stored", "spool_gib": 9}})
     streamed = parse_config({**base, "data": {**base["data"], "hidden_states": "streamed"}})
@@ -77,6 +78,6 @@ def test_spool_gib_is_not_the_datasets_identity_but_hidden_states_is():
 
 def test_streamed_is_refused_on_several_nodes():
     with pytest.raises(ValueError, match="data.hidden_states: streamed trains on one node"):
-        parse_config({"name": "b", "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}],
+        parse_config({"name": "b", "target": {"model": "embedded"}, "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}],
                                             "hidden_states": "streamed"},
                       "train": {"nodes": 2, "world_size": 2, "rdzv_endpoint": "h:1"}})

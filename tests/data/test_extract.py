@@ -16,7 +16,7 @@ CFG = VllmConfig(max_model_len=256, max_num_seqs=16, cpu_kvcache_space_gib=1)
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), num_layers=NUM_LAYERS))
 

@@ -11,7 +11,7 @@ from tests.support.conversations import CONVERSATIONS
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("mask") / "target", num_layers=8)
 

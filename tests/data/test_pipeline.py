@@ -278,7 +278,7 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
     from peagle.data.vocab import DraftVocab
     from peagle.facts import load_dataset_facts, target_facts_from_target
     from peagle.layout import DataLayout
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     target = build_tiny_llama(tmp_path / "target")
     cfg = make_cfg(tmp_path, prompts_path, target=str(target))
@@ -373,7 +373,7 @@ def test_two_replicas_build_one_store_and_a_rerun_resumes_after_one_dies(tmp_pat
 
     from peagle.data.store import ShardReader
     from peagle.layout import RunLayout
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     target = build_tiny_llama(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"
@@ -443,7 +443,7 @@ def tiny_data_config(tmp_path, workdir=None, **data) -> tuple:
     """(config file, RunLayout) of a run on a tiny Llama (vLLM-servable) and the test prompts."""
     import yaml
 
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     target = build_tiny_llama(tmp_path / "target")
     prompts = tmp_path / "prompts.jsonl"

@@ -150,7 +150,8 @@ def test_invalid_source_fields_fail_at_load_time_naming_the_key(tmp_path, source
     from peagle.config import parse_config
 
     with pytest.raises(ConfigError, match=message) as err:
-        parse_config({"name": "x", "data": {"sources": [{"kind": "jsonl", "path": "d.jsonl", **source}]}}, "c.yaml")
+        parse_config({"name": "x", "target": {"model": "embedded"},
+                      "data": {"sources": [{"kind": "jsonl", "path": "d.jsonl", **source}]}}, "c.yaml")
     assert "data.sources.0" in str(err.value)
 
 

@@ -67,7 +67,7 @@ def test_missing_chat_template_is_a_clear_error(tokenizer_without_engine):
 def tokenizer_without_engine(tmp_path):
     from transformers import AutoTokenizer
 
-    from peagle.serving.tiny import build_tiny_tokenizer
+    from peagle.testing.tiny import build_tiny_tokenizer
 
     build_tiny_tokenizer(tmp_path)
     return AutoTokenizer.from_pretrained(tmp_path)
@@ -75,7 +75,7 @@ def tokenizer_without_engine(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny_llama")))
 

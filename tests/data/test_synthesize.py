@@ -8,7 +8,7 @@ def test_a_magpie_source_says_how_many_requests_and_its_template_must_render_the
 
     from peagle.config import PromptSource
     from peagle.data.synthesize import clean_request, user_turn_opening
-    from peagle.serving.tiny import build_tiny_tokenizer
+    from peagle.testing.tiny import build_tiny_tokenizer
 
     with pytest.raises(ValidationError, match="kind: magpie source needs max_samples"):
         PromptSource(kind="magpie", path="self.jsonl")

@@ -43,7 +43,7 @@ def test_hub_benchmarks_offline_are_skipped_with_a_reason(monkeypatch, caplog):
 
 
 def test_chat_prompts_go_through_the_chat_template(tmp_path):
-    from peagle.serving.tiny import build_tiny_tokenizer
+    from peagle.testing.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(tmp_path)
     ids = tokenize_prompts([[{"role": "user", "content": "def add(a, b):"}], [5, 6, 7]], tok)
@@ -53,7 +53,7 @@ def test_chat_prompts_go_through_the_chat_template(tmp_path):
 
 
 def test_completion_prompts_are_raw_text_without_a_chat_template(tmp_path):
-    from peagle.serving.tiny import build_tiny_tokenizer
+    from peagle.testing.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(tmp_path)
     prompts = load_prompt_set(str(CODE_COMPLETION_EVAL), limit=3)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from peagle.export.selftest import (
+from peagle.testing.golden import (
     build_tiny_target,
     draft_vocab_skipping_low_ids,
     random_head_state_dict,

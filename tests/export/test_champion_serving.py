@@ -37,7 +37,7 @@ from tests.processes import free_port, process_group, wait_http_ok
 pytestmark = pytest.mark.slow
 K = 3
 DRAFT_VOCAB = 128
-TOKEN = 101  # the marker target's constant token (selftest.build_golden_pair)
+TOKEN = 101  # the marker target's constant token (peagle.testing.golden.build_golden_pair)
 PROMPT_LENGTHS = (9, 17, 30)
 MAX_TOKENS = 40
 MIN_LOGIT_GAP = 1e-3  # TOKEN's logit vs the best other one; vLLM's fp32 drafter differs from torch's by ~1e-5
@@ -141,8 +141,8 @@ def random_head(golden_pair, tmp_path_factory):
     """(head dir, the drafter's accepted counts per step for each prompt, the prompts)."""
     from peagle.data.vocab import vocab_from_ids
     from peagle.export.head import export_head
-    from peagle.export.selftest import draft_vocab_skipping_low_ids, tiny_head_spec
     from peagle.model import PEagleDrafter
+    from peagle.testing.golden import draft_vocab_skipping_low_ids, tiny_head_spec
 
     target, _ = golden_pair
     spec = tiny_head_spec(target, draft_vocab_size=DRAFT_VOCAB)

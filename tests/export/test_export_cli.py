@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from peagle.config import load_config
 from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, read_serve_line
-from peagle.export.selftest import draft_vocab_skipping_low_ids, random_head_state_dict
 from peagle.facts import head_spec_for
+from peagle.testing.golden import draft_vocab_skipping_low_ids, random_head_state_dict
 from peagle.train.checkpoint import BEST, write_pointer
 
 pytestmark = pytest.mark.slow  # each test runs `peagle export` in a process of its own (~12 s)
@@ -79,7 +79,7 @@ def test_a_local_targets_head_carries_its_license_and_the_configured_hub_id(tmp_
     card with measured numbers keeps both."""
     from peagle import stages
     from peagle.export.card import ModelCardInfo, write_card
-    from peagle.export.selftest import build_tiny_target
+    from peagle.testing.golden import build_tiny_target
 
     target = build_tiny_target(tmp_path / "my-model")
     (target / "README.md").write_text("---\nlicense: mit\n---\n# My model\n")

@@ -82,7 +82,7 @@ def test_dtype_cast_is_recorded_in_config(tmp_path, state, spec, vocab, tiny_tar
 
 
 def test_full_vocabulary_ships_no_d2t(tmp_path, spec, tiny_target):
-    from peagle.export.selftest import random_head_state_dict
+    from peagle.testing.golden import random_head_state_dict
 
     full = HeadSpec(**{**spec.__dict__, "draft_vocab_size": None})
     v = full.vocab_size
@@ -201,7 +201,7 @@ def test_existing_head_is_replaced_only_when_asked(head, state, spec, vocab, tin
 
 def write_checkpoint(root, state, spec, vocab, target):
     """A trainer's checkpoint (weights + the head's spec) and the dataset's target facts and vocabulary."""
-    from peagle.export.selftest import tiny_target_facts
+    from peagle.testing.golden import tiny_target_facts
 
     ckpt, data = root / "checkpoints" / "step-000010", root / "data"
     ckpt.mkdir(parents=True)

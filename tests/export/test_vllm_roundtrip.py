@@ -1,6 +1,6 @@
 """The exported format in the installed vLLM: a known-answer head must be accepted in full.
 
-The golden head (peagle.export.selftest) drafts the marker target's constant token only
+The golden head (peagle.testing.golden) drafts the marker target's constant token only
 if vLLM loads fc, every layer, norm, lm_head, the d2t offsets and mask_hidden under the
 names we write; any misnamed or misread tensor lowers the acceptance length below K + 1.
 """

@@ -15,7 +15,7 @@ PROMPTS = [[1, 3] + [50, 60, 70, 80, 90] * 6, [1, 3] + list(range(100, 140))]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny_llama")))
 

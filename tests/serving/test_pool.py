@@ -21,7 +21,7 @@ needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="n
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny_llama")))
 

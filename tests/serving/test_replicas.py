@@ -59,7 +59,8 @@ def test_streamed_engines_and_ranks_on_the_same_gpus_are_refused_with_the_fix():
     from peagle.config import parse_config
     from peagle.train.launch import devices_shared
 
-    base = {"name": "d", "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}], "hidden_states": "streamed"}}
+    base = {"name": "d", "target": {"model": "embedded"},
+            "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}], "hidden_states": "streamed"}}
     with pytest.raises(ValueError, match="GPU\\(s\\) 1 are in both vllm.devices and train.devices"):
         parse_config({**base, "vllm": {"devices": ["1", "2"]}, "train": {"devices": ["0", "1"], "world_size": 2}})
     with pytest.raises(ValueError, match="holds fewer GPUs than the 2 rank"):

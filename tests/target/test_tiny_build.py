@@ -44,7 +44,7 @@ def test_cached_build_is_returned_without_rebuilding(tiny_target, in_home):
     again = build_embedded_target(TINY_RECIPE, progress=False)
     assert again == tiny_target and time.perf_counter() - start < 1.0
     assert (again / "build_report.json").stat().st_mtime == mtime
-    assert resolve_target(TargetConfig(embedded=TINY_RECIPE)) == str(tiny_target)
+    assert resolve_target(TargetConfig(model="embedded", embedded=TINY_RECIPE)) == str(tiny_target)
 
 
 def test_transformers_loads_model_tokenizer_and_generation_config(tiny_target):

@@ -153,7 +153,7 @@ def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_pat
     head_seconds = counted_seconds(timed_records(head_dir))
     assert head_seconds < sum(r["step_time_s"] for r in timed_records(head_dir))  # its first step left out
     baseline_cfg = method_config(cfg, "eagle3", data_dir)
-    assert baseline_cfg.train.method == "eagle3"
+    assert baseline_cfg.train.method == "eagle3" and baseline_cfg.train.max_steps is None  # the time is the cap
     assert baseline_cfg.train.max_train_seconds == pytest.approx(head_seconds, abs=0.001)
     assert method_config(cfg, "peagle", data_dir).train.max_train_seconds is None  # the head keeps its steps
     same_steps = with_train(cfg, eagle3_baseline_budget="same_steps")

@@ -105,6 +105,7 @@ def tiny_config(drafter_layers: int = 1, **train) -> PipelineConfig:  # noqa: F8
     return parse_config(
         {
             "name": "tiny",
+            "target": {"model": "embedded"},
             "data": {"sources": [{"kind": "jsonl", "path": "unused.jsonl"}], "max_seq_len": max(64, base["max_len"])},
             "vllm": {"max_model_len": max(1024, 2 * base["max_len"])},
             "drafter": {"num_layers": drafter_layers},

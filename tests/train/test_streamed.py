@@ -51,7 +51,7 @@ def config(tmp: Path, target: Path, prompts: Path, hidden_states: str) -> Path:
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
     """One tiny target, one prompt file, and `peagle data` of each kind: stored, streamed."""
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     tmp = tmp_path_factory.mktemp("streamed")
     target = build_tiny_llama(tmp / "target")

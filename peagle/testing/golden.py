@@ -37,10 +37,10 @@ def build_tiny_target(
     constant_token: int | None = None,
     seed: int = 0,
 ) -> Path:
-    """A random Llama + tokenizer (peagle.serving.tiny); ``constant_token`` makes it always emit that id."""
+    """A random Llama + tokenizer (peagle.testing.tiny); ``constant_token`` makes it always emit that id."""
     from transformers import LlamaForCausalLM
 
-    from peagle.serving.tiny import build_tiny_llama
+    from peagle.testing.tiny import build_tiny_llama
 
     out_dir = build_tiny_llama(out_dir, num_layers=num_layers, hidden_size=hidden_size, seed=seed)
     if constant_token is not None:
