@@ -540,6 +540,7 @@ def test_a_full_disk_stops_the_stage_at_once_and_a_rerun_resumes(tmp_path, small
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)  # a data stage interrupted, then a whole one (~110 s alone, more beside another worker)
 def test_ctrl_c_stops_the_data_stage_promptly_and_a_rerun_resumes(tmp_path):
     import os
     import signal
