@@ -22,6 +22,14 @@ app.add_typer(target_app, name="target")
 app.add_typer(config_app, name="config")
 console = Console(width=None if sys.stdout.isatty() else 120)
 
+
+def print_result(result) -> None:
+    """A stage's result as JSON, each line whole however long: a run directory's path must not wrap
+    at the console's width, where a script reading the output (``| jq``) would get broken JSON."""
+    from peagle.stages import summary_json
+
+    console.print(summary_json(result), soft_wrap=True, markup=False)
+
 ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.yaml")
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")
 
@@ -163,7 +171,7 @@ def data_cmd(
     _require(vllm=cfg.vllm)
     with _library_output(cfg):
         info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force, repair=repair)
-    console.print(stages.summary_json(info))
+    print_result(info)
 
 
 def _verify_dataset(cfg) -> int:
@@ -213,7 +221,7 @@ def train_cmd(
         raise typer.Exit(2) from None
     with _library_output(cfg):
         result = stages.train_head(cfg, stages.prepare_target(cfg), data_dir, method=method)
-    console.print(stages.summary_json(result))
+    print_result(result)
 
 
 @app.command("export")

@@ -55,3 +55,20 @@ def test_data_verify_without_a_dataset(tmp_path):
     result = runner.invoke(app, ["data", str(REPO / "configs" / "tiny.yaml"), "--set", f"workdir={tmp_path}",
                                  "--verify"])
     assert result.exit_code == 2 and "no dataset in" in result.output and "peagle data CONFIG" in result.output
+
+
+def test_a_stage_result_prints_as_json_a_script_can_read_however_long_its_paths(monkeypatch):
+    """Piped output is 120 columns wide: a long run directory must not wrap inside a JSON string."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    import peagle.cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(peagle.cli, "console", Console(file=out, width=40))
+    result = {"last_checkpoint": "/tmp/" + "a-long-run-directory/" * 12 + "step-000144", "samples": [48, 7],
+              "note": "[red]not markup[/red]"}
+    peagle.cli.print_result(result)
+    assert json.loads(out.getvalue()) == result
