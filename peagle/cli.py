@@ -24,11 +24,12 @@ console = Console(width=None if sys.stdout.isatty() else 120)
 
 
 def print_result(result) -> None:
-    """A stage's result as JSON, each line whole however long: a run directory's path must not wrap
-    at the console's width, where a script reading the output (``| jq``) would get broken JSON."""
+    """A stage's result as JSON through rich's JSON printer, as ``config env`` prints: it keeps a
+    long run directory whole where plain printing wrapped it at the console's width and broke the
+    JSON a script reads (``| jq``)."""
     from peagle.stages import summary_json
 
-    console.print(summary_json(result), soft_wrap=True, markup=False)
+    console.print_json(summary_json(result))
 
 ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.yaml")
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")

@@ -325,7 +325,8 @@ def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, 
     written (no vLLM arguments added): chat over HTTP under the registered name, and vLLM's own
     `/metrics` counters show K parallel drafts per step and the trained head's drafts accepted."""
     from peagle.export.card import read_serve_line
-    from tests.vllm_server import counted_between, http_json, spec_decode_counters, stop_tree, wait_for_ready_line
+    from peagle.serving.metrics import delta
+    from tests.vllm_server import http_json, spec_decode_counters, stop_tree, wait_for_ready_line
 
     env = {**user_env, "MLFLOW_TRACKING_URI": pipeline_mlflow}
     argv = readme_argv(".venv/bin/peagle pull models:/peagle-smollm2-135m@champion heads/champion --target TARGET",
@@ -365,11 +366,11 @@ def test_pull_and_serve_the_shared_runs_champion(pipeline_run, pipeline_mlflow, 
         leftovers = stop_tree(server)
     assert not leftovers, f"peagle serve left {leftovers} running"
     assert reply["usage"]["completion_tokens"] == 48
-    drafts, draft_tokens, accepted = counted_between(before, after)
-    print(f"served the shared run's champion: {drafts:.0f} drafts, acceptance length "
-          f"{1 + accepted / drafts if drafts else 0:.2f} at K={line.k}")
-    assert drafts > 0 and accepted > 0
-    assert draft_tokens == line.k * drafts, "parallel drafting proposes the card's K tokens per draft"
+    served = delta(before, after)
+    print(f"served the shared run's champion: {served.num_drafts} drafts, acceptance length "
+          f"{served.acceptance_length:.2f} at K={line.k}")
+    assert served.num_drafts > 0 and served.num_accepted_tokens > 0
+    assert served.num_draft_tokens == line.k * served.num_drafts, "parallel drafting proposes the card's K tokens per draft"
 
 
 # ----------------------------------------------------------------------------- Prefect

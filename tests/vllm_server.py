@@ -23,8 +23,7 @@ from pathlib import Path
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-SPEC_DECODE_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                        "vllm:spec_decode_num_accepted_tokens")
+from peagle.serving.metrics import ACCEPTED, DRAFT_TOKENS, DRAFTS, SpecDecodeStats
 
 
 def wait_for_ready_line(server: subprocess.Popen, log: Path, url: str, timeout_s: float = 600) -> None:
@@ -44,20 +43,16 @@ def http_json(url: str, body: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
-def spec_decode_counters(base_url: str) -> dict[str, float]:
-    """vLLM's spec-decode counters as Prometheus exposes them, summed over engines."""
+def spec_decode_counters(base_url: str) -> SpecDecodeStats:
+    """vLLM's spec-decode counters as Prometheus exposes them, summed over engines (take the
+    ``peagle.serving.metrics.delta`` of two reads)."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
         text = response.read().decode()
-    totals = dict.fromkeys(SPEC_DECODE_COUNTERS, 0.0)
+    totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED), 0)
     for family in text_string_to_metric_families(text):
         if family.name in totals:
-            totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return totals
-
-
-def counted_between(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, float]:
-    """(drafts, draft tokens, accepted tokens) counted between two reads of the counters."""
-    return tuple(after[name] - before[name] for name in SPEC_DECODE_COUNTERS)
+            totals[family.name] += int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    return SpecDecodeStats(totals[DRAFTS], totals[DRAFT_TOKENS], totals[ACCEPTED])
 
 
 def stop_tree(proc: subprocess.Popen) -> list[psutil.Process]:
