@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from peagle.catalogue import get_method  # noqa: E402
 from peagle.config import TrainConfig  # noqa: E402
 from peagle.facts import HeadSpec  # noqa: E402
+from peagle.methods import get_method  # noqa: E402
 from peagle.model import PEagleDrafter  # noqa: E402
 from peagle.objective.loss import TargetHead  # noqa: E402
 from peagle.train.engine import build_engine, init_process_group  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peagle.catalogue import BASELINE as BASELINE_METHOD  # noqa: E402
-from peagle.catalogue import DEFAULT_METHOD  # noqa: E402
+from peagle.catalogue import DEFAULT_METHOD, describe  # noqa: E402
 from peagle.layout import LAUNCH_CONFIG_FILE, TRAIN_RESULT_FILE, CheckpointLayout, RunLayout  # noqa: E402
 from peagle.paths import configure_environment  # noqa: E402
 
@@ -37,9 +37,7 @@ METHODS = (DEFAULT_METHOD, BASELINE_METHOD)  # P-EAGLE, then the EAGLE-3 baselin
 
 def labels() -> list[str]:
     """Result keys of the measured methods, in table order."""
-    from peagle.catalogue import get_method
-
-    return [get_method(m).label for m in METHODS]
+    return [describe(m).label for m in METHODS]
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,10 +83,10 @@ def eagle3_config(cfg, epochs: int | None, ttt_steps: int | None, max_steps: int
     return with_train(cfg, **train) if train else cfg
 
 
-def training_budget(checkpoint: Path, method) -> dict:
+def training_budget(checkpoint: Path, method: str) -> dict:
     """What the checkpoint was really trained with (from its training directory's launch config)."""
     launched = json.loads((checkpoint.parent / LAUNCH_CONFIG_FILE).read_text())["train"]
-    keys = ("epochs", "max_steps", *sorted(method.own_train_fields))
+    keys = ("epochs", "max_steps", *sorted(describe(method).own_train_fields))
     trained = json.loads((checkpoint.parent / TRAIN_RESULT_FILE).read_text())
     steps = max((int(m["step"]) for m in trained["metrics_history"] if "step" in m), default=0)
     return {**{k: launched[k] for k in keys}, "steps_run": steps}
@@ -106,7 +104,7 @@ def trained_checkpoint(cfg, target, data_dir: Path, method) -> Path:
         trained = stages.train_head(cfg, target, data_dir, method=method)
     checkpoint = trained.best_checkpoint or trained.last_checkpoint
     if checkpoint is None:
-        raise RuntimeError(f"{method.name} training wrote no checkpoint under {result_file.parent}")
+        raise RuntimeError(f"{method} training wrote no checkpoint under {result_file.parent}")
     return Path(checkpoint)
 
 
@@ -207,7 +205,6 @@ def main() -> None:
     from rich.console import Console
 
     from peagle import stages
-    from peagle.catalogue import get_method
     from peagle.data.prompt_sets import prompt_set_name
     from peagle.eval.online import evaluate_online
     from peagle.eval.plots import plot_online
@@ -220,10 +217,9 @@ def main() -> None:
 
     heads, offline, methods, checkpoints = {}, {}, {}, {}
     for name in args.heads:
-        method = get_method(name)
-        label = method.label
+        method, label = name, describe(name).label
         train_cfg = eagle3_config(cfg, args.eagle3_epochs, args.eagle3_ttt_steps, args.eagle3_max_steps) \
-            if method is get_method(BASELINE_METHOD) else cfg
+            if method == BASELINE_METHOD else cfg
         checkpoints[label] = checkpoint = trained_checkpoint(train_cfg, target, data_dir, method)
         heads[label], methods[label] = exported_head(cfg, target, data_dir, checkpoint, method), method
         offline[label] = stages.evaluate_offline(cfg, target, data_dir, checkpoint, method=method)

@@ -159,7 +159,7 @@ def calibrate(cfg_for, target, data_dir: Path) -> float:
 
 
 def measure(cfg, target, data_dir: Path, mlflow_run_id: str | None = None) -> dict:
-    from peagle.catalogue import get_method
+    from peagle.catalogue import describe
     from peagle.train.budget import counted_seconds
     from peagle.train.checkpoint import read_head_spec
 
@@ -175,7 +175,7 @@ def measure(cfg, target, data_dir: Path, mlflow_run_id: str | None = None) -> di
             "first_step_seconds": seconds[0] if seconds else None, "wall_seconds": wall, "final_loss": last["loss"],
             "warm_start": trained.warm_start,
             "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
-                      "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": get_method(t.method).num_layers(cfg),
+                      "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": describe(t.method).num_layers(cfg),
                       "optimizer": t.optimizer, "muon_lr": t.muon_learning_rate,
                       "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
                       "unaccepted_weight": t.unaccepted_weight, "loss": t.loss,
@@ -379,7 +379,7 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
     """Serve each method's head of the largest budget (its last budgets run) in vLLM, with no
     speculation beside them: one record per method, K and concurrency (``OnlineRow`` fields plus
     the budget, the offline acceptance at that K and the speed-up)."""
-    from peagle.catalogue import get_method
+    from peagle.catalogue import describe
     from peagle.stages import evaluate_online, export_head
 
     last = {r["method"]: r for r in runs if r["part"] == "budgets"}  # dict order: the last run wins
@@ -388,7 +388,7 @@ def confirm_online(bench: Bench, runs: list[dict]) -> list[dict]:
     heads = {m: export_head(cfg, bench.target, bench.data_dir, Path(r["checkpoint"]), method=m)
              for m, r in last.items()}
     result = evaluate_online(cfg, bench.target, heads)
-    by_label = {get_method(m).label: m for m in last}
+    by_label = {describe(m).label: m for m in last}
     records = []
     for table, traffic in ((result, "chat"), (result.completion, "completion")):
         for row in table.rows if table else []:

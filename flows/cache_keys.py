@@ -16,7 +16,6 @@ from peagle.fileio import json_digest, sha256_file
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import dataset_inputs, revision_of
-from peagle.methods.base import DraftingMethod
 
 
 def _digest_parts(*parts) -> str:
@@ -41,7 +40,7 @@ def dataset_key(cfg, target) -> str:
                                    values["target_revision"], served_key(cfg))
 
 
-def training_key(cfg, data_dir, method: str | DraftingMethod) -> str:
+def training_key(cfg, data_dir, method: str) -> str:
     """A trained head: its identity (the dataset actually built, the weight-changing fields, the method)."""
     return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
 

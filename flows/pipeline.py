@@ -99,7 +99,7 @@ def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool)
             write_run_card(head_dir, cfg, data, online, trained.offline, trained.best_checkpoint)
             for other in baseline:
                 write_run_card(baseline_dir, cfg, data, online, compared.offline, compared.best_checkpoint,
-                               method=other)
+                               method=other.name)
         with timer.stage("publish"), tracker.stage("publish"):
             published = publish_flow(config, head_dir, str(RunLayout(cfg.run_dir).online_results),
                                      mlflow_run_id=tracker.run_id)

@@ -34,7 +34,7 @@ from flows.common import (
     run_namer,
 )
 from peagle import stages
-from peagle.catalogue import get_method
+from peagle.catalogue import describe
 from peagle.config import PipelineConfig, load_config
 from peagle.layout import BEST, RunLayout
 from peagle.tracking.gate import ChampionHead, champion_to_measure
@@ -137,7 +137,7 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
         ensure_accelerator_limit(cfg)
         cfg = stages.resolve_init_from(cfg)  # before the key: it names the champion
         target = target or resolve_target(cfg)
-        method = get_method(method or cfg.train.method).name
+        method = describe(method or cfg.train.method).name
         data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
         ckpt_dir = stages.checkpoint_dir(cfg, method, Path(data_dir))
         refresh = not (ckpt_dir / BEST).exists()
@@ -180,7 +180,7 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
         target = target or resolve_target(cfg)
-        head = heads[get_method(cfg.train.method).name]
+        head = heads[cfg.train.method]
         champion = champion_to_measure(cfg, head)
         if champion is not None:
             get_run_logger().info("measuring champion v%s beside the new head at K=%d, the K the gate compares "
@@ -218,7 +218,7 @@ def publish_flow(config: str, head_dir: str | None = None, online_results: str |
     head_dir = str(head_dir or stages.exported_head_dir(cfg, cfg.train.method))
     online_results = str(online_results or RunLayout(cfg.run_dir).online_results)
     online = OnlineResult.load(online_results)
-    validated = drafted(online, get_method(cfg.train.method).label)
+    validated = drafted(online, describe(cfg.train.method).label)
     publish = publish_task.with_options(**limits(cfg, "publish"))
     with run_logs(cfg):
         if mlflow_run_id:

@@ -1,86 +1,116 @@
-"""The drafting methods peagle trains, by name (one module of ``peagle.methods`` each).
+"""The drafting methods peagle trains, described without torch: one ``MethodDescription`` each.
 
-Every stage asks the method object (``get_method(cfg.train.method)``) what differs between
-methods (``peagle.methods.base.DraftingMethod``) instead of comparing names. Adding a method
-is one module defining ``METHOD`` plus its line in ``CATALOGUE``; ``register_method`` adds
-one in the running process only (a test, a notebook: the training launcher's own processes
-import just the catalogue). Method modules are imported on first use, by name: listing the
-names (config validation) imports neither torch nor anything above the config.
+A description says what a method is: its names, whether vLLM drafts with it in parallel, the
+``train`` fields only it reads, the drafter weights its head leaves out, the train field that
+bounds the K it is evaluated at and the one that sets its drafter's depth, and its model card's
+text. Config validation, a head's identity, the dataset's facts and every stage read these;
+what a method does (its training objective, offline drafting, its head's own tensors) is its
+behaviour in ``peagle.methods``, which imports torch and sits above the stages.
+
+Adding a method is its description here and its package under ``peagle/methods/`` (plus its
+line in ``peagle.methods.METHODS``).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from peagle.methods.base import DraftingMethod
-
-CATALOGUE = {
-    "peagle": "peagle.methods.peagle",
-    "eagle3": "peagle.methods.eagle3",
-}
 # The method of a head when none is named (train.method's default).
 DEFAULT_METHOD = "peagle"
 # The method train.eagle3_baseline trains beside the head, on the same data.
 BASELINE = "eagle3"
 
-_registered: dict[str, DraftingMethod] = {}
+
+@dataclass(frozen=True)
+class MethodDescription:
+    """What a drafting method is, as config validation and every stage read it."""
+
+    name: str  # train.method, the checkpoint and head directory names
+    label: str  # results are keyed by it (online rows, MLflow metrics, registry tag)
+    display_name: str  # what people read (model card, tables)
+    parallel_drafting: bool  # vLLM's speculative config flag: K drafts in one forward pass
+    own_train_fields: frozenset[str] = frozenset()  # train.* fields no other method reads
+    omitted_tensors: frozenset[str] = frozenset()  # drafter weights its head must not ship
+    eval_k_field: str | None = None  # the train field bounding the K a head is evaluated at (None: any K)
+    num_layers_field: str | None = None  # a train field setting its drafter's depth (unset: drafter.num_layers)
+    card_summary: str = ""  # the model card's first paragraph
+    card_serve_note: str = ""  # the line under the card's serve command
+    card_tags: tuple[str, ...] = ("speculative-decoding", "eagle3")
+
+    def max_eval_k(self, train) -> int | None:
+        """The largest K a head trained with ``train`` can be evaluated at, offline and served in the
+        evaluation (None: any); ``eval.ks`` beyond it is refused when the config loads."""
+        return getattr(train, self.eval_k_field) if self.eval_k_field else None
+
+    def num_layers(self, cfg) -> int:
+        """Decoder layers of this method's drafter under ``cfg``."""
+        own = getattr(cfg.train, self.num_layers_field) if self.num_layers_field else None
+        return own or cfg.drafter.num_layers
+
+    def __repr__(self) -> str:
+        return f"<drafting method {self.name!r}>"
+
+
+PEAGLE = MethodDescription(
+    name="peagle",
+    label="p-eagle",
+    display_name="P-EAGLE",
+    parallel_drafting=True,
+    own_train_fields=frozenset({"k_train", "cod_ratio", "cod_floor", "freeze_lm_head", "train_embeddings",
+                                "mask_hidden_init_std", "depth0_loss_share", "mask_slot_inputs"}),
+    # served with parallel drafting at any K, but evaluated offline only at the depths it trained
+    eval_k_field="k_train",
+    card_summary=("A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
+                  "tokens in one forward pass. Trained with peagle."),
+    card_serve_note="P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially).",
+    card_tags=("speculative-decoding", "eagle3", "p-eagle", "parallel-drafting"),
+)
+
+EAGLE3 = MethodDescription(
+    name="eagle3",
+    label="eagle-3",
+    display_name="EAGLE-3",
+    parallel_drafting=False,
+    own_train_fields=frozenset({"eagle3_ttt_steps", "eagle3_num_layers"}),
+    # untrained here; shipping it would let vLLM serve the head with parallel drafting
+    omitted_tensors=frozenset({"mask_hidden"}),
+    num_layers_field="eagle3_num_layers",
+    card_summary=("An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with "
+                  "peagle on the same data as its P-EAGLE sibling for comparison. Serve it WITHOUT parallel "
+                  "drafting."),
+    card_serve_note="No mask_hidden is shipped: parallel drafting is not available for this head.",
+)
+
+DESCRIPTIONS: dict[str, MethodDescription] = {d.name: d for d in (PEAGLE, EAGLE3)}
 
 
 def available_methods() -> list[str]:
     """Names ``train.method`` accepts."""
-    return sorted({*CATALOGUE, *_registered})
+    return sorted(DESCRIPTIONS)
 
 
-def register_method(method: DraftingMethod) -> DraftingMethod:
-    """Make ``method`` available by its name in this process; a name already taken is refused."""
-    # Asked of the object, not of its class: the catalogue sits below the methods it names.
-    if not callable(getattr(method, "objective", None)) or not callable(getattr(method, "draft", None)):
-        raise TypeError(f"{method!r} is not a drafting method: subclass peagle.methods.base.DraftingMethod")
-    for attr in ("name", "label", "display_name", "parallel_drafting"):
-        if not hasattr(method, attr):
-            raise ValueError(f"drafting method {type(method).__name__} lacks {attr!r}")
-    if method.name in available_methods():
-        raise ValueError(f"a drafting method named {method.name!r} exists already; choose another name")
-    taken = {get_method(name).label for name in available_methods()}
-    if method.label in taken:
-        raise ValueError(f"the label {method.label!r} is taken by another method; results are keyed by it")
-    _registered[method.name] = method
-    return method
+def describe(name: str) -> MethodDescription:
+    """The description of the method named ``name``; an unknown name is refused with the known ones."""
+    if name not in DESCRIPTIONS:
+        raise ValueError(f"unknown drafting method {name!r}; available: {', '.join(available_methods())}")
+    return DESCRIPTIONS[name]
 
 
-def unregister_method(name: str) -> None:
-    """Forget a method added with ``register_method`` (catalogue methods stay)."""
-    _registered.pop(name, None)
-
-
-def get_method(method: str | DraftingMethod) -> DraftingMethod:
-    """The method object for a name (a method object is returned as it is)."""
-    if not isinstance(method, str):  # a method object (a DraftingMethod) is its own answer
-        return method
-    if method in _registered:
-        return _registered[method]
-    if method not in CATALOGUE:
-        raise ValueError(f"unknown drafting method {method!r}; available: {', '.join(available_methods())}")
-    return importlib.import_module(CATALOGUE[method]).METHOD
-
-
-def trained_methods(train) -> list[DraftingMethod]:
+def trained_methods(train) -> list[MethodDescription]:
     """The methods a pipeline run trains: ``train.method``'s, then the EAGLE-3 baseline when
     ``train.eagle3_baseline`` asks for it (and the head is not EAGLE-3 itself)."""
-    head = get_method(train.method)
-    baseline = get_method(BASELINE) if train.eagle3_baseline else None
-    return [head] if baseline is None or baseline is head else [head, baseline]
+    head = describe(train.method)
+    return [head] if not train.eagle3_baseline or head.name == BASELINE else [head, describe(BASELINE)]
 
 
 __all__ = [
     "BASELINE",
-    "CATALOGUE",
     "DEFAULT_METHOD",
+    "DESCRIPTIONS",
+    "EAGLE3",
+    "PEAGLE",
+    "MethodDescription",
     "available_methods",
-    "get_method",
-    "register_method",
+    "describe",
     "trained_methods",
-    "unregister_method",
 ]

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from peagle.catalogue import available_methods, describe
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, VllmConfig, load_config, parse_overrides
 from peagle.interrupt import interrupted, record_interrupts
 from peagle.layout import RunLayout
@@ -45,10 +46,8 @@ def _load(config: Path, overrides: list[str] | None = None):
 
 def _method(method: str | None, cfg) -> str:
     """``--method`` (default ``train.method``), checked before any work."""
-    from peagle.catalogue import get_method
-
     try:
-        return get_method(method or cfg.train.method).name
+        return describe(method or cfg.train.method).name
     except ValueError as err:
         console.print(f"[red]--method: {err}[/red]")
         raise typer.Exit(2) from None
@@ -264,7 +263,6 @@ def export_cmd(
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
     from peagle import stages
-    from peagle.catalogue import available_methods
     from peagle.contract import CONFIG_FILE
 
     cfg = _load(config, set_)

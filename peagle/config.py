@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from peagle.catalogue import DEFAULT_METHOD, available_methods, get_method
+from peagle.catalogue import DEFAULT_METHOD, describe
 from peagle.fileio import json_digest
 from peagle.paths import REPO_ROOT, peagle_home
 
@@ -305,7 +305,7 @@ AttentionBackend = Literal["auto", "flex", "dense"]
 
 
 class TrainConfig(Strict):
-    method: str = DEFAULT_METHOD  # a drafting method of the catalogue (peagle.methods)
+    method: str = DEFAULT_METHOD  # a drafting method of peagle.catalogue (peagle, eagle3)
     k_train: int = Field(8, ge=1)
     cod_ratio: float = Field(0.8, gt=0, le=1)
     cod_floor: float = Field(0.2, ge=0, le=1)
@@ -397,9 +397,7 @@ class TrainConfig(Strict):
     @field_validator("method")
     @classmethod
     def _known_method(cls, v):
-        if v not in available_methods():
-            raise ValueError(f"unknown drafting method {v!r}; available: {', '.join(available_methods())}")
-        return v
+        return describe(v).name
 
     @model_validator(mode="after")
     def _segments_fit(self):
@@ -583,7 +581,7 @@ class PipelineConfig(Strict):
         nothing serves it, so no baseline or online comparison may be asked of the same run."""
         if self.train.mask_slot_inputs == "mask":
             return self
-        if not get_method(self.train.method).parallel_drafting or self.train.eagle3_baseline:
+        if not describe(self.train.method).parallel_drafting or self.train.eagle3_baseline:
             raise ValueError(
                 "train.mask_slot_inputs: true_previous measures a parallel-drafting head offline (the upper "
                 "bound of one-pass drafting); it cannot be served: set train.method: peagle and "
@@ -621,8 +619,8 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _ks_trained(self):
         """A head is evaluated (offline and served) at every K of ``eval.ks``: none may be beyond
-        the positions its method trains (``DraftingMethod.max_eval_k``; P-EAGLE's ``k_train``)."""
-        method = get_method(self.train.method)
+        the positions its method trains (``MethodDescription.max_eval_k``; P-EAGLE's ``k_train``)."""
+        method = describe(self.train.method)
         limit = method.max_eval_k(self.train)
         beyond = [k for k in self.eval.ks if limit is not None and k > limit]
         if beyond:

@@ -18,6 +18,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from peagle.catalogue import describe
 from peagle.config import KV_PER_QUERY_HEAD, ConfigError, PipelineConfig
 from peagle.fileio import write_json_atomic
 
@@ -203,12 +204,10 @@ class DrafterShape:
 
 def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
     """The drafter of ``cfg.drafter`` for this target: the target's own widths where unset, and
-    the depth of ``train.method`` (``DraftingMethod.num_layers``: EAGLE-3 may have its own).
+    the depth of ``train.method`` (``MethodDescription.num_layers``: EAGLE-3 may have its own).
 
     Raises ``ConfigError`` naming the key for shapes that cannot work.
     """
-    from peagle.catalogue import get_method
-
     d, ht = cfg.drafter, facts.target_hidden_size
     hidden = d.hidden_size or ht
     same_width = hidden == ht
@@ -230,7 +229,7 @@ def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
         )
     return DrafterShape(
         hidden_size=hidden,
-        num_layers=get_method(cfg.train.method).num_layers(cfg),
+        num_layers=describe(cfg.train.method).num_layers(cfg),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,

@@ -48,13 +48,9 @@ resumes on 1 with twice the accumulation (``peagle.train.checkpoint``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from peagle.catalogue import available_methods, get_method
+from peagle.catalogue import DESCRIPTIONS, describe
 from peagle.fileio import json_digest
-
-if TYPE_CHECKING:
-    from peagle.methods.base import DraftingMethod
 
 BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
                          "init_from", "attention"})
@@ -62,10 +58,10 @@ LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "host
 SPLIT_OF_THE_BATCH = frozenset({"world_size", "grad_accum"})  # count as micro_batches_per_step
 
 
-def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
-    """The config that decides a head's weights for ``method`` (default ``train.method``)."""
-    method = get_method(method or cfg.train.method)
-    others = {f for name in available_methods() for f in get_method(name).own_train_fields}
+def training_fields(cfg, method: str | None = None) -> dict:
+    """The config that decides a head's weights for the method named ``method`` (default ``train.method``)."""
+    method = describe(method or cfg.train.method)
+    others = {f for d in DESCRIPTIONS.values() for f in d.own_train_fields}
     ignored = BOOKKEEPING | LAUNCH | SPLIT_OF_THE_BATCH | (others - method.own_train_fields)
     train = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in ignored}
     if cfg.train.optimizer != "muon":
@@ -75,12 +71,12 @@ def training_fields(cfg, method: str | DraftingMethod | None = None) -> dict:
     return {"drafter": cfg.drafter.model_dump(mode="json"), "train": train}
 
 
-def training_hash(cfg, method: str | DraftingMethod | None = None) -> str:
+def training_hash(cfg, method: str | None = None) -> str:
     """Digest of ``training_fields``: the training half of a head's identity."""
     return json_digest(training_fields(cfg, method))
 
 
-def head_identity(cfg, dataset: Mapping[str, str], method: str | DraftingMethod | None = None) -> str:
+def head_identity(cfg, dataset: Mapping[str, str], method: str | None = None) -> str:
     """A head's identity: its dataset (``dataset_manifests``), ``training_hash`` and method."""
     return json_digest({"dataset": dict(dataset), "training": training_hash(cfg, method)})
 

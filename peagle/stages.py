@@ -16,13 +16,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from peagle.catalogue import BASELINE, get_method
+from peagle.catalogue import BASELINE, describe, trained_methods
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
-from peagle.methods.base import DraftingMethod
 
-Method = str | DraftingMethod  # a drafting method's name or object (peagle.methods)
 log = logging.getLogger(__name__)
 
 
@@ -149,26 +147,25 @@ def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
     return cfg.model_copy(update={"train": cfg.train.model_copy(update=changes)})
 
 
-def with_method(cfg: PipelineConfig, method: Method) -> PipelineConfig:
-    """The same config training ``method``'s head."""
-    return with_train(cfg, method=get_method(method).name)
+def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
+    """The same config training the head of the method named ``method``."""
+    return with_train(cfg, method=describe(method).name)
 
 
-def method_config(cfg: PipelineConfig, method: Method, data_dir: Path) -> PipelineConfig:
+def method_config(cfg: PipelineConfig, method: str, data_dir: Path) -> PipelineConfig:
     """The config ``method``'s head trains with on ``data_dir``: ``with_method``, and for the
     EAGLE-3 baseline beside another head with ``train.eagle3_baseline_budget: same_time`` a
     time budget (``train.max_train_seconds``) of the seconds that head's optimizer steps took, and
     no step cap: its steps are cheaper or dearer than the head's, and the time is what is shared.
     Everything that names a head (its checkpoint directory, training key, lineage) asks here."""
-    method = get_method(method)
     resolved = with_method(cfg, method)
-    head = get_method(cfg.train.method)
-    if method is head or method is not get_method(BASELINE) or cfg.train.eagle3_baseline_budget != "same_time":
+    head = cfg.train.method
+    if method == head or method != BASELINE or cfg.train.eagle3_baseline_budget != "same_time":
         return resolved
     return with_train(resolved, max_train_seconds=head_training_seconds(cfg, head, data_dir), max_steps=None)
 
 
-def head_training_seconds(cfg: PipelineConfig, method: Method, data_dir: Path) -> float:
+def head_training_seconds(cfg: PipelineConfig, method: str, data_dir: Path) -> float:
     """Seconds the optimizer steps of ``method``'s head on these inputs took (its ``metrics.jsonl``;
     checkpointing, evaluation and each process's first step not counted, as on a time budget's
     clock: ``peagle.train.budget``), to the millisecond."""
@@ -178,7 +175,7 @@ def head_training_seconds(cfg: PipelineConfig, method: Method, data_dir: Path) -
     if not metrics.is_file():
         raise FileNotFoundError(
             f"train.eagle3_baseline_budget is same_time: the EAGLE-3 baseline trains for as long as the "
-            f"{get_method(method).display_name} head did, and no such head has trained on these inputs ({metrics} "
+            f"{describe(method).display_name} head did, and no such head has trained on these inputs ({metrics} "
             "is missing): train it first (`peagle train`), or set train.eagle3_baseline_budget=same_steps")
     from peagle.train.budget import counted_seconds
 
@@ -186,7 +183,7 @@ def head_training_seconds(cfg: PipelineConfig, method: Method, data_dir: Path) -
     return max(0.001, round(counted_seconds(records), 3))
 
 
-def checkpoint_dir(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
+def checkpoint_dir(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
     """Where ``method``'s head for these inputs trains: one directory per head identity
     (``peagle.identity``: the dataset, the weight-changing config, the method), so the same
     inputs resume and changed ones (a deeper drafter, a grown dataset) train a new head
@@ -198,12 +195,12 @@ def head_checkpoint_dir(resolved: PipelineConfig, data_dir: Path) -> Path:
     """``checkpoint_dir`` of a config already resolved for its head (``method_config``)."""
     from peagle.identity import dataset_manifests, head_identity
 
-    method = get_method(resolved.train.method)
+    method = resolved.train.method
     identity = head_identity(resolved, dataset_manifests(data_dir), method)
-    return RunLayout(resolved.run_dir).checkpoints(method.name, identity)
+    return RunLayout(resolved.run_dir).checkpoints(method, identity)
 
 
-def trained_checkpoint(cfg: PipelineConfig, method: Method, data_dir: Path) -> Path:
+def trained_checkpoint(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
     """The best step directory of the ``method`` head trained on these inputs (export's default);
     a clear error naming the heads this run did train when there is none."""
     from peagle.layout import BEST
@@ -212,10 +209,10 @@ def trained_checkpoint(cfg: PipelineConfig, method: Method, data_dir: Path) -> P
     best = checkpoint_dir(cfg, method, data_dir) / BEST
     if best.is_file():
         return resolve_checkpoint(best)
-    root = RunLayout(cfg.run_dir).method_checkpoints(get_method(method).name)
+    root = RunLayout(cfg.run_dir).method_checkpoints(method)
     others = sorted(p.name for p in root.glob("*") if (p / BEST).is_file()) if root.is_dir() else []
     raise FileNotFoundError(
-        f"no trained {get_method(method).display_name} head for this config and dataset under {best.parent}"
+        f"no trained {describe(method).display_name} head for this config and dataset under {best.parent}"
         + (f" (this run holds others, trained on other inputs: {', '.join(others)})" if others else "")
         + ": run `peagle train` first, or pass --checkpoint DIR")
 
@@ -248,7 +245,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     return with_train(cfg, init_from=head)
 
 
-def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: Method | None = None,
+def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: str | None = None,
                mlflow_run_id: str | None = None):
     """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
@@ -277,7 +274,7 @@ def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, metho
 
 
 def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,
-                     method: Method | None = None):
+                     method: str | None = None):
     """Simulated acceptance per K of a checkpoint (``peagle.eval.offline``: on the served split, as
     vLLM decodes the eval prompts, else the held-out split), at the K its
     method can be evaluated at. The drafter's shape, method and k_train are the checkpoint's."""
@@ -291,7 +288,7 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
     drafter = PEagleDrafter.from_checkpoint(checkpoint).eval()
     spec = drafter.spec
     check_trained_on(spec, data, checkpoint)
-    method = get_method(method or spec.method or cfg.train.method)
+    method = method or spec.method or cfg.train.method
     vocab = DraftVocab.load(data.vocab)
     ks, limit = evaluable_ks(with_train(cfg, k_train=spec.k_train), method)
     split, max_tokens = offline_split(data.root)
@@ -310,13 +307,13 @@ def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None
         )
 
 
-def exported_head_dir(cfg: PipelineConfig, method: Method) -> Path:
-    """Where the run exports ``method``'s head."""
-    return RunLayout(cfg.run_dir).head(get_method(method).name)
+def exported_head_dir(cfg: PipelineConfig, method: str) -> Path:
+    """Where the run exports the head of the method named ``method``."""
+    return RunLayout(cfg.run_dir).head(describe(method).name)
 
 
 def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path,
-                *, method: Method | None = None, card=None) -> Path:
+                *, method: str | None = None, card=None) -> Path:
     """Write the vLLM head directory of a ``method`` checkpoint (default ``train.method``) with the
     lineage it provably was trained on (``peagle.lineage``) and a card naming the target's hub id and
     license (``peagle.target.metadata``); refuses a head that fails validation."""
@@ -325,7 +322,7 @@ def export_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpo
     from peagle.lineage import write_head_lineage
     from peagle.target.metadata import target_metadata
 
-    method = get_method(method or cfg.train.method)
+    method = method or cfg.train.method
     card = replace(card or ModelCardInfo(), target=target_metadata(cfg, target.path))
     head = export_from_checkpoint(Path(checkpoint), Path(data_dir), exported_head_dir(cfg, method), card,
                                   target_path=target.path, overwrite=True, method=method)
@@ -341,17 +338,16 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
     ``heads/eagle3`` when ``train.eagle3_baseline``).
     """
-    from peagle.catalogue import trained_methods
     from peagle.contract import CONFIG_FILE  # loads torch: not at import, which flows and the CLI pay
 
     head, *baseline = trained_methods(cfg.train)
-    if not baseline and baseline_dir is not None and get_method(BASELINE) is not head:
-        baseline = [get_method(BASELINE)]
-    heads = {head.name: str(head_dir or exported_head_dir(cfg, head))}
-    heads |= {m.name: str(baseline_dir or exported_head_dir(cfg, m)) for m in baseline}
+    if not baseline and baseline_dir is not None and head.name != BASELINE:
+        baseline = [describe(BASELINE)]
+    heads = {head.name: str(head_dir or exported_head_dir(cfg, head.name))}
+    heads |= {m.name: str(baseline_dir or exported_head_dir(cfg, m.name)) for m in baseline}
     for name, directory in heads.items():
         if not (Path(directory) / CONFIG_FILE).exists():
-            raise FileNotFoundError(f"no exported {get_method(name).display_name} head at {directory}: "
+            raise FileNotFoundError(f"no exported {describe(name).display_name} head at {directory}: "
                                     f"run the train flow first (method {name})")
     return heads
 
@@ -362,7 +358,7 @@ def load_eval_prompts(cfg: PipelineConfig) -> list[list[dict]]:
     return load(cfg)
 
 
-def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method, Path], champion=None):
+def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Path], champion=None):
     """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
     method's label, drafting as the method does) on every prompt set of ``eval.prompts``, against
     no speculation and vLLM's n-gram lookup at the same K; the
@@ -372,10 +368,10 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[Method,
     from peagle.data.prompt_sets import load_chat_prompt_sets, load_completion_prompts
     from peagle.eval.online import evaluate_online as run_online
 
-    methods = {get_method(m).label: get_method(m) for m in heads}
-    paths = {get_method(m).label: Path(d) for m, d in heads.items()}
+    methods = {describe(m).label: m for m in heads}
+    paths = {describe(m).label: Path(d) for m, d in heads.items()}
     if champion is not None:
-        methods[champion.label], paths[champion.label] = get_method(champion.method), Path(champion.head_dir)
+        methods[champion.label], paths[champion.label] = champion.method, Path(champion.head_dir)
     (first_set, first_prompts), *more_sets = load_chat_prompt_sets(cfg).items()
     return run_online(
         target.path,

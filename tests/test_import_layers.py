@@ -9,11 +9,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_edges(granularity=lambda module: module):
-    """peagle's and flows' imports (function-level ones included), each end mapped by ``granularity``."""
+    """peagle's and flows' imports (function-level and TYPE_CHECKING ones included: a type is a
+    dependency too), each end mapped by ``granularity``."""
     import grimp
     import networkx as nx
 
-    graph = grimp.build_graph("peagle", "flows", exclude_type_checking_imports=True, cache_dir=None)
+    graph = grimp.build_graph("peagle", "flows", exclude_type_checking_imports=False, cache_dir=None)
     pairs = ((granularity(m), granularity(i)) for m in graph.modules for i in graph.find_modules_directly_imported_by(m))
     return nx.DiGraph((a, b) for a, b in pairs if a != b)
 

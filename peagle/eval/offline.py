@@ -45,11 +45,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.catalogue import DEFAULT_METHOD, describe
 from peagle.data.vocab import DraftVocab
 from peagle.facts import HeadSpec
 from peagle.layout import DataLayout
-from peagle.methods.base import DraftingMethod
+from peagle.methods import get_method
 from peagle.objective.batch import NUM_AUX_LAYERS, Batch, slot_input_ids
 from peagle.objective.loss import TargetHead
 
@@ -205,19 +205,19 @@ def draft_tokens(
     vocab: DraftVocab,
     anchors: torch.Tensor,
     k: int,
-    method: str | DraftingMethod = DEFAULT_METHOD,
+    method: str = DEFAULT_METHOD,
     chunk_anchors: int = 1024,
     mask_slot_inputs: str = "mask",
 ) -> torch.Tensor:
     """Long [A, K]: the target ids the drafter proposes after each of the sorted ``anchors``."""
-    method = get_method(method)
+    drafting = get_method(method)
     device = next(drafter.parameters()).device
     to_target = vocab.d2t.to(device)
     out = []
     for start in range(0, anchors.numel(), chunk_anchors):
         chunk = anchors[start : start + chunk_anchors]
         batch = _draft_batch(sample, spec, chunk, k, device, mask_slot_inputs)
-        anchor, depth, tokens = method.draft(drafter, batch, k, lambda ids: ids + to_target[ids])
+        anchor, depth, tokens = drafting.draft(drafter, batch, k, lambda ids: ids + to_target[ids])
         out.append(_drafts_from(anchor.cpu(), depth.cpu(), tokens.cpu(), chunk, k))
     return torch.cat(out) if out else torch.zeros(0, k, dtype=torch.long)
 
@@ -278,7 +278,7 @@ def evaluate_offline(
     vocab: DraftVocab,
     ks: Sequence[int],
     max_samples: int | None = None,
-    method: str | DraftingMethod = DEFAULT_METHOD,
+    method: str = DEFAULT_METHOD,
     reference: Reference = "data",
     max_k: int | None = None,
     chunk_anchors: int = 1024,
@@ -296,7 +296,7 @@ def evaluate_offline(
     head on the same tokens (``ngram_acceptance_length``, ``versus_ngram``) unless ``compare_ngram``
     is false (the trainer's checkpoint choice reads only the head's acceptance).
     """
-    method = get_method(method)
+    method = describe(method)
     ks = _check_inputs(ks, spec, vocab, max_k)
     k = ks[-1]
     was_training = drafter.training
@@ -313,7 +313,7 @@ def evaluate_offline(
             num_samples += 1
             if anchors.numel() == 0:
                 continue
-            drafts = draft_tokens(drafter, sample, spec, vocab, anchors, k, method, chunk_anchors, mask_slot_inputs)
+            drafts = draft_tokens(drafter, sample, spec, vocab, anchors, k, method.name, chunk_anchors, mask_slot_inputs)
             with torch.no_grad():
                 ref = reference_tokens(sample, reference, target_head, vocab)
             found_by = [(drafts, walks)]
@@ -379,7 +379,7 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     reader = ShardReader(split)
     if len(reader) == 0:
         raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")
-    method = get_method(cfg.train.method)
+    method = cfg.train.method
     ks, limit = evaluable_ks(cfg, method)
     head = TargetHead.from_target(target_path, facts, vocab.draft_ids) if reference == "target" else None
 
@@ -394,8 +394,8 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     return eval_fn
 
 
-def evaluable_ks(cfg, method: str | DraftingMethod) -> tuple[list[int], int | None]:
-    """(eval.ks the method's head can be evaluated at offline, that limit); the limit itself
-    when every configured K is beyond it."""
-    limit = get_method(method).max_eval_k(cfg.train)
+def evaluable_ks(cfg, method: str) -> tuple[list[int], int | None]:
+    """(eval.ks the head of the method named ``method`` can be evaluated at offline, that limit);
+    the limit itself when every configured K is beyond it."""
+    limit = describe(method).max_eval_k(cfg.train)
     return [k for k in cfg.eval.ks if limit is None or k <= limit] or [limit], limit

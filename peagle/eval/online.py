@@ -23,12 +23,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.catalogue import DEFAULT_METHOD, describe
 from peagle.config import VllmConfig
 from peagle.contract import CONFIG_FILE, NGRAM, WEIGHTS_FILE, ngram_speculative_config, speculative_config
 from peagle.data.prompt_sets import fit_prompts, tokenize_prompts
 from peagle.fileio import write_json_atomic
-from peagle.methods.base import DraftingMethod
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +301,7 @@ def evaluate_online(
     ks: Sequence[int],
     concurrency: Sequence[int] = (1,),
     max_tokens: int = 128,
-    methods: Mapping[str, str | DraftingMethod] | None = None,
+    methods: Mapping[str, str] | None = None,
     tokenizer=None,
     include_baseline: bool = True,
     prompt_set: str = "",
@@ -320,7 +319,7 @@ def evaluate_online(
 
     ``heads`` maps a label (a method's ``label``, or any name) to a head directory;
     ``prompts`` are token-id lists or chat messages (tokenised with ``tokenizer``, by
-    default the target's). ``methods`` gives each label's drafting method (default
+    default the target's). ``methods`` gives each label's drafting method's name (default
     P-EAGLE): it decides whether vLLM drafts in parallel. ``on_row`` sees each row as soon
     as it is measured. ``completion_prompts`` (raw texts) are measured on the same engines
     after the chat prompts, into ``result.completion``; ``more_prompt_sets`` (name -> chat prompts)
@@ -338,7 +337,7 @@ def evaluate_online(
     for what, labels in (("methods", methods), ("largest_k_only", largest_k_only)):
         if set(labels) - set(heads):
             raise ValueError(f"{what} names heads {sorted(set(labels) - set(heads))} that are not in heads {sorted(heads)}")
-    parallel = {label: get_method(methods.get(label, DEFAULT_METHOD)).parallel_drafting for label in heads}
+    parallel = {label: describe(methods.get(label, DEFAULT_METHOD)).parallel_drafting for label in heads}
     chat_prompts = bool(prompts) and not isinstance(prompts[0][0] if prompts[0] else 0, int)
     if tokenizer is None and (chat_prompts or completion_prompts or more_prompt_sets):
         from transformers import AutoTokenizer

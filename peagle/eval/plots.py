@@ -12,7 +12,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from peagle.catalogue import available_methods, get_method
+from peagle.catalogue import DESCRIPTIONS
 from peagle.contract import NGRAM, NGRAM_DISPLAY
 from peagle.eval.online import OnlineResult
 from peagle.fileio import atomic_path
@@ -62,7 +62,7 @@ def display_name(label: str) -> str:
     """How the plot names a row's method: the drafting method's name, n-gram lookup, or the label."""
     if label == NGRAM:
         return NGRAM_DISPLAY
-    names = {get_method(name).label: get_method(name).display_name for name in available_methods()}
+    names = {d.label: d.display_name for d in DESCRIPTIONS.values()}
     return names.get(label, label)
 
 

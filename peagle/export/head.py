@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.catalogue import DEFAULT_METHOD, describe
 from peagle.contract import (
     CARD_FILE,
     CONFIG_FILE,
@@ -41,7 +41,7 @@ from peagle.export.validate import (
 from peagle.facts import HeadSpec, load_dataset_facts
 from peagle.fileio import staged_dir
 from peagle.layout import VOCAB_FILE, CheckpointLayout, DataLayout
-from peagle.methods.base import DraftingMethod
+from peagle.methods import get_method
 
 VOCAB_KEYS = ("draft_ids", "d2t", "t2d")
 
@@ -109,16 +109,15 @@ def _float_dtype(state_dict: Mapping[str, torch.Tensor], dtype) -> torch.dtype:
 
 def head_tensors(
     state_dict: Mapping[str, torch.Tensor], spec: HeadSpec, vocab: VocabMaps, dtype: torch.dtype,
-    *, method: str | DraftingMethod = DEFAULT_METHOD,
+    *, method: str = DEFAULT_METHOD,
 ) -> dict[str, torch.Tensor]:
     """The drafter's state dict renamed to nothing, checked, cast, plus the vocab maps.
 
     The drafting method's ``omitted_tensors`` are left out (an EAGLE-3 head drops the
     untrained ``mask_hidden``, so nothing can serve it with parallel drafting by mistake).
     """
-    method = get_method(method)
-    rules = expected_tensors(spec, method.head_tensors(spec))
-    state_dict = {k: v for k, v in state_dict.items() if k not in method.omitted_tensors}
+    rules = expected_tensors(spec, get_method(method).head_tensors(spec))
+    state_dict = {k: v for k, v in state_dict.items() if k not in describe(method).omitted_tensors}
     from_vocab = {"d2t": vocab.d2t, "t2d": vocab.t2d}
     for name, maps_tensor in from_vocab.items():
         if name in state_dict and state_dict[name].shape == maps_tensor.shape:
@@ -176,7 +175,7 @@ def export_head(
     load_in_vllm: bool = False,
     vllm_cfg=None,
     overwrite: bool = False,
-    method: str | DraftingMethod = DEFAULT_METHOD,
+    method: str = DEFAULT_METHOD,
 ) -> Path:
     """Write the head directory of a ``method`` drafter for ``spec``'s target; return its path.
 
@@ -194,9 +193,8 @@ def export_head(
         spec = spec.with_draft_vocab(len(_as_vocab_maps(vocab).draft_ids))
     maps = check_vocab(vocab, spec)
     float_dtype = _float_dtype(state_dict, dtype)
-    method = get_method(method)
     tensors = head_tensors(state_dict, spec, maps, float_dtype, method=method)
-    card = replace(card or ModelCardInfo(), method=method.name)
+    card = replace(card or ModelCardInfo(), method=describe(method).name)
     target, target_ref = _target_for_checks(spec, target_path, target_embed)
 
     if out_dir.exists() and not overwrite:
@@ -211,7 +209,7 @@ def export_head(
 
 def validate_export(
     tmp: Path, target: CheckedTarget, target_ref: str | None, *, load_in_vllm: bool, vllm_cfg,
-    method: str | DraftingMethod = DEFAULT_METHOD,
+    method: str = DEFAULT_METHOD,
 ) -> ValidationReport:
     """Static checks always; the vLLM round trip only when asked and the target is a path."""
     if load_in_vllm and not target_ref:

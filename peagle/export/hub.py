@@ -21,7 +21,7 @@ from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants, get
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from peagle.catalogue import available_methods, get_method
+from peagle.catalogue import DESCRIPTIONS, MethodDescription
 from peagle.contract import CARD_FILE
 from peagle.export.card import (
     TARGET_PLACEHOLDER,
@@ -32,7 +32,6 @@ from peagle.export.card import (
     read_serve_line,
 )
 from peagle.export.validate import HeadValidationError, checked_target_from_head, static_check
-from peagle.methods.base import DraftingMethod
 
 
 class PushError(ValueError):
@@ -52,7 +51,7 @@ class HeadUpload:
     repo_id: str
     files: dict[str, int]  # path in the repository -> bytes, in upload order
     card: str  # README.md as uploaded
-    method: DraftingMethod
+    method: MethodDescription
     warnings: tuple[str, ...] = ()
 
     @property
@@ -83,7 +82,7 @@ def plan_upload(head_dir: str | Path, repo_id: str) -> HeadUpload:
     if line is None:
         raise PushError(f"{card_file} has no `vllm serve` line: export the head again (`peagle export CONFIG`)")
     method = method_drafting(line.parallel_drafting)
-    report = static_check(head_dir, checked_target_from_head(head_dir), method=method)
+    report = static_check(head_dir, checked_target_from_head(head_dir), method=method.name)
     if not report.ok:
         raise PushError(str(HeadValidationError(head_dir, report.problems)))
     card, warnings = hub_card(text, card_file, line, repo_id)
@@ -112,11 +111,10 @@ def push_head(upload: HeadUpload, *, private: bool = False, revision: str | None
     return commit.commit_url
 
 
-def method_drafting(parallel_drafting: bool) -> DraftingMethod:
+def method_drafting(parallel_drafting: bool) -> MethodDescription:
     """The drafting method of a head whose card serves it with ``parallel_drafting``: the weights
     are checked against it (a P-EAGLE head ships ``mask_hidden``, an EAGLE-3 head must not)."""
-    methods = [get_method(name) for name in available_methods()]
-    return next(m for m in methods if m.parallel_drafting == parallel_drafting)
+    return next(m for m in DESCRIPTIONS.values() if m.parallel_drafting == parallel_drafting)
 
 
 def hub_card(card_text: str, card_file: Path, line: ServeLine, repo_id: str) -> tuple[str, list[str]]:

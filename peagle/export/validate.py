@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.catalogue import DEFAULT_METHOD, MethodDescription, describe
 from peagle.contract import (
     ACCEPTED_ARCHITECTURES,
     CARD_FILE,
@@ -32,7 +32,7 @@ from peagle.contract import (
     speculative_config,
 )
 from peagle.facts import HeadSpec
-from peagle.methods.base import DraftingMethod
+from peagle.methods import get_method
 from peagle.model.target_weights import read_target_tensor, target_config
 
 log = logging.getLogger(__name__)
@@ -434,11 +434,11 @@ def _check_mask_row(report: ValidationReport, tensors: dict, config: dict, targe
 
 
 def static_check(
-    head_dir: Path, target: CheckedTarget, *, method: str | DraftingMethod = DEFAULT_METHOD,
+    head_dir: Path, target: CheckedTarget, *, method: str = DEFAULT_METHOD,
     report: ValidationReport | None = None,
 ) -> ValidationReport:
     """All checks that need no engine for a head of ``method``; fills and returns a report (does not raise)."""
-    method = get_method(method)
+    method, own_tensors = describe(method), get_method(method).head_tensors
     report = report or ValidationReport(Path(head_dir))
     if not (report.head_dir / CARD_FILE).exists():
         report.warnings.append(f"{CARD_FILE} (model card) is missing")
@@ -455,14 +455,14 @@ def static_check(
         return report
     _check_omitted(report, tensors, method)
     shipped = {name: t for name, t in tensors.items() if _normalise(name) not in method.omitted_tensors}
-    _check_names_shapes_dtypes(report, shipped, expected_tensors(spec, method.head_tensors(spec)), float_dtype)
+    _check_names_shapes_dtypes(report, shipped, expected_tensors(spec, own_tensors(spec)), float_dtype)
     _check_vocab_maps(report, tensors, config)
     if method.parallel_drafting:
         _check_mask_row(report, tensors, config, target)
     return report
 
 
-def _check_omitted(report: ValidationReport, tensors: dict[str, torch.Tensor], method: DraftingMethod) -> None:
+def _check_omitted(report: ValidationReport, tensors: dict[str, torch.Tensor], method: MethodDescription) -> None:
     """A tensor the method's heads must not ship (an EAGLE-3 head's untrained ``mask_hidden``
     would let vLLM serve it with parallel drafting)."""
     for name in sorted(n for n in tensors if _normalise(n) in method.omitted_tensors):
@@ -486,7 +486,7 @@ def check_in_vllm(
     vllm_cfg,
     *,
     num_speculative_tokens: int = 3,
-    method: str | DraftingMethod = DEFAULT_METHOD,
+    method: str = DEFAULT_METHOD,
     max_tokens: int = 24,
     target_revision: str | None = None,
     trust_remote_code: bool = False,
@@ -494,7 +494,7 @@ def check_in_vllm(
 ) -> VllmCheck:
     """Serve the head with its target (drafting as ``method`` does) and generate greedily;
     returns what the drafter did."""
-    parallel_drafting = get_method(method).parallel_drafting
+    parallel_drafting = describe(method).parallel_drafting
     from peagle.serving import open_llm
     from peagle.serving.generation import generate_from_token_ids
     from peagle.serving.metrics import read_spec_decode_stats
@@ -556,7 +556,7 @@ def validate_head(
     vllm_cfg=None,
     load_in_vllm: bool = True,
     target_embed: torch.Tensor | None = None,
-    method: str | DraftingMethod = DEFAULT_METHOD,
+    method: str = DEFAULT_METHOD,
     num_speculative_tokens: int = 3,
     min_acceptance_length: float | None = None,
     target_revision: str | None = None,

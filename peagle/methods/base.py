@@ -1,26 +1,25 @@
-"""What a drafting method is: the questions every stage asks it.
+"""What a drafting method does: the behaviour training, offline evaluation and export ask of it.
 
-A method answers, for a head it trains: its name and labels, whether vLLM drafts with it in
-parallel (``parallel_drafting``), how it is trained (``objective``), how it drafts offline
-(``draft``), the largest K it can be evaluated at, the tensors its head ships beyond the
-EAGLE-3 contract and the drafter weights it leaves out, the ``train`` fields only it reads,
-and what its model card says. Subclass ``DraftingMethod`` (or an existing method) and
-override what differs; ``peagle.methods`` lists the methods by name.
+What a method is (its names, parallel drafting, its own ``train`` fields, the tensors its head
+leaves out, its card's text) is its torch-free ``peagle.catalogue.MethodDescription``; what it
+does, for a head it trains: how it is trained (``objective``) and how a fresh drafter is set up
+for it (``prepare_drafter``), how it drafts offline (``draft``), the tensors its head ships
+beyond the EAGLE-3 contract (``head_tensors``) and its card's training facts. Subclass
+``DraftingMethod`` (or an existing method) and override what differs; ``peagle.methods.METHODS``
+maps names to methods.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:  # importing a method must stay cheap: config validation lists them
-    from collections.abc import Callable
+import torch
 
-    import torch
-
-    from peagle.contract import TensorRule
-    from peagle.facts import HeadSpec
-    from peagle.objective import Objective
-    from peagle.objective.batch import Batch
+from peagle.catalogue import MethodDescription
+from peagle.contract import TensorRule
+from peagle.facts import HeadSpec
+from peagle.objective import Objective
+from peagle.objective.batch import Batch
 
 
 def starts_from_trained_rows(spec: HeadSpec, train) -> bool:
@@ -30,17 +29,13 @@ def starts_from_trained_rows(spec: HeadSpec, train) -> bool:
 
 
 class DraftingMethod:
-    """One drafting method; class attributes say what it is, methods what it does."""
+    """One drafting method's behaviour; ``description`` says what it is."""
 
-    name: str  # train.method, the checkpoint and head directory names
-    label: str  # results are keyed by it (online rows, MLflow metrics, registry tag)
-    display_name: str  # what people read (model card, tables)
-    parallel_drafting: bool  # vLLM's speculative config flag: K drafts in one forward pass
-    own_train_fields: frozenset[str] = frozenset()  # train.* fields no other method reads
-    omitted_tensors: frozenset[str] = frozenset()  # drafter weights its head must not ship
-    card_summary: str = ""  # the model card's first paragraph
-    card_serve_note: str = ""  # the line under the card's serve command
-    card_tags: tuple[str, ...] = ("speculative-decoding", "eagle3")
+    description: MethodDescription
+
+    @property
+    def name(self) -> str:
+        return self.description.name
 
     def objective(self, train, spec: HeadSpec, target_head) -> Objective:
         """How ``train`` trains a drafter for ``spec`` against the frozen ``target_head``."""
@@ -60,23 +55,13 @@ class DraftingMethod:
         """
         raise NotImplementedError(f"{self.name}: no offline drafting")
 
-    def max_eval_k(self, train) -> int | None:
-        """The largest K a head trained with ``train`` can be evaluated at, offline and served in the
-        evaluation (None: any); ``eval.ks`` beyond it is refused when the config loads."""
-        return None
-
     def head_tensors(self, spec: HeadSpec) -> dict[str, TensorRule]:
         """Tensors the head ships beyond the EAGLE-3 contract (``peagle.contract``)."""
         return {}
 
-    def num_layers(self, cfg) -> int:
-        """Decoder layers of this method's drafter under ``cfg`` (``drafter.num_layers`` unless the
-        method has a depth of its own)."""
-        return cfg.drafter.num_layers
-
     def card_training(self, train, spec: HeadSpec) -> dict[str, str]:
         """The model card's training facts that belong to this method (``spec``: the head trained)."""
-        return {"method": self.display_name}
+        return {"method": self.description.display_name}
 
     def __repr__(self) -> str:
         return f"<drafting method {self.name!r}>"

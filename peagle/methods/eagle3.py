@@ -37,7 +37,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from peagle.contract import MASK_HIDDEN
+from peagle.catalogue import EAGLE3
 from peagle.facts import HeadSpec
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
 from peagle.model.drafter import DrafterOutput
@@ -214,17 +214,7 @@ def eagle3_loss(
 
 
 class Eagle3(DraftingMethod):
-    name = "eagle3"
-    label = "eagle-3"
-    display_name = "EAGLE-3"
-    parallel_drafting = False
-    own_train_fields = frozenset({"eagle3_ttt_steps", "eagle3_num_layers"})
-    # Untrained here; shipping it would let vLLM serve the head with parallel drafting.
-    omitted_tensors = frozenset({MASK_HIDDEN})
-    card_summary = ("An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with "
-                    "peagle on the same data as its P-EAGLE sibling for comparison. Serve it WITHOUT parallel "
-                    "drafting.")
-    card_serve_note = "No mask_hidden is shipped: parallel drafting is not available for this head."
+    description = EAGLE3
 
     def objective(self, train, spec: HeadSpec, target_head: TargetHead) -> Objective:
         """Training-time test over ``train.eagle3_ttt_steps`` steps, no COD subsampling."""
@@ -245,9 +235,6 @@ class Eagle3(DraftingMethod):
             depths=steps,
             weighting=train.loss_depth_weighting,
         )
-
-    def num_layers(self, cfg) -> int:
-        return cfg.train.eagle3_num_layers or cfg.drafter.num_layers
 
     def prepare_drafter(self, drafter, train) -> None:
         """The embedding table stays frozen, as EAGLE-3's reference trainers keep it: every token

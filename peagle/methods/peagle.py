@@ -10,34 +10,20 @@ depths it was trained for (K <= k_train).
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
+from peagle.catalogue import PEAGLE
+from peagle.contract import TensorRule, fc_input_size
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
-
-if TYPE_CHECKING:  # the default method is imported by config validation: no torch at import
-    from peagle.objective import Objective
+from peagle.objective import Objective
+from peagle.objective.batch import build_peagle_example, collate
+from peagle.objective.loss import Depth0Share, peagle_loss
+from peagle.objective.masks import PrecomputedMask
 
 
 class PEagle(DraftingMethod):
-    name = "peagle"
-    label = "p-eagle"
-    display_name = "P-EAGLE"
-    parallel_drafting = True
-    own_train_fields = frozenset(
-        {"k_train", "cod_ratio", "cod_floor", "freeze_lm_head", "train_embeddings", "mask_hidden_init_std",
-         "depth0_loss_share", "mask_slot_inputs"}
-    )
-    card_summary = ("A P-EAGLE (parallel-drafting EAGLE-3) speculative-decoding head: it proposes K draft "
-                    "tokens in one forward pass. Trained with peagle.")
-    card_serve_note = "P-EAGLE needs vLLM's V1 model runner (the V2 runner drafts sequentially)."
-    card_tags = ("speculative-decoding", "eagle3", "p-eagle", "parallel-drafting")
+    description = PEAGLE
 
     def objective(self, train, spec, target_head) -> Objective:
-        from peagle.objective import Objective
-        from peagle.objective.batch import build_peagle_example, collate
-        from peagle.objective.loss import Depth0Share, peagle_loss
-        from peagle.objective.masks import PrecomputedMask
-
         share = train.depth0_loss_share if train.loss_depth_weighting == "uniform" else None
         weighting = Depth0Share(share) if share is not None else train.loss_depth_weighting
 
@@ -95,19 +81,14 @@ class PEagle(DraftingMethod):
         picked = batch.supervised
         return batch.anchor[picked], batch.depth[picked], to_target_ids(out.logits.argmax(-1))
 
-    def max_eval_k(self, train) -> int | None:
-        return train.k_train
-
     def head_tensors(self, spec):
-        from peagle.contract import TensorRule, fc_input_size
-
         return {"mask_hidden": TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")}
 
     def card_training(self, train, spec) -> dict[str, str]:
         trained = "all but lm_head" if train.freeze_lm_head else "all"
         if train.train_embeddings == "mask_row":
             trained += " (embeddings: the mask row only)"
-        return {"method": self.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio),
+        return {"method": self.description.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio),
                 "trained parameters": trained}
 
 

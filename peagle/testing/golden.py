@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.catalogue import DEFAULT_METHOD
 from peagle.contract import expected_tensors
 from peagle.facts import DrafterShape, HeadSpec, TargetFacts, head_spec
+from peagle.methods import get_method
 
 MARKER = 0  # the residual dimension both models keep at 1
 MASK_TOKEN = "<|mask|>"

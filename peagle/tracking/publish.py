@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from peagle.catalogue import get_method
+from peagle.catalogue import describe
 from peagle.config import PipelineConfig
 
 
@@ -23,7 +23,7 @@ def promotion_score(cfg: PipelineConfig, online) -> float:
     the configured benchmarks."""
     from peagle.tracking.gate import head_score
 
-    return head_score(cfg, online, get_method(cfg.train.method).label)
+    return head_score(cfg, online, describe(cfg.train.method).label)
 
 
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
@@ -33,7 +33,7 @@ def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
     from peagle.tracking.mlflow_run import registered_model_name
     from peagle.tracking.registry import TAG_TARGET, register_head
 
-    method = get_method(cfg.train.method)
+    method = describe(cfg.train.method)
     name = registered_model_name(cfg.tracking, cfg.target.model)
     score = promotion_score(cfg, online)
     acceptance = online.acceptance_by_k(method.label)

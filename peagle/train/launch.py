@@ -303,8 +303,8 @@ def checkpoint_bytes(cfg: PipelineConfig, data_dir: Path) -> int:
     drafter's parameter count (built on the meta device: no memory, no weights read)."""
     import torch
 
-    from peagle.catalogue import get_method
     from peagle.facts import head_spec_for, load_dataset_facts
+    from peagle.methods import get_method
     from peagle.model import PEagleDrafter
 
     spec = head_spec_for(cfg, load_dataset_facts(DataLayout(data_dir)))

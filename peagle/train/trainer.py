@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from peagle.catalogue import get_method
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
 from peagle.fileio import write_text_atomic
 from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import METRICS_FILE, TRAIN_SPLIT, spool_dir
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
+from peagle.methods import get_method
 from peagle.objective import Objective
 from peagle.train import checkpoint as ckpt
 from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from peagle.catalogue import DESCRIPTIONS
 from peagle.contract import CONFIG_FILE
 from peagle.contract import WEIGHTS_FILE as HEAD_WEIGHTS
 
@@ -89,9 +90,7 @@ def check_head_shape(head_dir: Path, spec) -> None:
 
 def tensors_heads_may_lack() -> set[str]:
     """Drafter tensors some drafting method leaves out of its heads (``omitted_tensors``)."""
-    from peagle.catalogue import available_methods, get_method
-
-    return set().union(*(get_method(name).omitted_tensors for name in available_methods()))
+    return set().union(*(d.omitted_tensors for d in DESCRIPTIONS.values()))
 
 
 def warm_start(drafter: nn.Module, head_dir: str | Path, draft_ids: torch.Tensor) -> WarmStart:

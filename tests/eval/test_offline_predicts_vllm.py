@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from peagle import stages
-from peagle.catalogue import get_method
+from peagle.catalogue import describe
 from peagle.config import load_config
 from peagle.layout import BEST, RunLayout
 
@@ -32,7 +32,7 @@ def test_offline_acceptance_matches_vllm_on_both_heads(pipeline_run):
     online = result.online
     compared = 0
     for method in ("peagle", "eagle3"):
-        label = get_method(method).label
+        label = describe(method).label
         measured = online.acceptance_by_k(label)
         assert measured, f"the shared run has no online rows for {label}"
         checkpoint = pipeline_checkpoint(cfg.run_dir, method)

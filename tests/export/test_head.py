@@ -7,12 +7,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from peagle.catalogue import DEFAULT_METHOD, get_method
+from peagle.catalogue import DEFAULT_METHOD
 from peagle.contract import expected_tensors
 from peagle.export.card import ModelCardInfo, serve_command
 from peagle.export.head import ExportError, export_from_checkpoint, export_head
 from peagle.export.validate import HeadValidationError
 from peagle.facts import HeadSpec
+from peagle.methods import get_method
 from peagle.train.checkpoint import BEST, LATEST, write_pointer
 
 

@@ -1,5 +1,6 @@
-"""Drafting methods as objects: the catalogue, what each method answers, and a new method
-registered here (in the test only) running through training, offline evaluation and export."""
+"""Drafting methods: the catalogue's torch-free descriptions, what each method's behaviour answers,
+and a new method added here (in the test only) running through training, offline evaluation and
+export."""
 
 from __future__ import annotations
 
@@ -13,33 +14,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # the tiny-run builders
 from test_deepspeed import one_thread, tiny_config, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
 
-from peagle.catalogue import available_methods, get_method, register_method, trained_methods  # noqa: E402
+from peagle.catalogue import DESCRIPTIONS, available_methods, describe, trained_methods  # noqa: E402
 from peagle.config import ConfigError  # noqa: E402
+from peagle.contract import MASK_HIDDEN  # noqa: E402
+from peagle.methods import METHODS, get_method  # noqa: E402
 from peagle.methods.peagle import PEagle  # noqa: E402
 
 
 def test_catalogue_names_the_methods_and_refuses_unknown_ones():
-    assert available_methods() == ["eagle3", "peagle"]
-    peagle, eagle3 = get_method("peagle"), get_method("eagle3")
-    assert get_method(peagle) is peagle  # objects pass through
+    assert available_methods() == ["eagle3", "peagle"] == sorted(METHODS)
+    peagle, eagle3 = describe("peagle"), describe("eagle3")
     assert (peagle.label, peagle.display_name, peagle.parallel_drafting) == ("p-eagle", "P-EAGLE", True)
     assert (eagle3.label, eagle3.display_name, eagle3.parallel_drafting) == ("eagle-3", "EAGLE-3", False)
-    with pytest.raises(ValueError, match="unknown drafting method 'medusa'; available: eagle3, peagle"):
-        get_method("medusa")
+    assert all(get_method(name).description is DESCRIPTIONS[name] for name in METHODS)  # behaviour and description agree
+    for lookup in (describe, get_method):
+        with pytest.raises(ValueError, match="unknown drafting method 'medusa'; available: eagle3, peagle"):
+            lookup("medusa")
     with pytest.raises(ConfigError, match=r"train.method: Value error, unknown drafting method 'medusa'; "
                                           r"available: eagle3, peagle"):
         tiny_config(method="medusa")
-    with pytest.raises(ValueError, match="exists already"):
-        register_method(PEagle())
 
 
 def test_each_method_answers_for_itself():
     peagle, eagle3 = get_method("peagle"), get_method("eagle3")
-    train = tiny_config(k_train=4, eagle3_ttt_steps=2).train
-    assert peagle.max_eval_k(train) == 4 and eagle3.max_eval_k(train) is None
+    config = tiny_config(k_train=4, eagle3_ttt_steps=2)
+    train = config.train
+    assert describe("peagle").max_eval_k(train) == 4 and describe("eagle3").max_eval_k(train) is None
+    with_depth = config.model_copy(update={"train": train.model_copy(update={"eagle3_num_layers": 2})})
+    assert describe("eagle3").num_layers(with_depth) == 2 and describe("peagle").num_layers(with_depth) == \
+        config.drafter.num_layers
     spec = tiny_spec()
-    assert set(peagle.head_tensors(spec)) == {"mask_hidden"} and eagle3.head_tensors(spec) == {}
-    assert eagle3.omitted_tensors == {"mask_hidden"} and not peagle.omitted_tensors
+    assert set(peagle.head_tensors(spec)) == {MASK_HIDDEN} and eagle3.head_tensors(spec) == {}
+    assert describe("eagle3").omitted_tensors == {MASK_HIDDEN} and not describe("peagle").omitted_tensors
     assert peagle.card_training(train, spec) == {"method": "P-EAGLE", "K_train": "4", "COD ratio": "0.8",
                                                  "trained parameters": "all but lm_head (embeddings: the mask row only)"}
     assert eagle3.card_training(train, spec)["TTT steps"] == "2"
@@ -50,9 +56,9 @@ def test_each_method_answers_for_itself():
     warm = tiny_config(init_from="/heads/previous").train
     assert eagle3.card_training(warm, narrow)["trained parameters"] == "all but the embedding table (the warm start head's)"
     # the EAGLE-3 baseline trains beside a P-EAGLE head, never beside an EAGLE-3 one
-    assert trained_methods(tiny_config(eagle3_baseline=True).train) == [peagle, eagle3]
-    assert trained_methods(tiny_config(method="eagle3", eagle3_baseline=True).train) == [eagle3]
-    assert trained_methods(train) == [peagle]
+    assert trained_methods(tiny_config(eagle3_baseline=True).train) == [peagle.description, eagle3.description]
+    assert trained_methods(tiny_config(method="eagle3", eagle3_baseline=True).train) == [eagle3.description]
+    assert trained_methods(train) == [peagle.description]
 
 
 # ----------------------------------------------------------------------------- a new method
@@ -61,9 +67,8 @@ def test_each_method_answers_for_itself():
 class DecayedPEagle(PEagle):
     """P-EAGLE whose loss weighs depth d by GAMMA**d (a depth weighting of its own)."""
 
-    name = "peagle-decay"
-    label = "p-eagle-decay"
-    display_name = "P-EAGLE (depth decay)"
+    description = replace(describe("peagle"), name="peagle-decay", label="p-eagle-decay",
+                          display_name="P-EAGLE (depth decay)")
     GAMMA = 0.5
 
     def objective(self, train, spec, target_head):
@@ -88,16 +93,16 @@ class DecayedPEagle(PEagle):
 
 
 @pytest.fixture
-def decayed():
-    from peagle.catalogue import unregister_method
+def decayed(monkeypatch):
+    """The new method's description and behaviour, under its name in the two mappings."""
+    method = DecayedPEagle()
+    monkeypatch.setitem(DESCRIPTIONS, method.name, method.description)
+    monkeypatch.setitem(METHODS, method.name, method)
+    return method
 
-    method = register_method(DecayedPEagle())
-    yield method
-    unregister_method(method.name)
 
-
-def test_a_registered_method_trains_evaluates_and_exports(decayed, tiny_run, tmp_path):
-    """One new class and a register call, nothing else changed: the whole way to a head."""
+def test_a_new_method_trains_evaluates_and_exports(decayed, tiny_run, tmp_path):
+    """One new class with its description, nothing else changed: the whole way to a head."""
     from peagle.data.store import ShardReader
     from peagle.data.vocab import VOCAB_FILE, DraftVocab
     from peagle.eval.offline import evaluate_offline
@@ -126,11 +131,11 @@ def test_a_registered_method_trains_evaluates_and_exports(decayed, tiny_run, tmp
     drafter = PEagleDrafter.load(checkpoint / "drafter.safetensors", spec).eval()
     reader = ShardReader(data_dir / "splits" / "train")
     offline = evaluate_offline(drafter, None, reader, spec, vocab, [1, 3], max_samples=4, method=decayed.name,
-                               max_k=decayed.max_eval_k(cfg.train))
+                               max_k=decayed.description.max_eval_k(cfg.train))
     assert offline.method == decayed.name and offline.num_anchors > 0
     assert 1.0 <= offline.acceptance_length[1] <= offline.acceptance_length[3] <= 4.0
 
-    head = export_from_checkpoint(checkpoint, data_dir, tmp_path / "head", target_path=str(target), method=decayed)
+    head = export_from_checkpoint(checkpoint, data_dir, tmp_path / "head", target_path=str(target), method=decayed.name)
     card = (head / "README.md").read_text()
     assert "# P-EAGLE (depth decay) head for" in card and '"parallel_drafting": true' in card
     assert static_check(head, checked_target_from_spec(spec), method=decayed.name).ok

@@ -86,7 +86,7 @@ def test_recipe_fields_are_validated():
 
 
 def test_freezing_a_drafter_narrower_than_its_target_names_the_fix():
-    from peagle.catalogue import get_method
+    from peagle.methods import get_method
 
     cfg = tiny_config(freeze_lm_head=True, train_embeddings="mask_row")
     narrow = replace(tiny_spec(), hidden_size=32, head_dim=8)  # random lm_head / embeddings: nothing to keep
@@ -106,7 +106,7 @@ def test_the_recipe_is_p_eagles_own():
 
 
 def test_depth0_share_is_the_default_weighting_and_yields_to_an_explicit_one():
-    from peagle.catalogue import get_method
+    from peagle.methods import get_method
     from peagle.objective.loss import Depth0Share
 
     peagle = get_method("peagle")

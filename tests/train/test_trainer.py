@@ -99,16 +99,17 @@ def test_segments_accumulate_inside_the_sequence(tiny_run, tmp_path):
 
 
 def collated_sizes(monkeypatch) -> list[int]:
-    """Record the element count of every batch the trainer collates (a spy on ``collate``)."""
-    from peagle.objective import batch as batch_module
+    """Record the element count of every batch the trainer collates (a spy on the ``collate`` that
+    P-EAGLE's objective calls)."""
+    from peagle.methods import peagle as peagle_method
 
-    sizes, real = [], batch_module.collate
+    sizes, real = [], peagle_method.collate
 
     def spy(examples, mask):
         sizes.append(max(len(e) for e in examples))
         return real(examples, mask)
 
-    monkeypatch.setattr(batch_module, "collate", spy)
+    monkeypatch.setattr(peagle_method, "collate", spy)
     return sizes
 
 
