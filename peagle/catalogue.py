@@ -37,10 +37,11 @@ class MethodDescription:
     card_serve_note: str = ""  # the line under the card's serve command
     card_tags: tuple[str, ...] = ("speculative-decoding", "eagle3")
 
-    def max_eval_k(self, train) -> int | None:
-        """The largest K a head trained with ``train`` can be evaluated at, offline and served in the
-        evaluation (None: any); ``eval.ks`` beyond it is refused when the config loads."""
-        return getattr(train, self.eval_k_field) if self.eval_k_field else None
+    def max_eval_k(self, trained) -> int | None:
+        """The largest K a head can be evaluated at, offline and served in the evaluation (None:
+        any); ``trained`` is the train section it trains with or the ``HeadSpec`` of a checkpoint
+        (both hold ``eval_k_field``). ``eval.ks`` beyond it is refused when the config loads."""
+        return getattr(trained, self.eval_k_field) if self.eval_k_field else None
 
     def num_layers(self, cfg) -> int:
         """Decoder layers of this method's drafter under ``cfg``."""

@@ -855,8 +855,9 @@ def apply_overrides(data: dict, overrides: Mapping[str, Any] | None) -> dict:
 
 
 def with_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any] | None) -> PipelineConfig:
-    """``cfg`` with dotted overrides applied and validated again (what a flow given a config
-    model plus overrides runs on)."""
+    """``cfg`` with dotted overrides applied and validated again: what a flow given a config model
+    plus overrides runs on, and every config a stage derives (a method's head, its time budget, a
+    warm start), which ``model_copy(update=...)`` would leave unchecked."""
     if not overrides:
         return cfg
     data = cfg.model_dump(mode="json", by_alias=True)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from peagle.catalogue import BASELINE, describe, trained_methods
-from peagle.config import INIT_FROM_CHAMPION, PipelineConfig
+from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, with_overrides
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
 
@@ -143,8 +143,8 @@ def dataset_on_disk(cfg: PipelineConfig) -> bool:
 
 
 def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
-    """The same config with some ``train`` fields changed."""
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update=changes)})
+    """The same config with some ``train`` fields changed, validated as a config file is."""
+    return with_overrides(cfg, {f"train.{key}": value for key, value in changes.items()})
 
 
 def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
@@ -290,7 +290,7 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
     check_trained_on(spec, data, checkpoint)
     method = method or spec.method or cfg.train.method
     vocab = DraftVocab.load(data.vocab)
-    ks, limit = evaluable_ks(with_train(cfg, k_train=spec.k_train), method)
+    ks, limit = evaluable_ks(cfg.eval.ks, describe(method).max_eval_k(spec))  # the K it trained for
     split, max_tokens = offline_split(data.root)
     return run_offline(drafter, None, ShardReader(split), spec, vocab, ks, cfg.eval.offline_max_samples, method,
                        max_k=limit, max_tokens=max_tokens, split=split.name, mask_slot_inputs=spec.mask_slot_inputs)

@@ -380,7 +380,7 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     if len(reader) == 0:
         raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")
     method = cfg.train.method
-    ks, limit = evaluable_ks(cfg, method)
+    ks, limit = evaluable_ks(cfg.eval.ks, describe(method).max_eval_k(cfg.train))
     head = TargetHead.from_target(target_path, facts, vocab.draft_ids) if reference == "target" else None
 
     def eval_fn(drafter: nn.Module) -> float:
@@ -394,8 +394,7 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     return eval_fn
 
 
-def evaluable_ks(cfg, method: str) -> tuple[list[int], int | None]:
-    """(eval.ks the head of the method named ``method`` can be evaluated at offline, that limit);
-    the limit itself when every configured K is beyond it."""
-    limit = describe(method).max_eval_k(cfg.train)
-    return [k for k in cfg.eval.ks if limit is None or k <= limit] or [limit], limit
+def evaluable_ks(ks: list[int], limit: int | None) -> tuple[list[int], int | None]:
+    """(the ``ks`` a head can be evaluated at offline, its method's ``limit``: ``max_eval_k``);
+    the limit itself when every K is beyond it."""
+    return [k for k in ks if limit is None or k <= limit] or [limit], limit

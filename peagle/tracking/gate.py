@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peagle.catalogue import BASELINE, DEFAULT_METHOD
-from peagle.config import PipelineConfig
+from peagle.config import PipelineConfig, with_overrides
 from peagle.layout import RunLayout
 from peagle.lineage import changes_since, lineage, lineage_key, recorded_lineage
 
@@ -114,7 +114,7 @@ class RetrainPlan:
         """The same config, writing checkpoints and heads under a directory named by its inputs
         (``<run>/revisions/<lineage key>``)."""
         workdir = RunLayout(cfg.run_dir).revision(lineage_key(self.current))
-        return cfg.model_copy(update={"workdir": str(workdir)})
+        return with_overrides(cfg, {"workdir": str(workdir)})
 
 
 def plan_retraining(cfg: PipelineConfig, target, *, force: bool = False) -> RetrainPlan:
