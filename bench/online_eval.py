@@ -97,11 +97,12 @@ def trained_checkpoint(cfg, target, data_dir: Path, method) -> Path:
     from peagle import stages
     from peagle.train.trainer import TrainResult
 
-    result_file = stages.checkpoint_dir(cfg, method, data_dir) / TRAIN_RESULT_FILE
+    plan = stages.plan_head(cfg, method, data_dir)
+    result_file = plan.checkpoint_dir / TRAIN_RESULT_FILE
     if result_file.exists():
         trained = TrainResult.from_json(result_file.read_text())
     else:
-        trained = stages.train_head(cfg, target, data_dir, method=method)
+        trained = stages.train_head(plan, target)
     checkpoint = trained.best_checkpoint or trained.last_checkpoint
     if checkpoint is None:
         raise RuntimeError(f"{method} training wrote no checkpoint under {result_file.parent}")

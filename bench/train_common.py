@@ -225,11 +225,12 @@ def train_fresh(cfg, target, data_dir: Path, mlflow_run_id: str | None = None):
     ``mlflow_run_id``: an MLflow run (in ``cfg.tracking``'s store) its step metrics stream to."""
     import shutil
 
-    from peagle.stages import checkpoint_dir, train_head
+    from peagle.stages import plan_head, train_head
 
-    shutil.rmtree(checkpoint_dir(cfg, cfg.train.method, data_dir), ignore_errors=True)
+    plan = plan_head(cfg, cfg.train.method, data_dir)
+    shutil.rmtree(plan.checkpoint_dir, ignore_errors=True)
     start = time.perf_counter()
-    result = train_head(cfg, target, data_dir, mlflow_run_id=mlflow_run_id)
+    result = train_head(plan, target, mlflow_run_id=mlflow_run_id)
     return result, time.perf_counter() - start
 
 

@@ -103,11 +103,10 @@ class TrainOutcome:
     cache_key: str = ""  # the training key: what the exported head is a function of
 
 
-@task(name="train", task_run_name="train-{method}", **CACHED)
-def train_task(cfg: PipelineConfig, target: stages.TargetInfo, data_dir: str, key: str, method: str,
-               mlflow_run_id: str | None = None):
-    with on_accelerator(cfg):
-        return stages.train_head(cfg, target, Path(data_dir), method=method, mlflow_run_id=mlflow_run_id)
+@task(name="train", task_run_name="train-{plan.method}", **CACHED)
+def train_task(plan: stages.HeadPlan, target: stages.TargetInfo, key: str, mlflow_run_id: str | None = None):
+    with on_accelerator(plan.config):
+        return stages.train_head(plan, target, mlflow_run_id=mlflow_run_id)
 
 
 @task(name="evaluate-offline", task_run_name="evaluate-offline-{method}", cache_policy=NO_CACHE)
@@ -136,14 +135,15 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
         cfg = stages.resolve_init_from(cfg)  # before the key: it names the champion
-        target = target or resolve_target(cfg)
         method = describe(method or cfg.train.method).name
         data_dir = str(data_dir or RunLayout(cfg.run_dir).data.root)
-        ckpt_dir = stages.checkpoint_dir(cfg, method, Path(data_dir))
+        plan = stages.plan_head(cfg, method, Path(data_dir))  # the dataset checked before the target resolves
+        target = target or resolve_target(cfg)
+        ckpt_dir = plan.checkpoint_dir
         refresh = not (ckpt_dir / BEST).exists()
-        key = training_key(stages.method_config(cfg, method, Path(data_dir)), Path(data_dir), method)
+        key = training_key(plan.config, plan.data_dir, method)
         trained = train_task.with_options(refresh_cache=refresh, **limits(cfg, "train", cached=True))(
-            cfg, target, data_dir, key, method, mlflow_run_id)
+            plan, target, key, mlflow_run_id)
         offline = offline_task.with_options(**limits(cfg, "evaluate"))(
             cfg, target, data_dir, str(trained.best_checkpoint), method)
         head_dir = run_export(cfg, target, data_dir, str(trained.best_checkpoint), method) if export else None

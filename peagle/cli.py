@@ -207,20 +207,17 @@ def train_cmd(
 ):
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
     from peagle import stages
-    from peagle.data.check import check_dataset
 
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
     _require(tracking=cfg.tracking if cfg.train.init_from == INIT_FROM_CHAMPION else None)
-    data_dir = RunLayout(cfg.run_dir).data.root
-    try:
-        check_dataset(data_dir)  # no dataset, an unfinished or a corrupt one: say so before any work
-        stages.method_config(cfg, method, data_dir)  # a baseline timed by a head not trained yet: say so now
+    try:  # no dataset, an unfinished or a corrupt one, a baseline timed by an untrained head: say so now
+        plan = stages.plan_head(cfg, method, RunLayout(cfg.run_dir).data.root)
     except FileNotFoundError as err:
         console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     with _library_output(cfg):
-        result = stages.train_head(cfg, stages.prepare_target(cfg), data_dir, method=method)
+        result = stages.train_head(plan, stages.prepare_target(cfg))
     print_result(result)
 
 

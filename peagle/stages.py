@@ -245,29 +245,48 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     return with_train(cfg, init_from=head)
 
 
-def train_head(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, *, method: str | None = None,
-               mlflow_run_id: str | None = None):
-    """Train a drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
+@dataclass(frozen=True)
+class HeadPlan:
+    """One head's training, worked out once before any work (``plan_head``) and read by every
+    later step of it: its method, the config it trains with (``method_config``: validated), the
+    checked dataset it trains on and its checkpoint directory (one per head identity)."""
+
+    method: str
+    config: PipelineConfig
+    data_dir: Path
+    checkpoint_dir: Path
+
+
+def plan_head(cfg: PipelineConfig, method: str | None, data_dir: Path) -> HeadPlan:
+    """The ``HeadPlan`` of ``method``'s head (default ``train.method``) on ``data_dir``; refuses a
+    missing, unfinished or corrupt dataset, and an EAGLE-3 baseline timed by a head not trained
+    yet, each with its fix, before a target is resolved or a champion downloaded."""
+    from peagle.data.check import check_dataset
+
+    check_dataset(data_dir)
+    resolved = method_config(cfg, method or cfg.train.method, Path(data_dir))
+    return HeadPlan(resolved.train.method, resolved, Path(data_dir), head_checkpoint_dir(resolved, Path(data_dir)))
+
+
+def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None = None):
+    """Train ``plan``'s drafter with DeepSpeed in its own launcher processes; resumes if interrupted.
 
     Checkpoints are chosen by offline acceptance (``peagle.eval.offline``: the served split, decoded
     as vLLM does), not by loss. With
     ``mlflow_run_id`` (the stage's MLflow run) rank 0's step metrics reach it while the ranks run.
     """
-    from peagle.data.check import check_dataset
     from peagle.train.launch import launch_training
 
-    check_dataset(data_dir)  # before the champion download and the launch: no dataset, or a corrupt one, fails now
-    resolved = method_config(cfg, method or cfg.train.method, Path(data_dir))  # the head, once
     on_metrics = None
     if mlflow_run_id:
         from peagle.tracking.mlflow_run import stage_run
 
-        on_metrics = stage_run(cfg.tracking, mlflow_run_id).log_step_records
+        on_metrics = stage_run(plan.config.tracking, mlflow_run_id).log_step_records
     return launch_training(
-        resolve_init_from(resolved),
-        Path(data_dir),
+        resolve_init_from(plan.config),
+        plan.data_dir,
         target.path,
-        head_checkpoint_dir(resolved, Path(data_dir)),
+        plan.checkpoint_dir,
         eval_factory="peagle.eval.offline:offline_eval_fn",
         on_metrics=on_metrics,
     )

@@ -51,7 +51,7 @@ def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cac
         update={"workdir": str(tmp_path / "run")}) for layers in (1, 2)}
     best = {}
     for layers, cfg in configs.items():
-        trained = stages.train_head(cfg, target, data_dir)
+        trained = stages.train_head(stages.plan_head(cfg, None, data_dir), target)
         best[layers] = trained.best_checkpoint
         assert Path(trained.best_checkpoint).parent == stages.checkpoint_dir(cfg, "peagle", data_dir)
         spec = read_head_spec(trained.best_checkpoint)
@@ -76,7 +76,7 @@ def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cac
     # The first config again: the same identity, so its finished training is resumed (no new step).
     first = Path(best[1]).parent
     files = {p: p.stat().st_mtime_ns for p in first.rglob("step-*/*")}
-    again = stages.train_head(configs[1], target, data_dir)
+    again = stages.train_head(stages.plan_head(configs[1], None, data_dir), target)
     assert again.best_checkpoint == best[1]
     assert {p: p.stat().st_mtime_ns for p in first.rglob("step-*/*")} == files
     assert read_head_spec(again.best_checkpoint).num_layers == 1

@@ -116,7 +116,7 @@ def test_a_step_trains_the_same_samples_however_the_batch_splits(samples):
 
 @pytest.mark.slow  # two torchrun launchers meeting at a c10d rendezvous, plus the single-node reference: ~90 s
 def test_two_nodes_through_the_training_stage_match_one_node(tiny_data, single_node, tmp_path, monkeypatch):
-    from peagle.stages import TargetInfo, checkpoint_dir, train_head
+    from peagle.stages import TargetInfo, checkpoint_dir, plan_head, train_head
 
     data_dir, target = tiny_data
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -127,7 +127,7 @@ def test_two_nodes_through_the_training_stage_match_one_node(tiny_data, single_n
 
     def node(name: str) -> None:  # what `peagle train CONFIG` does on each node
         try:
-            results[name] = train_head(cfg, info, data_dir)
+            results[name] = train_head(plan_head(cfg, None, data_dir), info)
         except BaseException as err:  # noqa: BLE001 - reported below
             errors[name] = err
 
