@@ -7,8 +7,8 @@ text. Config validation, a head's identity, the dataset's facts and every stage 
 what a method does (its training objective, offline drafting, its head's own tensors) is its
 behaviour in ``peagle.methods``, which imports torch and sits above the stages.
 
-Adding a method is its description here and its package under ``peagle/methods/`` (plus its
-line in ``peagle.methods.METHODS``).
+Adding a method is its description here (in ``DESCRIPTIONS``) and its behaviour, a module under
+``peagle/methods/`` whose ``DraftingMethod`` subclass ``peagle.methods.METHODS`` names.
 """
 
 from __future__ import annotations
