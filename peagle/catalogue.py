@@ -73,7 +73,8 @@ EAGLE3 = MethodDescription(
     display_name="EAGLE-3",
     parallel_drafting=False,
     own_train_fields=frozenset({"eagle3_ttt_steps", "eagle3_num_layers"}),
-    # untrained here; shipping it would let vLLM serve the head with parallel drafting
+    # untrained here; shipping it would let vLLM serve the head with parallel drafting (the name is
+    # peagle.contract.MASK_HIDDEN, which sits above this module; tests/methods checks they agree)
     omitted_tensors=frozenset({"mask_hidden"}),
     num_layers_field="eagle3_num_layers",
     card_summary=("An EAGLE-3 speculative-decoding head (one draft token per forward pass), trained with "

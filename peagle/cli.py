@@ -32,6 +32,7 @@ def print_result(result) -> None:
 
     console.print_json(summary_json(result))
 
+
 ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.yaml")
 SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")
 

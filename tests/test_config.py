@@ -94,7 +94,6 @@ def test_eval_ks_beyond_k_train_is_refused_for_the_methods_that_train_k_train_po
     assert parse_config(data).eval.ks == [3, 7]
 
 
-
 def test_a_config_a_stage_derives_keeps_the_rules_a_loaded_one_keeps():
     """``stages.with_train`` (a method's head, its time budget, a warm start) validates what it derives."""
     from peagle.stages import with_train
@@ -103,6 +102,7 @@ def test_a_config_a_stage_derives_keeps_the_rules_a_loaded_one_keeps():
     assert with_train(cfg, max_train_seconds=3.5, max_steps=None).train.max_train_seconds == 3.5
     with pytest.raises(ConfigError, match=r"K = 3, 5 is beyond the 1 draft positions.*raise train.k_train to 5"):
         with_train(cfg, k_train=1)
+
 
 def test_train_length_beyond_data_length_is_refused():
     data = demo_dict()
