@@ -2,16 +2,21 @@
 
 Builds the config's dataset both ways (``peagle data``, two work directories; the streamed
 build reuses the stored build's regenerated responses, which the regeneration key allows),
-then, for each seed, trains the config's head for ``--steps`` optimizer steps on each
-(``peagle train``, the order alternating per seed), sampling the disk the run holds (dataset
-and spool) every 0.1 s. Reported per kind: the data stage's wall time when it was built in
-this run, the dataset's bytes, the peak of dataset + spool while training, ``peagle train``'s
-wall time (engine and rank start-up included) and the optimizer steps' tokens/s
-(``metrics.jsonl``: tokens over step time, each run's first step left out); then streamed
-over stored. On one machine the producer (a vLLM engine) and the ranks share the cores; on
-a GPU node they get GPUs of their own (``vllm.devices``, ``train.devices``).
+then, for each seed, trains the config's head for ``--steps`` optimizer steps three ways
+(``peagle train``, the order turning per seed): on the stored dataset; streamed through a
+spool of ``--spool-gib`` (each chunk deleted once read, every epoch extracted again); and
+streamed through a spool of ``--kept-spool-gib`` that holds the whole train split (each
+sample extracted once and kept for the later epochs), sampling the disk the run holds
+(dataset and spool) and the spool's chunks every 0.1 s. Reported per kind: the data stage's
+wall time when it was built in this run, the dataset's bytes, the peak of dataset + spool
+while training, the epochs the spool's chunks were extracted for, ``peagle train``'s wall
+time (engine and rank start-up included) and the optimizer steps' tokens/s (``metrics.jsonl``:
+tokens over step time, each run's first step left out); then each over stored. On one machine
+the producer (a vLLM engine) and the ranks share the cores; on a GPU node they get GPUs of
+their own (``vllm.devices``, ``train.devices``). ``--set KEY=VALUE`` reaches every command,
+e.g. ``train.max_samples`` to train several epochs of a few samples.
 
-    .venv/bin/python bench/streamed.py [--config configs/demo.yaml] [--steps 60] [--seeds 0 1]
+    .venv/bin/python bench/streamed.py [--config configs/demo.yaml] [--steps 60] [--seeds 0 1] [--set K=V ...]
     .venv/bin/python bench/streamed.py --render-only
 
 Results go to ``results/streamed.*`` for the demo's config, ``results/streamed_<config>.*`` for another.
@@ -38,7 +43,12 @@ from result_files import per_target_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "streamed"
-KINDS = ("stored", "streamed")
+KINDS = ("stored", "streamed", "kept")
+BUILT = ("stored", "streamed")  # the datasets; kept trains on the streamed one
+
+
+def dataset_of(kind: str) -> str:
+    return "streamed" if kind == "kept" else kind
 
 
 def peagle(*args: str) -> float:
@@ -49,10 +59,11 @@ def peagle(*args: str) -> float:
 
 
 def kind_config(config: Path, kind: str, workdir: Path, spool_gib: float) -> Path:
-    """The config with ``data.hidden_states: kind`` and a work directory of its own."""
+    """The config with its dataset's ``data.hidden_states``, the kind's spool cap and the
+    dataset's work directory."""
     cfg = yaml.safe_load(config.read_text())
-    cfg["workdir"] = str(workdir / kind)
-    cfg.setdefault("data", {})["hidden_states"] = kind
+    cfg["workdir"] = str(workdir / dataset_of(kind))
+    cfg.setdefault("data", {})["hidden_states"] = dataset_of(kind)
     cfg["data"]["spool_gib"] = spool_gib
     path = workdir / f"{kind}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,10 +71,10 @@ def kind_config(config: Path, kind: str, workdir: Path, spool_gib: float) -> Pat
     return path
 
 
-def build(configs: dict[str, Path], workdir: Path) -> dict[str, float | None]:
-    """``peagle data`` for each kind not built yet; wall seconds of each build made here."""
+def build(configs: dict[str, Path], workdir: Path, sets: list[str]) -> dict[str, float | None]:
+    """``peagle data`` for each dataset not built yet; wall seconds of each build made here."""
     seconds = {}
-    for kind in KINDS:
+    for kind in BUILT:
         data = workdir / kind / "data"
         if (data / "build.json").exists():
             seconds[kind] = None
@@ -71,28 +82,30 @@ def build(configs: dict[str, Path], workdir: Path) -> dict[str, float | None]:
         if kind == "streamed" and (workdir / "stored" / "data" / "samples.jsonl").exists():
             data.mkdir(parents=True, exist_ok=True)  # the same regeneration key: its responses are reused
             shutil.copy2(workdir / "stored" / "data" / "samples.jsonl", data / "samples.jsonl")
-        seconds[kind] = peagle("data", configs[kind])
+        seconds[kind] = peagle("data", configs[kind], *sets)
     return seconds
 
 
-def train(config: Path, workdir: Path, kind: str, steps: int, seed: int) -> dict:
-    """One ``peagle train`` of ``steps`` steps from scratch; its wall time, tokens/s and peak disk."""
-    run = workdir / kind
+def train(config: Path, workdir: Path, kind: str, steps: int, seed: int, sets: list[str]) -> dict:
+    """One ``peagle train`` of ``steps`` steps from scratch; its wall time, tokens/s, peak disk and
+    the epochs its spool's chunks were extracted for."""
+    run = workdir / dataset_of(kind)
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
     dataset = tree_bytes(run / "data")
-    peak, done = [0], threading.Event()
+    peak, epochs, done = [0], set(), threading.Event()
 
     def sample() -> None:
         while not done.is_set():
             spools = list((run / "checkpoints").glob("*/*/spool"))
             peak[0] = max(peak[0], sum(tree_bytes(s) for s in spools))
+            epochs.update(chunk.name.split("-")[0] for s in spools for chunk in s.glob("e*-c*") if "." not in chunk.name)
             time.sleep(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        wall = peagle("train", config, "--set", f"train.max_steps={steps}", "--set", "train.max_train_seconds=null",
-                      "--set", f"train.seed={seed}")
+        wall = peagle("train", config, *sets, "--set", f"train.max_steps={steps}", "--set",
+                      "train.max_train_seconds=null", "--set", f"train.seed={seed}")
     finally:
         done.set()
         sampler.join()
@@ -100,7 +113,8 @@ def train(config: Path, workdir: Path, kind: str, steps: int, seed: int) -> dict
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_time_s" in r][1:]
     tokens_per_s = sum(r["tokens"] for r in records) / sum(r["step_time_s"] for r in records)
     return {"kind": kind, "seed": seed, "wall_s": wall, "tokens_per_s": round(tokens_per_s, 1),
-            "dataset_bytes": dataset, "peak_spool_bytes": peak[0], "steps": steps}
+            "dataset_bytes": dataset, "peak_spool_bytes": peak[0], "steps": steps,
+            "epochs_extracted": len(epochs)}
 
 
 def mib(n: float) -> str:
@@ -114,26 +128,33 @@ def tables(result: dict):
         values = [r[key] for r in runs if r["kind"] == kind]
         return sum(values) / len(values)
 
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in runs)]
     rows = []
-    for kind in KINDS:
+    for kind in kinds:
         built = result["data_seconds"].get(kind)
         rows.append([kind, "-" if built is None else f"{built:.0f}", mib(mean(kind, "dataset_bytes")),
                      mib(mean(kind, "dataset_bytes") + mean(kind, "peak_spool_bytes")),
+                     f"{mean(kind, 'epochs_extracted'):.0f}" if kind != "stored" else "-",
                      f"{mean(kind, 'wall_s'):.0f}", f"{mean(kind, 'tokens_per_s'):.0f}",
                      f"{mean(kind, 'tokens_per_s') / mean('stored', 'tokens_per_s'):.2f}"])
     per_seed = [[str(r["seed"]), r["kind"], f"{r['wall_s']:.0f}", f"{r['tokens_per_s']:.0f}", mib(r["peak_spool_bytes"])]
                 for r in runs]
+    sets = f" {' '.join(result['sets'])}" if result.get("sets") else ""
     return [
-        (f"Stored vs streamed, {result['steps']} steps x {len(result['seeds'])} seeds: {result['config']}",
-         ["hidden states", "data stage s", "dataset MiB", "peak dataset + spool MiB", "peagle train s", "tokens/s",
-          "x stored"], rows),
+        (f"Stored vs streamed, {result['steps']} steps x {len(result['seeds'])} seeds: {result['config']}{sets}",
+         ["hidden states", "data stage s", "dataset MiB", "peak dataset + spool MiB", "epochs extracted",
+          "peagle train s", "tokens/s", "x stored"], rows),
         ("Per run", ["seed", "hidden states", "peagle train s", "tokens/s", "peak spool MiB"], per_seed),
     ]
 
 
 def notes(result: dict) -> list[str]:
+    kept = (f"; kept: the streamed dataset through a spool of {result['kept_spool_gib']} GiB, which holds the whole "
+            "train split, so each sample is extracted once and later epochs read the kept chunks"
+            if "kept_spool_gib" in result else "")
     return [
-        f"spool cap (data.spool_gib) {result['spool_gib']} GiB; tokens/s: the optimizer steps' (metrics.jsonl), each "
+        f"spool cap (data.spool_gib) {result['spool_gib']} GiB{kept}; epochs extracted: the epochs whose chunks "
+        "appeared in the spool; tokens/s: the optimizer steps' (metrics.jsonl), each "
         "run's first step left out; peagle train s: the whole command (the streamed run starts a vLLM engine first)",
         "data stage s: the build's wall time in this run (- when the dataset was already built); the streamed build "
         "reuses the stored build's regenerated responses, so it times extraction and the rest, not regeneration",
@@ -149,6 +170,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--spool-gib", type=float, default=0.05)
+    parser.add_argument("--kept-spool-gib", type=float, default=4.0, help="a cap the whole train split fits under")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every command (peagle --set)")
     parser.add_argument("--workdir", type=Path, default=REPO / ".peagle" / "bench" / "streamed")
     parser.add_argument("--render-only", action="store_true")
     args = parser.parse_args()
@@ -157,13 +181,15 @@ def main() -> None:
         render_saved(name, tables, notes)
         return
     result = {**started(), "config": str(args.config), "steps": args.steps, "seeds": args.seeds,
-              "spool_gib": args.spool_gib}
-    configs = {kind: kind_config(args.config, kind, args.workdir, args.spool_gib) for kind in KINDS}
-    result["data_seconds"] = build(configs, args.workdir)
+              "spool_gib": args.spool_gib, "kept_spool_gib": args.kept_spool_gib, "sets": args.sets}
+    configs = {kind: kind_config(args.config, kind, args.workdir,
+                                 args.kept_spool_gib if kind == "kept" else args.spool_gib) for kind in KINDS}
+    sets = [arg for kv in args.sets for arg in ("--set", kv)]
+    result["data_seconds"] = build(configs, args.workdir, sets)
     result["runs"] = []
     for n, seed in enumerate(args.seeds):
-        for kind in (KINDS if n % 2 == 0 else KINDS[::-1]):
-            result["runs"].append(train(configs[kind], args.workdir, kind, args.steps, seed))
+        for kind in KINDS[n % len(KINDS):] + KINDS[: n % len(KINDS)]:
+            result["runs"].append(train(configs[kind], args.workdir, kind, args.steps, seed, sets))
     report(name, result, tables(result), notes(result))
 
 

@@ -607,16 +607,6 @@ class PipelineConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _streamed_on_one_node(self):
-        """A streamed dataset's producer runs beside the ranks of one launcher: one node."""
-        if self.data.hidden_states == "streamed" and (self.train.nodes > 1 or self.train.hostfile):
-            raise ValueError(
-                "data.hidden_states: streamed trains on one node (its hidden states are extracted beside the ranks "
-                "of one launcher); with train.nodes > 1 or train.hostfile use data.hidden_states: stored"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _ks_trained(self):
         """A head is evaluated (offline and served) at every K of ``eval.ks``: none may be beyond
         the positions its method trains (``MethodDescription.max_eval_k``; P-EAGLE's ``k_train``)."""

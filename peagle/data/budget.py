@@ -9,7 +9,8 @@ The data stage measures again once it knows the real lengths (``peagle.data.pipe
 Stored, the dataset holds every split's hidden states: ``layers x Ht x dtype`` bytes a token.
 Streamed, it holds the train split's tokens and the held-out split's hidden states; training
 then holds at most ``data.spool_gib`` of hidden states at a time, and extracts the train split
-again every epoch (one more prefill of it through the target per epoch).
+again every epoch (one more prefill of it through the target per epoch), unless all of the
+split's hidden states fit in the spool: then they are extracted once and kept for every epoch.
 """
 
 from __future__ import annotations
@@ -55,6 +56,20 @@ class DataBudget:
         heldout = shard_bytes(self.tokens(self.heldout), self.num_layers, self.hidden_size, self.storage_dtype)
         return shard_bytes(train, 0, self.hidden_size, self.storage_dtype) + heldout
 
+    def train_hidden_bytes(self) -> int | None:
+        """The train split's hidden states, all at once (what a spool keeps when they fit)."""
+        tokens = self.tokens(self.train_samples)
+        return None if tokens is None else shard_bytes(tokens, self.num_layers, self.hidden_size, self.storage_dtype)
+
+    def streamed_extraction(self) -> str:
+        """How often a streamed run extracts the train split (``peagle.data.spool.keeps_whole_split``)."""
+        whole, tokens = self.train_hidden_bytes(), self.tokens(self.train_samples)
+        if whole is not None and whole <= self.spool_bytes:
+            return (f"the train split's hidden states (at most {format_bytes(whole)}) fit the spool: extracted once "
+                    "and kept for every epoch")
+        return (f"every epoch extracts the train split again ({'unknown' if tokens is None else f'{tokens:,}'} tokens "
+                "of prefill through the target)")
+
     def needed(self) -> int | None:
         """What this config's dataset (and, streamed, its spool) takes at most on the run's disk."""
         if self.hidden_states == "stored":
@@ -79,8 +94,7 @@ class DataBudget:
             f"({format_bytes(self.num_layers * self.hidden_size * 2)} in bfloat16)",
             f"stored (data.hidden_states: stored): {stored}",
             f"streamed (data.hidden_states: streamed): {size(self.streamed_bytes())} of dataset + a spool of at most "
-            f"{format_bytes(self.spool_bytes)} while training; every epoch extracts the train split again "
-            f"({count(self.tokens(self.train_samples))} tokens of prefill through the target)",
+            f"{format_bytes(self.spool_bytes)} while training; {self.streamed_extraction()}",
             f"disk: {format_bytes(self.free)} free at {self.where}; this config ({self.hidden_states}) needs at most "
             f"{size(self.needed())}",
         ]

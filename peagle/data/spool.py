@@ -6,7 +6,11 @@ extracts the hidden states of the samples training reads next, with one vLLM ext
 engine, in exactly the order the ranks read them (``peagle.data.order``), and writes them as
 chunks into the spool directory; each rank reads a chunk when its samples come up and marks
 it read; the producer deletes a chunk once every rank has read it and writes the next only
-when it fits under the cap (``data.spool_gib``). Every epoch is extracted again.
+when it fits under the cap (``data.spool_gib``). Every epoch is extracted again, unless the
+whole split fits under the cap and training reads past the epoch it starts in: then the
+spool is *kept* (``SpoolPlan.kept``): the producer extracts every sample once, laid out in
+the first epoch's order, nothing is marked or deleted, and later epochs read their samples
+from those chunks. Either way the spool is removed when training ends.
 
 Layout of a spool directory::
 
@@ -17,6 +21,11 @@ Layout of a spool directory::
     heartbeat               touched by the producer every few seconds while it runs
     failed                  the producer's error, when it stopped on one
 
+One producer serves the ranks of every node: the launcher that holds the head directory's
+``spool.lock`` (``producer_lock``). With ``train.nodes`` > 1 each node's launcher tries to take
+it; the one that does extracts, the others only start their ranks, which read the spool on
+the filesystem every node shares.
+
 A rank that waits for a chunk gives up with a clear error when the producer failed or its
 heartbeat stops. A producer killed mid-chunk leaves only a temp directory, which the next
 producer removes with the rest of the spool: the spool holds nothing a rerun trusts, and a
@@ -25,6 +34,7 @@ rerun resumes from the trainer's last checkpoint.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -46,6 +56,7 @@ from peagle.layout import MANIFEST_FILE
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "plan.json"
+LOCK_FILE = "spool.lock"  # beside the spool, in the head directory: held by the launcher that produces
 HEARTBEAT_FILE = "heartbeat"
 FAILED_FILE = "failed"
 HEARTBEAT_EVERY_S = 2.0
@@ -77,14 +88,27 @@ class SpoolPlan:
     chunk_samples: int
     start_step: int  # the trainer's resume point: production starts at its first sample
     total_steps: int | None  # None: until training stops (a time budget)
+    kept: bool = False  # every sample extracted once and kept for later epochs (``keeps_whole_split``)
 
     @property
     def batches(self) -> BatchPlan:
         return BatchPlan(self.num_samples, self.world_size, self.micro_batch_size, self.grad_accum)
 
     @property
+    def laid_out(self) -> int:
+        """Entries of an epoch's permutation its chunks hold: the ones that epoch reads, or, kept,
+        the whole split (a later epoch reads the tail the first one leaves short of a step)."""
+        return self.num_samples if self.kept else self.batches.read_per_epoch
+
+    @property
     def chunks_per_epoch(self) -> int:
-        return math.ceil(self.batches.read_per_epoch / self.chunk_samples)
+        return math.ceil(self.laid_out / self.chunk_samples)
+
+    @property
+    def reads_again(self) -> bool:
+        """Training reads on past the epoch it starts in, so some sample is read a second time."""
+        end = self.end()
+        return end is None or end > (self.start()[0] + 1, 0)
 
     def chunk_of(self, position: int) -> int:
         return position // self.chunk_samples
@@ -102,8 +126,7 @@ class SpoolPlan:
         return epoch, step * self.batches.samples_per_global_step
 
     def chunk_positions(self, chunk: int) -> range:
-        read = self.batches.read_per_epoch
-        return range(chunk * self.chunk_samples, min((chunk + 1) * self.chunk_samples, read))
+        return range(chunk * self.chunk_samples, min((chunk + 1) * self.chunk_samples, self.laid_out))
 
 
 def chunk_bytes(num_tokens: int, bytes_per_token_: int) -> int:
@@ -124,6 +147,15 @@ def chunk_samples_for(cap_bytes: int, longest_tokens: int, bytes_per_token_: int
             f"at least {math.ceil(least / 2**30 * 1000) / 1000} GiB"
         )
     return int(fit)
+
+
+def keeps_whole_split(plan: SpoolPlan, lengths: Sequence[int], bytes_per_token_: int, cap_bytes: int) -> bool:
+    """Whether ``plan``'s spool is kept: training reads a sample twice (a later epoch) and every
+    sample's hidden states (``lengths``, in tokens) fit under ``cap_bytes`` at once, so one
+    extraction serves every epoch."""
+    chunks = math.ceil(plan.num_samples / plan.chunk_samples)
+    whole = sum(lengths[: plan.num_samples]) * bytes_per_token_ + chunks * CHUNK_OVERHEAD_BYTES
+    return plan.reads_again and whole <= cap_bytes
 
 
 class Spool:
@@ -175,6 +207,26 @@ class Spool:
 # ----------------------------------------------------------------------------- producer side
 
 
+@contextmanager
+def producer_lock(head_dir: str | Path) -> Iterator[bool]:
+    """Whether this process is the one that produces ``head_dir``'s spool: True while it holds an
+    exclusive ``flock`` on ``head_dir/spool.lock``, False when another process does. The OS
+    releases the lock when its holder dies (kill -9 included), also on a shared filesystem that
+    supports locks (NFSv4; Lustre mounted with ``flock``), so a rerun never waits on a dead one."""
+    Path(head_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(head_dir) / LOCK_FILE, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:
+            held = False
+        try:
+            yield held
+        finally:
+            if held:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def start_spool(root: str | Path, plan: SpoolPlan) -> Spool:
     """A fresh spool for ``plan``: whatever an earlier (killed) run left is removed first."""
     spool = Spool(root)
@@ -193,6 +245,8 @@ def produce(spool: Spool, tokens: Sequence[Sample], extract: Extract, layer_ids:
     Stops when the plan's last step is written or ``stop`` is set.
     """
     plan = spool.plan()
+    if plan.kept:
+        return _produce_once(spool, plan, tokens, extract, layer_ids, hidden_size, storage_dtype, stop)
     epoch, position = plan.start()
     end = plan.end()
     written = 0
@@ -201,17 +255,33 @@ def produce(spool: Spool, tokens: Sequence[Sample], extract: Extract, layer_ids:
         for chunk in range(plan.chunk_of(position), plan.chunks_per_epoch):
             if end is not None and (epoch, plan.chunk_positions(chunk).start) >= end:
                 return written
-            indices = [order[p] for p in plan.chunk_positions(chunk)]
-            need = chunk_bytes(sum(len(tokens[i].token_ids) for i in indices),
+            samples = [tokens[order[p]] for p in plan.chunk_positions(chunk)]
+            need = chunk_bytes(sum(len(s.token_ids) for s in samples),
                                bytes_per_token(len(layer_ids), hidden_size, storage_dtype))
             if not _wait_for_room(spool, plan, need, cap_bytes, stop):
                 return written
-            _write_chunk(spool, epoch, chunk, [tokens[i] for i in indices], extract, layer_ids, hidden_size,
-                         storage_dtype)
+            _write_chunk(spool, epoch, chunk, samples, extract, layer_ids, hidden_size, storage_dtype)
             written += 1
             if stop.is_set():
                 return written
         epoch, position = epoch + 1, 0
+    return written
+
+
+def _produce_once(spool: Spool, plan: SpoolPlan, tokens: Sequence[Sample], extract: Extract, layer_ids: list[int],
+                  hidden_size: int, storage_dtype: str, stop: threading.Event) -> int:
+    """A kept spool: every chunk of the first epoch's layout once, from the one training reads
+    first round to the one before it (a resumed run's earlier samples come up in later epochs)."""
+    epoch, position = plan.start()
+    order = epoch_permutation(plan.num_samples, epoch, plan.seed)
+    first = plan.chunk_of(position)
+    written = 0
+    for chunk in [*range(first, plan.chunks_per_epoch), *range(first)]:
+        if stop.is_set():
+            break
+        samples = [tokens[order[p]] for p in plan.chunk_positions(chunk)]
+        _write_chunk(spool, epoch, chunk, samples, extract, layer_ids, hidden_size, storage_dtype)
+        written += 1
     return written
 
 
@@ -292,7 +362,8 @@ class SpooledSamples:
     states from the spool's chunks, which this rank marks read as it moves past them.
 
     Index ``i`` is a sample index, as with a ``ShardReader``; ``set_epoch`` says which
-    epoch's chunks hold them. Reads follow the rank's order (``peagle.train.data``)."""
+    epoch's chunks hold them (a kept spool's first epoch's, whichever epoch reads). Reads
+    follow the rank's order (``peagle.train.data``)."""
 
     def __init__(self, tokens: Sequence[Sample], spool_dir: str | Path, rank: int, *, poll_s: float = 0.05):
         self.tokens = tokens
@@ -305,22 +376,28 @@ class SpooledSamples:
                              f"on {len(tokens)}: the spool belongs to another run")
         self.epoch = -1
         self._position: dict[int, int] = {}
-        self._open: tuple[int, ShardReader, dict[str, int]] | None = None
+        self._open: dict[int, tuple[ShardReader, dict[str, int]]] = {}  # chunk -> reader, sample id -> row
         self._unmarked = 0  # the first chunk of this epoch this rank has not marked read
+        if self.plan.kept:
+            self._layout_epoch = self.plan.start()[0]
+            order = epoch_permutation(self.plan.num_samples, self._layout_epoch, self.plan.seed)
+            self._position = {index: p for p, index in enumerate(order)}
         self.set_epoch(0)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch == self.epoch:
+        if epoch == self.epoch or self.plan.kept:  # kept: every epoch reads the same chunks, none is marked
+            self.epoch = epoch
             return
         if self.epoch >= 0:
             self._mark_read_until(self.plan.chunks_per_epoch)
         self.epoch = epoch
+        self._layout_epoch = epoch
         order = epoch_permutation(self.plan.num_samples, epoch, self.plan.seed)
         self._position = {index: p for p, index in enumerate(order[: self.plan.batches.read_per_epoch])}
-        self._open = None
+        self._open = {}
         self._unmarked = None  # set by the first read: a resumed epoch starts mid-way
 
     def __getitem__(self, index: int) -> Sample:
@@ -328,19 +405,24 @@ class SpooledSamples:
         if position is None:
             raise IndexError(f"sample {index} is not read in epoch {self.epoch} (the tail short of a step)")
         chunk = self.plan.chunk_of(position)
-        if self._unmarked is None:  # the global position this epoch starts at (ranks read p = i * W + r)
-            self._unmarked = self.plan.chunk_of(position - self.rank)
-        self._mark_read_until(chunk)
+        if not self.plan.kept:
+            if self._unmarked is None:  # the global position this epoch starts at (ranks read p = i * W + r)
+                self._unmarked = self.plan.chunk_of(position - self.rank)
+            self._mark_read_until(chunk)
         reader, ids = self._reader(chunk)
         return reader[ids[self.tokens[index].id]]
 
     def _reader(self, chunk: int) -> tuple[ShardReader, dict[str, int]]:
-        if self._open is None or self._open[0] != chunk:
-            path = self.spool.chunk(self.epoch, chunk)
+        """The chunk's reader, opened (and its checksums verified) once: a streamed rank keeps the
+        one it reads, a kept spool's every chunk."""
+        if chunk not in self._open:
+            path = self.spool.chunk(self._layout_epoch, chunk)
             self._wait_for(path)
-            reader = ShardReader(path, verify="full", remember_checks=False)  # read once, then deleted
-            self._open = (chunk, reader, {sid: i for i, sid in enumerate(reader.sample_ids())})
-        return self._open[1], self._open[2]
+            reader = ShardReader(path, verify="full", remember_checks=False)
+            if not self.plan.kept:
+                self._open.clear()  # read once, then deleted
+            self._open[chunk] = (reader, {sid: i for i, sid in enumerate(reader.sample_ids())})
+        return self._open[chunk]
 
     def _mark_read_until(self, chunk: int) -> None:
         """Every chunk before ``chunk`` this epoch is done with, as far as this rank goes."""

@@ -62,7 +62,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from peagle.config import ConfigError, PipelineConfig, TrainConfig, load_config, parse_config, parse_overrides
@@ -199,35 +199,60 @@ def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path:
     """Nothing for a stored dataset. For a streamed one (``data.hidden_states: streamed``), one
     vLLM extraction engine in this process writes the hidden states the ranks read next into
     the head's spool (``peagle.data.spool``), from the ranks' resume point on, while the block
-    runs them; the spool is removed after."""
-    from peagle.data.spool import is_streamed
+    runs them; the spool is removed after. With ``train.nodes`` > 1 one node's launcher does
+    (``producer_lock``); the others' ranks read what it writes."""
+    from peagle.data.spool import LOCK_FILE, is_streamed, producer_lock
 
-    data = DataLayout(data_dir)
-    if not is_streamed(data.train):
+    if not is_streamed(DataLayout(data_dir).train):
         yield
         return
+    check_engines_apart_from_ranks(cfg)
+    with producer_lock(out_dir) as producer:
+        if producer:
+            with spool_produced_here(cfg, data_dir, target_path, out_dir, total_steps):
+                yield
+        elif cfg.train.nodes > 1:
+            log.info("training on a streamed dataset: another node's launcher extracts the hidden states (it holds "
+                     "%s); this node's ranks read them from the shared spool", out_dir / LOCK_FILE)
+            yield
+        else:
+            raise ConfigError(
+                f"another process is already training this head ({out_dir}; it holds {out_dir / LOCK_FILE}): "
+                "let it finish or stop it, then rerun (training resumes from the last checkpoint)")
+
+
+@contextmanager
+def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, out_dir: Path,
+                        total_steps: int | None):
+    """This launcher's producer: the spool's plan (kept whole when the split fits under the cap),
+    one extraction engine, and ``producing`` while the block trains."""
     from peagle.data.extract import extract_with_engine, open_data_engine
-    from peagle.data.spool import SpoolPlan, chunk_samples_for, producing, start_spool
+    from peagle.data.spool import SpoolPlan, chunk_samples_for, keeps_whole_split, producing, start_spool
     from peagle.data.store import ShardReader, bytes_per_token
     from peagle.facts import load_dataset_facts
     from peagle.layout import spool_dir
     from peagle.serving.engine import with_data_parallel_replicas
     from peagle.train.data import training_samples
 
-    check_engines_apart_from_ranks(cfg)
+    data = DataLayout(data_dir)
     facts = load_dataset_facts(data)
     reader = ShardReader(data.train)
     tokens = training_samples(reader, cfg.train.max_samples)
     layers, ht, dtype = facts.stored_layer_ids, facts.target_hidden_size, cfg.data.storage_dtype
     cap = int(cfg.data.spool_gib * 2**30)
     t = cfg.train
+    per_token = bytes_per_token(len(layers), ht, dtype)
     plan = SpoolPlan(num_samples=len(tokens), seed=t.seed, world_size=t.world_size,
                      micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                     chunk_samples=chunk_samples_for(cap, max(reader.lengths()), bytes_per_token(len(layers), ht, dtype)),
+                     chunk_samples=chunk_samples_for(cap, max(reader.lengths()), per_token),
                      start_step=resume_step(out_dir), total_steps=total_steps)
+    plan = replace(plan, kept=keeps_whole_split(plan, reader.lengths(), per_token, cap))
     spool = start_spool(spool_dir(out_dir), plan)
-    log.info("training on a streamed dataset: hidden states extracted beside the ranks into %s (at most %.1f GiB, "
-             "%d samples a chunk)", spool.root, cfg.data.spool_gib, plan.chunk_samples)
+    log.info("training on a streamed dataset: hidden states extracted beside the ranks into %s (at most %s GiB, "
+             "%d samples a chunk); %s", spool.root, f"{cfg.data.spool_gib:g}", plan.chunk_samples,
+             "the whole split fits: extracted once and kept for every epoch" if plan.kept
+             else "each chunk deleted once read, every epoch extracted again" if plan.reads_again
+             else "each chunk deleted once read")
     tc = cfg.target
     scratch = out_dir / ".extraction"  # vLLM's per-request files, beside the spool: the cap is the spool's
     try:

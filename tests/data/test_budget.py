@@ -45,6 +45,14 @@ def test_streamed_the_same_recipe_needs_its_tokens_its_heldout_states_and_the_sp
     assert "this config (streamed) needs at most" in lines
 
 
+def test_streamed_a_train_split_that_fits_the_spool_is_said_to_be_extracted_once():
+    b = budget(samples=1_000, heldout=100, max_tokens=1_000, hidden_states="streamed", spool_bytes=64 * 2**30)
+    assert b.train_hidden_bytes() == int(900 * 1_000 * bytes_per_token(4, 4096, "bfloat16") * 1.01)  # ~28 GiB
+    assert "fit the spool: extracted once and kept for every epoch" in "\n".join(b.lines())
+    assert "every epoch extracts" in budget(samples=1_000, heldout=100, max_tokens=1_000, hidden_states="streamed",
+                                            spool_bytes=16 * 2**30).streamed_extraction()
+
+
 def test_even_streamed_a_config_can_be_too_big_and_says_what_to_lower():
     with pytest.raises(ConfigError, match="lower data.spool_gib, data.max_samples or data.max_seq_len"):
         budget(hidden_states="streamed", spool_bytes=64 * 2**30, free=10 * 2**30).check_fits()
@@ -74,10 +82,3 @@ def test_spool_gib_is_not_the_datasets_identity_but_hidden_states_is():
     streamed = parse_config({**base, "data": {**base["data"], "hidden_states": "streamed"}})
     assert stored.section_hash("target", "data") == explicit.section_hash("target", "data")
     assert streamed.section_hash("target", "data") != stored.section_hash("target", "data")
-
-
-def test_streamed_is_refused_on_several_nodes():
-    with pytest.raises(ValueError, match="data.hidden_states: streamed trains on one node"):
-        parse_config({"name": "b", "target": {"model": "embedded"}, "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}],
-                                            "hidden_states": "streamed"},
-                      "train": {"nodes": 2, "world_size": 2, "rdzv_endpoint": "h:1"}})

@@ -1,15 +1,21 @@
 """A streamed dataset (data.hidden_states: streamed) trained as users run it: `peagle data` then
 `peagle train`, the hidden states extracted by vLLM beside the ranks into a spool of a few
 hundred KiB, sampled while it runs; the same samples, order and losses as the stored dataset
-of the same config; and kill -9 mid-epoch, then a rerun that trains no sample twice."""
+of the same config; and kill -9 mid-epoch, then a rerun that trains no sample twice. With a
+spool the whole train split fits in, the second epoch reads the first one's extraction. Over
+two "nodes" (two launchers meeting at a c10d rendezvous), one launcher extracts for both."""
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -24,7 +30,8 @@ PROMPTS = CONVERSATIONS + [[{"role": "user", "content": f"Write a function that 
 
 pytestmark = pytest.mark.slow
 
-SPOOL_GIB = 0.001  # 1 MiB: chunks of 4 of the longest samples (64 tokens x 4 layers x 128 x bf16)
+SPOOL_GIB = 0.0007  # 734 KiB: chunks of 2 of the longest samples (64 tokens x 4 layers x 128 x bf16), the split not whole
+KEPT_SPOOL_GIB = 0.01  # 10 MiB: the whole train split (16 samples of at most 64 KiB each)
 STEPS = 12  # of 2 samples each: over one epoch of the train split
 
 
@@ -73,6 +80,51 @@ def metrics(config: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
+@dataclass
+class SpoolWatch:
+    peak: int = 0  # bytes
+    chunks: set[str] = field(default_factory=set)  # every chunk directory seen
+
+
+@contextmanager
+def watching_spools(config: Path):
+    """Samples the spools of ``config``'s P-EAGLE heads every 20 ms while the block runs."""
+    watch, done = SpoolWatch(), threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for spool in (run_dir(config) / "checkpoints" / "peagle").glob("*/spool"):
+                watch.peak = max(watch.peak, tree_bytes(spool))
+                watch.chunks |= {p.name for p in spool.glob("e*-c*") if "." not in p.name}
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield watch
+    finally:
+        done.set()
+        sampler.join()
+
+
+def assert_trains_as_stored(stored: list[dict], streamed: list[dict]) -> None:
+    assert [r["step"] for r in streamed] == list(range(1, STEPS + 1))
+    assert [r["samples"] for r in streamed] == [r["samples"] for r in stored]
+    for a, b in zip(stored, streamed, strict=True):  # vLLM batches them differently: fp32 rounding apart
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+
+
+def streamed_dataset_in(workdir: Path, datasets: dict, **sections: dict) -> Path:
+    """A config of its own run directory holding a copy of the streamed dataset, its sections
+    updated with ``sections``: another head on the same data, apart from the other tests' heads."""
+    cfg = yaml.safe_load(datasets["streamed"].read_text())
+    shutil.copytree(run_dir(datasets["streamed"]) / "data", workdir / "data")
+    path = workdir.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump({**cfg, "workdir": str(workdir),
+                                    **{name: {**cfg[name], **values} for name, values in sections.items()}}))
+    return path
+
+
 def train_killed_after(config: Path, step: int) -> Path:
     """`peagle train` as a process group, killed -9 (producer, vLLM engine, ranks) once its
     metrics show ``step``; the head directory it trained in."""
@@ -109,34 +161,20 @@ def test_a_streamed_run_killed_and_rerun_trains_what_a_stored_run_does_with_a_sp
     assert manifest["bytes"] * 20 < stored_manifest["bytes"], "the streamed dataset keeps the train split's tokens only"
 
     assert peagle("train", datasets["stored"]).returncode == 0
-    peak, done = [0], threading.Event()
-
-    def sample_the_spool() -> None:
-        while not done.is_set():
-            for spool in (run_dir(datasets["streamed"]) / "checkpoints" / "peagle").glob("*/spool"):
-                peak[0] = max(peak[0], tree_bytes(spool))
-            time.sleep(0.02)
-
-    sampler = threading.Thread(target=sample_the_spool)
-    sampler.start()
-    try:
+    with watching_spools(datasets["streamed"]) as spool:
         head = train_killed_after(datasets["streamed"], 5)
         assert (head / "spool").exists(), "a killed run leaves its spool, which the rerun starts afresh"
         rerun_started = time.time()
         rerun = peagle("train", datasets["streamed"])
-    finally:
-        done.set()
-        sampler.join()
     assert rerun.returncode == 0, rerun.output
+    assert "each chunk deleted once read, every epoch extracted again" in rerun.output, rerun.output
 
-    assert 0 < peak[0] <= SPOOL_GIB * 2**30, f"spool peaked at {peak[0]} bytes"
+    assert 0 < spool.peak <= SPOOL_GIB * 2**30, f"spool peaked at {spool.peak} bytes"
+    assert any(name.startswith("e0001-") for name in spool.chunks), "the second epoch is extracted again"
     assert not (head / "spool").exists(), "the spool is gone after training"
     stored, streamed = metrics(datasets["stored"]), metrics(datasets["streamed"])
-    assert [r["step"] for r in streamed] == list(range(1, STEPS + 1))
+    assert_trains_as_stored(stored, streamed)
     assert [r["step"] for r in streamed if r["time"] < rerun_started] == [1, 2, 3, 4], "resumed at the step-4 checkpoint"
-    assert [r["samples"] for r in streamed] == [r["samples"] for r in stored]
-    for a, b in zip(stored, streamed, strict=True):  # vLLM batches them differently: fp32 rounding apart
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
 
     from peagle.data.order import BatchPlan
     from peagle.train.data import rank_order
@@ -146,3 +184,63 @@ def test_a_streamed_run_killed_and_rerun_trains_what_a_stored_run_does_with_a_sp
     assert [r["samples"] for r in streamed] == [sorted(expected[2 * s : 2 * s + 2]) for s in range(STEPS)]
     trained = [i for r in streamed for i in r["samples"]]
     assert plan.steps_per_epoch < STEPS and len(set(trained[: plan.read_per_epoch])) == plan.read_per_epoch
+
+
+@pytest.mark.timeout(300)  # a stored training (reused when the test above trained it) and a streamed one
+def test_a_train_split_that_fits_its_spool_is_extracted_once_for_every_epoch(datasets, tmp_path):
+    """The streamed dataset trained with a spool that holds the whole train split: its 12 steps run
+    into a second epoch, which reads the first one's chunks (no chunk of epoch 1 ever appears, the
+    spool peaks at the whole split), to the stored run's losses; the spool is gone after."""
+    kept = streamed_dataset_in(tmp_path / "kept", datasets, data={"spool_gib": KEPT_SPOOL_GIB})
+    assert peagle("train", datasets["stored"]).returncode == 0
+    with watching_spools(kept) as spool:
+        trained = peagle("train", kept)
+    assert trained.returncode == 0, trained.output
+    assert "the whole split fits: extracted once and kept for every epoch" in trained.output, trained.output
+
+    assert spool.chunks and all(name.startswith("e0000-") for name in spool.chunks), sorted(spool.chunks)
+    tokens = json.loads((run_dir(kept) / "data/splits/train/manifest.json").read_text())["num_tokens"]
+    whole = tokens * 4 * 128 * 2  # every sample's hidden states: 4 layers x 128 in bfloat16
+    assert whole <= spool.peak <= KEPT_SPOOL_GIB * 2**30, (whole, spool.peak)
+    assert not list((run_dir(kept) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after training"
+    assert_trains_as_stored(metrics(datasets["stored"]), metrics(kept))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(400)  # a stored training (reused when a test above trained it) and two launchers of one run
+def test_two_nodes_train_from_one_producer_and_read_what_a_stored_run_reads(datasets, tmp_path):
+    """`peagle train` on two nodes (the same command on each: train.nodes 2, one rank each): one
+    launcher takes the spool's lock and extracts, the other says so and only starts its rank; both
+    ranks mark what they read, so the spool stays under its cap; the steps train the stored run's
+    samples (its global batch of 2 split 1 + 1 over the nodes), each once per epoch."""
+    two_nodes = streamed_dataset_in(tmp_path / "two-nodes", datasets, train={
+        "nodes": 2, "world_size": 2, "micro_batch_size": 1, "rdzv_endpoint": f"127.0.0.1:{free_port()}"})
+    assert peagle("train", datasets["stored"]).returncode == 0
+    outputs = {}
+
+    def node(name: str) -> None:
+        outputs[name] = peagle("train", two_nodes)
+
+    with watching_spools(two_nodes) as spool:
+        nodes = [threading.Thread(target=node, args=(name,)) for name in ("node-a", "node-b")]
+        for thread in nodes:
+            thread.start()
+        for thread in nodes:
+            thread.join()
+    for name, result in outputs.items():
+        assert result.returncode == 0, (name, result.output)
+    said = sorted("hidden states extracted beside the ranks into" in r.output for r in outputs.values())
+    assert said == [False, True], "exactly one launcher extracts"
+    assert sum("another node's launcher extracts the hidden states" in r.output for r in outputs.values()) == 1
+
+    assert 0 < spool.peak <= SPOOL_GIB * 2**30, f"spool peaked at {spool.peak} bytes"
+    assert any(name.startswith("e0001-") for name in spool.chunks), "the second epoch is extracted again"
+    assert not list((run_dir(two_nodes) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after"
+    records = metrics(two_nodes)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "one writer: no step twice"
+    assert [r["samples"] for r in records] == [r["samples"] for r in metrics(datasets["stored"])]
