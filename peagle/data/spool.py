@@ -62,6 +62,7 @@ FAILED_FILE = "failed"
 HEARTBEAT_EVERY_S = 2.0
 PRODUCER_SILENT_S = 120.0  # a rank waiting this long with no heartbeat gives up
 CHUNKS_UNDER_CAP = 3  # a chunk is at most a third of the cap: one read, one written, one ahead
+MIN_CHUNKS_PER_EPOCH = 8  # and at most an eighth of the split: training starts after the first
 CHUNK_OVERHEAD_BYTES = 64 << 10  # a chunk's safetensors header (its sample ids) and manifest, generously
 
 Extract = Callable[[list[tuple[str, list[int]]]], Iterable[tuple[str, torch.Tensor]]]
@@ -134,9 +135,11 @@ def chunk_bytes(num_tokens: int, bytes_per_token_: int) -> int:
     return num_tokens * bytes_per_token_ + CHUNK_OVERHEAD_BYTES
 
 
-def chunk_samples_for(cap_bytes: int, longest_tokens: int, bytes_per_token_: int) -> int:
-    """Samples per chunk: as many of the longest as fit in a third of the cap; refuses a cap
-    too small for that (``ValueError`` naming ``data.spool_gib``)."""
+def chunk_samples_for(cap_bytes: int, longest_tokens: int, bytes_per_token_: int, num_samples: int) -> int:
+    """Samples per chunk: as many of the longest as fit in a third of the cap, and at most an
+    eighth of the split's ``num_samples`` (the first chunk is what training waits for before its
+    first step, so a cap that holds a whole epoch still streams it); refuses a cap too small for
+    one of the longest (``ValueError`` naming ``data.spool_gib``)."""
     per_sample = longest_tokens * bytes_per_token_
     fit = (cap_bytes // CHUNKS_UNDER_CAP - CHUNK_OVERHEAD_BYTES) // max(1, per_sample)
     if fit < 1:
@@ -146,7 +149,7 @@ def chunk_samples_for(cap_bytes: int, longest_tokens: int, bytes_per_token_: int
             f"sample ({longest_tokens} tokens, {format_bytes(per_sample)} of hidden states): raise data.spool_gib to "
             f"at least {math.ceil(least / 2**30 * 1000) / 1000} GiB"
         )
-    return int(fit)
+    return int(min(fit, max(1, math.ceil(num_samples / MIN_CHUNKS_PER_EPOCH))))
 
 
 def keeps_whole_split(plan: SpoolPlan, lengths: Sequence[int], bytes_per_token_: int, cap_bytes: int) -> bool:

@@ -244,7 +244,7 @@ def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, o
     per_token = bytes_per_token(len(layers), ht, dtype)
     plan = SpoolPlan(num_samples=len(tokens), seed=t.seed, world_size=t.world_size,
                      micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                     chunk_samples=chunk_samples_for(cap, max(reader.lengths()), per_token),
+                     chunk_samples=chunk_samples_for(cap, max(reader.lengths()), per_token, len(tokens)),
                      start_step=resume_step(out_dir), total_steps=total_steps)
     plan = replace(plan, kept=keeps_whole_split(plan, reader.lengths(), per_token, cap))
     spool = start_spool(spool_dir(out_dir), plan)

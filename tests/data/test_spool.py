@@ -61,7 +61,7 @@ def tokens(tmp_path):
 def plan_for(tokens, cap, **kw) -> SpoolPlan:
     longest = max(tokens.lengths())
     fields = dict(num_samples=len(tokens), seed=3, world_size=2, micro_batch_size=2, grad_accum=1,
-                  chunk_samples=chunk_samples_for(cap, longest, bytes_per_token(len(LAYERS), HT, DTYPE)),
+                  chunk_samples=chunk_samples_for(cap, longest, bytes_per_token(len(LAYERS), HT, DTYPE), len(tokens)),
                   start_step=0, total_steps=None)
     return SpoolPlan(**{**fields, **kw})
 
@@ -244,11 +244,19 @@ def test_a_rank_gives_up_when_the_producer_goes_silent(tmp_path, tokens, monkeyp
         samples[rank_order(BatchPlan(26, 2, 2, 1), 0, 3, 0)[0]]
 
 
+def test_a_chunk_is_at_most_a_third_of_the_cap_and_an_eighth_of_the_split():
+    """The first chunk is what training waits for: a cap that holds the whole split still streams it."""
+    per_token = bytes_per_token(len(LAYERS), HT, DTYPE)
+    assert chunk_samples_for(1 << 30, 40, per_token, 26) == 4  # ceil(26 / 8), not the ~5 million that fit
+    assert chunk_samples_for(1 << 30, 40, per_token, 5) == 1
+    assert chunk_samples_for(3 * spool_mod.chunk_bytes(3 * 40, per_token), 40, per_token, 10_000) == 3
+
+
 def test_a_spool_nobody_produces_and_a_cap_too_small_are_refused_with_the_fix(tmp_path, tokens):
     with pytest.raises(ProducerStopped, match="trains through `peagle train` or the train flow"):
         SpooledSamples(tokens, tmp_path / "nothing", 0)
     with pytest.raises(ValueError, match="raise data.spool_gib to at least"):
-        chunk_samples_for(1000, 40, bytes_per_token(2, 4096, "bfloat16"))
+        chunk_samples_for(1000, 40, bytes_per_token(2, 4096, "bfloat16"), 100)
 
 
 def test_a_chunk_appears_whole_or_not_at_all(tmp_path, tokens):
