@@ -368,12 +368,13 @@ class SpooledSamples:
     epoch's chunks hold them (a kept spool's first epoch's, whichever epoch reads). Reads
     follow the rank's order (``peagle.train.data``)."""
 
-    def __init__(self, tokens: Sequence[Sample], spool_dir: str | Path, rank: int, *, poll_s: float = 0.05):
+    def __init__(self, tokens: Sequence[Sample], spool_dir: str | Path, rank: int, *, start_step: int | None = None,
+                 poll_s: float = 0.05):
         self.tokens = tokens
         self.spool = Spool(spool_dir)
         self.rank = rank
         self.poll_s = poll_s
-        self.plan = self._wait_for_plan()
+        self.plan = self._wait_for_plan(start_step)
         if self.plan.num_samples != len(tokens):
             raise ValueError(f"{self.spool.plan_file} is for {self.plan.num_samples} samples, this rank trains "
                              f"on {len(tokens)}: the spool belongs to another run")
@@ -435,12 +436,28 @@ class SpooledSamples:
             self.spool.read_mark(self.epoch, c, self.rank).touch()
         self._unmarked = max(self._unmarked, chunk)
 
-    def _wait_for_plan(self) -> SpoolPlan:
+    def _wait_for_plan(self, start_step: int | None) -> SpoolPlan:
+        """The producer's plan for this run: one that starts where this rank resumes
+        (``start_step``). A plan an earlier run left can still be what another node sees of
+        the shared filesystem for a moment (its cache), until the producer's new one shows."""
         if not self.spool.plan_file.exists():  # written before any rank starts
             raise ProducerStopped(
                 f"{self.spool.plan_file} not found: a streamed dataset (data.hidden_states: streamed) trains through "
                 "`peagle train` or the train flow, which extract its hidden states beside the ranks")
-        return self.spool.plan()
+        deadline = time.monotonic() + PRODUCER_SILENT_S
+        while True:
+            try:
+                plan = self.spool.plan()
+            except FileNotFoundError:  # the producer is clearing the spool to start it afresh
+                plan = None
+            if plan is not None and (start_step is None or plan.start_step == start_step):
+                return plan
+            if time.monotonic() > deadline or self.spool.producer_problem():
+                raise ProducerStopped(
+                    f"{self.spool.plan_file} plans from step {plan.start_step if plan else '?'} but this rank resumes at "
+                    f"step {start_step}: the spool is another run's; rerun the same command (training resumes from its "
+                    "last checkpoint)")
+            time.sleep(self.poll_s)
 
     def _wait_for(self, path: Path) -> None:
         while not path.exists():

@@ -317,8 +317,9 @@ def train_drafter(
     if inputs.streamed:
         from peagle.data.spool import SpooledSamples
 
-        inputs = replace(inputs, samples=SpooledSamples(inputs.samples, spool_dir(out_dir), dist_info.rank),
-                         streamed=False)
+        start_step = ckpt.read_trainer_state(resumable).step if resumable is not None else 0
+        inputs = replace(inputs, samples=SpooledSamples(inputs.samples, spool_dir(out_dir), dist_info.rank,
+                                                        start_step=start_step), streamed=False)
     plan = BatchPlan(len(inputs.samples), dist_info.world_size, train.micro_batch_size, train.grad_accum)
     plan.check()
     # A time budget stops the loop by the clock (at most max_steps); total_steps 0 then means "no step count".

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -30,6 +30,7 @@ from peagle.data.spool import (
     start_spool,
 )
 from peagle.data.store import ShardReader, ShardWriter, bytes_per_token
+from peagle.fileio import write_json_atomic
 from peagle.train.data import BatchPlan, rank_order
 
 LAYERS, HT, DTYPE = [1, 2], 8, "float32"
@@ -250,6 +251,25 @@ def test_a_chunk_is_at_most_a_third_of_the_cap_and_an_eighth_of_the_split():
     assert chunk_samples_for(1 << 30, 40, per_token, 26) == 4  # ceil(26 / 8), not the ~5 million that fit
     assert chunk_samples_for(1 << 30, 40, per_token, 5) == 1
     assert chunk_samples_for(3 * spool_mod.chunk_bytes(3 * 40, per_token), 40, per_token, 10_000) == 3
+
+
+def test_a_rank_reads_the_plan_of_its_own_run_not_one_an_earlier_run_left(tmp_path, tokens, monkeypatch):
+    """Another node can see an earlier run's plan for a moment on a shared filesystem: a rank that
+    resumes at step 4 waits for the plan that starts there; one that never shows stops it, naming both."""
+    stale = plan_for(tokens, 1 << 20, start_step=0)
+    spool = start_spool(tmp_path / "spool", stale)
+    got = {}
+    rank = threading.Thread(target=lambda: got.update(
+        plan=SpooledSamples(tokens, spool.root, 0, start_step=4, poll_s=0.01).plan))
+    rank.start()
+    time.sleep(0.3)
+    assert rank.is_alive(), "it waits for its own run's plan"
+    write_json_atomic(spool.plan_file, asdict(replace(stale, start_step=4)))
+    rank.join(timeout=10)
+    assert got["plan"].start_step == 4
+    monkeypatch.setattr(spool_mod, "PRODUCER_SILENT_S", 0.2)
+    with pytest.raises(ProducerStopped, match="plans from step 4 but this rank resumes at step 8"):
+        SpooledSamples(tokens, spool.root, 0, start_step=8, poll_s=0.01)
 
 
 def test_a_spool_nobody_produces_and_a_cap_too_small_are_refused_with_the_fix(tmp_path, tokens):
