@@ -8,7 +8,6 @@ the same config. The reference is the single-node run with the same two ranks.
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -31,15 +30,10 @@ from peagle.config import ConfigError  # noqa: E402
 from peagle.identity import head_identity  # noqa: E402
 from peagle.layout import LATEST  # noqa: E402
 from peagle.train import checkpoint as ckpt  # noqa: E402
+from tests.processes import free_port  # noqa: E402
 
 SAMPLES = 16  # one epoch: 8 optimizer steps of a global batch of 2
 RUN = dict(zero_stage=2, epochs=1, save_every=4, keep_last=4)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(records: list[dict]) -> dict[int, float]:

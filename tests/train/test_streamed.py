@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import yaml
 
 from peagle.fileio import tree_bytes
 from tests.peagle_cli import REPO, peagle
+from tests.processes import free_port
 from tests.support.conversations import CONVERSATIONS
 
 PROMPTS = CONVERSATIONS + [[{"role": "user", "content": f"Write a function that returns {i} times x."}]
@@ -204,12 +204,6 @@ def test_a_train_split_that_fits_its_spool_is_extracted_once_for_every_epoch(dat
     assert whole <= spool.peak <= KEPT_SPOOL_GIB * 2**30, (whole, spool.peak)
     assert not list((run_dir(kept) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after training"
     assert_trains_as_stored(metrics(datasets["stored"]), metrics(kept))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(400)  # a stored training (reused when a test above trained it) and two launchers of one run
