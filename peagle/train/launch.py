@@ -241,12 +241,12 @@ def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, o
     layers, ht, dtype = facts.stored_layer_ids, facts.target_hidden_size, cfg.data.storage_dtype
     cap = int(cfg.data.spool_gib * 2**30)
     t = cfg.train
-    per_token = bytes_per_token(len(layers), ht, dtype)
+    per_token, lengths = bytes_per_token(len(layers), ht, dtype), reader.lengths()
     plan = SpoolPlan(num_samples=len(tokens), seed=t.seed, world_size=t.world_size,
                      micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                     chunk_samples=chunk_samples_for(cap, max(reader.lengths()), per_token, len(tokens)),
+                     chunk_samples=chunk_samples_for(cap, max(lengths), per_token, len(tokens)),
                      start_step=resume_step(out_dir), total_steps=total_steps)
-    plan = replace(plan, kept=keeps_whole_split(plan, reader.lengths(), per_token, cap))
+    plan = replace(plan, kept=keeps_whole_split(plan, lengths, per_token, cap))
     spool = start_spool(spool_dir(out_dir), plan)
     log.info("training on a streamed dataset: hidden states extracted beside the ranks into %s (at most %s GiB, "
              "%d samples a chunk); %s", spool.root, f"{cfg.data.spool_gib:g}", plan.chunk_samples,
