@@ -41,8 +41,8 @@ def target_label(model: str) -> str:
 def run_namer(what: str, config_param: str = "config"):
     """A ``flow_run_name`` callable: "<what> <config name> (<target>)", e.g. "train-peagle demo (embedded)".
 
-    ``what`` may name a parameter in braces ("train-{method}"); an unset one falls back to
-    the config's value (``train.method``).
+    ``what`` may name the ``method`` or ``part`` parameter in braces ("train-{method}"); an unset
+    method falls back to the config's (``train.method``).
     """
 
     def name() -> str:
@@ -54,7 +54,7 @@ def run_namer(what: str, config_param: str = "config"):
         except Exception:  # the flow itself reports a bad config, with the reason
             return f"{what.split('-{')[0]} {Path(str(params.get(config_param, '?'))).stem}"
         method = params.get("method") or cfg.train.method
-        return f"{what.format(method=method)} {cfg.name} ({target_label(cfg.target.model)})"
+        return f"{what.format(method=method, part=params.get('part'))} {cfg.name} ({target_label(cfg.target.model)})"
 
     return name
 

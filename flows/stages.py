@@ -35,7 +35,7 @@ from flows.common import (
 )
 from peagle import stages
 from peagle.catalogue import describe
-from peagle.config import PipelineConfig, load_config
+from peagle.config import PipelineConfig, load_config, write_resolved_config
 from peagle.layout import BEST, RunLayout
 from peagle.tracking.gate import ChampionHead, champion_to_measure
 from peagle.tracking.publish import PublishOutcome, drafted, publish_once
@@ -74,15 +74,98 @@ def data_task(cfg: PipelineConfig, target: stages.TargetInfo, key: str, force: b
         return stages.generate_data(cfg, target, force=force)
 
 
+@task(name="write-requests", cache_policy=NO_CACHE)
+def requests_task(cfg: PipelineConfig, target: stages.TargetInfo, force: bool = False) -> int:
+    with on_accelerator(cfg):
+        return stages.write_requests(cfg, target, force=force)
+
+
+@task(name="data-part", task_run_name="data-part-{part}", cache_policy=NO_CACHE, **TRANSIENT_RETRIES)
+def data_part_task(cfg: PipelineConfig, target: stages.TargetInfo, part: str, force: bool = False):
+    with on_accelerator(cfg):
+        return stages.generate_data_part(cfg, target, part, force=force)
+
+
+@flow(name="peagle-data-part", flow_run_name=run_namer("data-part-{part}"))
+def data_part_flow(config: str, part: str, overrides: dict | None = None, force: bool = False):
+    """One host's part "I/N" of a data stage spread over hosts: its slice of the prompts
+    regenerated and extracted beside the dataset, for the data flow to take in."""
+    cfg = load_config(config, overrides)
+    with run_logs(cfg):
+        ensure_accelerator_limit(cfg)
+        target = resolve_target(cfg)
+        info = data_part_task.with_options(**limits(cfg, "data"))(cfg, target, part, force)
+        get_run_logger().info("data part %s: %d of %d samples stored in %s", info.part, info.num_ok,
+                              info.num_samples, info.part_dir)
+        return info
+
+
+@task(name="run-data-part", task_run_name="run-data-part-{part}", cache_policy=NO_CACHE)
+def part_run_task(deployment: str, config: str, part: str, force: bool) -> str:
+    """A flow run of the data-part deployment, on whichever worker of its pool takes it; waits
+    for it to end."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(deployment, parameters={"config": config, "part": part, "force": force}, timeout=None)
+    if not run.state or not run.state.is_completed():
+        raise RuntimeError(f"data part {part} (flow run {run.name}, {run.id}) ended {run.state.name if run.state else '?'}"
+                           ": its log is in that flow run; rerun the data flow (finished parts are kept)")
+    return str(run.id)
+
+
+def check_part_workers(deployment: str) -> None:
+    """The data-part deployment exists on this server and a worker of its pool is online: else
+    its runs would wait, scheduled, for a worker that never comes."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import WorkerStatus
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            pool = client.read_deployment_by_name(deployment).work_pool_name
+        except ObjectNotFound:
+            raise RuntimeError(f"orchestration.data_parts > 1 starts runs of the deployment {deployment!r}, which this "
+                               "Prefect server does not have: deploy it (`peagle deploy`, or `prefect deploy --name "
+                               f"{deployment.split('/')[1]}`), or set orchestration.data_parts: 1") from None
+        online = [w for w in client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE]
+    if not online:
+        raise RuntimeError(f"no worker of the work pool {pool!r} (deployment {deployment}) is online to build the data "
+                           f"parts: start one per host (`prefect worker start --pool {pool} --limit 1`)")
+
+
+def build_parts(cfg: PipelineConfig, target: stages.TargetInfo, force: bool) -> None:
+    """``orchestration.data_parts`` flow runs of the data-part deployment at once, each on a
+    worker of its pool, after the Magpie requests every part reads are written here once."""
+    from prefect.utilities.annotations import unmapped
+
+    check_part_workers(cfg.orchestration.data_part_deployment)
+    requests_task.with_options(**limits(cfg, "data"))(cfg, target, force)
+    config = str(write_resolved_config(cfg))  # on the shared volume every worker reads PEAGLE_HOME from
+    n = cfg.orchestration.data_parts
+    parts = [f"{i}/{n}" for i in range(n)]
+    # no time limit here: each part run's own data task has the stage's
+    runs = part_run_task.map(unmapped(cfg.orchestration.data_part_deployment), unmapped(config), parts,
+                             unmapped(force))
+    runs.wait()
+    failed = [part for part, run in zip(parts, runs, strict=True) if not run.state.is_completed()]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {n} data parts failed ({', '.join(failed)}): their flow runs say why; "
+                           "rerun the data flow (finished parts are kept)")
+    get_run_logger().info("data: %d parts built by %s", n, cfg.orchestration.data_part_deployment)
+
+
 @flow(name="peagle-data", flow_run_name=run_namer("data"))
 def data_flow(config: str, overrides: dict | None = None, force: bool = False,
               target: stages.TargetInfo | None = None):
-    """Prompts -> regenerated responses -> hidden states; an unchanged dataset is reused from cache."""
+    """Prompts -> regenerated responses -> hidden states; an unchanged dataset is reused from cache.
+    With ``orchestration.data_parts`` N > 1 the work is spread over N part runs first."""
     cfg = load_config(config, overrides)
     with run_logs(cfg):
         ensure_accelerator_limit(cfg)
         target = target or resolve_target(cfg)
         refresh = force or not stages.dataset_on_disk(cfg)
+        if refresh and cfg.orchestration.data_parts > 1:
+            build_parts(cfg, target, force)
         info = data_task.with_options(refresh_cache=refresh, **limits(cfg, "data", cached=True))(
             cfg, target, dataset_key(cfg, target), force)
         get_run_logger().info("dataset %s: %d train + %d eval samples (%s)", info.data_dir, info.num_train,

@@ -159,19 +159,40 @@ def data_cmd(
     repair: bool = typer.Option(False, help="Extract the samples of corrupt shards again (see --verify); nothing "
                                 "else is redone"),
     verify: bool = typer.Option(False, help="Hash every shard of the run's dataset and report each; build nothing"),
+    part: str | None = typer.Option(None, metavar="I/N", help="Build only part I of N (0-based) of the dataset, "
+                                    "on this host, beside it; once all N are done, `peagle data` without --part "
+                                    "takes them into one dataset (docs/scale-out.md)"),
+    requests_only: bool = typer.Option(False, help="Only write the Magpie requests of kind: magpie sources, once, "
+                                       "before the parts (--part) of several hosts read them"),
 ):
     """Generate the hidden-state dataset (regeneration and extraction through vLLM)."""
     from peagle import stages
 
     cfg = _load(config, set_)
+    if part is not None:
+        from peagle.data.parts import Part
+
+        Part.parse(part)  # a bad --part is refused before any work
     if verify:
-        if force or repair:
-            console.print("[red]--verify only reports; run --repair or --force on their own[/red]")
+        if force or repair or part or requests_only:
+            console.print("[red]--verify only reports; run --repair, --force, --part or --requests-only on their "
+                          "own[/red]")
             raise typer.Exit(2)
         raise typer.Exit(_verify_dataset(cfg))
+    if part is not None and (repair or requests_only):
+        console.print("[red]--part builds one part: --repair mends the whole dataset and --requests-only runs "
+                      "before the parts; run them on their own[/red]")
+        raise typer.Exit(2)
     _require(vllm=cfg.vllm)
     with _library_output(cfg):
-        info = stages.generate_data(cfg, stages.prepare_target(cfg), force=force, repair=repair)
+        target = stages.prepare_target(cfg)
+        if requests_only:
+            console.print(f"data: {stages.write_requests(cfg, target, force=force)} prompts to build from")
+            return
+        if part is not None:
+            print_result(stages.generate_data_part(cfg, target, part, force=force, config_hint=str(config)))
+            return
+        info = stages.generate_data(cfg, target, force=force, repair=repair, config_hint=str(config))
     print_result(info)
 
 

@@ -517,6 +517,12 @@ class OrchestrationConfig(Strict):
     timeouts_s: StageTimeouts = StageTimeouts()
     accelerator_limit: str = Field("peagle-accelerator", min_length=1)
     accelerator_slots: int = Field(1, ge=1)  # used when the limit is created because it is missing
+    # The data flow spreads the data stage over this many flow runs of ``data_part_deployment``
+    # (``peagle.data.parts``), each on a worker of that deployment's pool (a host of its own),
+    # then takes their parts into one dataset. Each part holds a slot of the accelerator limit:
+    # give it as many slots as hosts (one per host's accelerators) or the parts queue.
+    data_parts: int = Field(1, ge=1)
+    data_part_deployment: str = Field("peagle-data-part/data-part", pattern=r"^[^/]+/[^/]+$")
 
 
 class CardConfig(Strict):

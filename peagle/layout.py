@@ -35,6 +35,7 @@ VOCAB_FILE = "vocab.safetensors"
 MANIFEST_FILE = "manifest.json"
 # What a dataset was built from, and (in a head directory) what a head was trained on (peagle.lineage).
 LINEAGE_FILE = "lineage.json"
+PART_FILE = "part.json"  # written last by a finished part of the data stage (peagle.data.parts)
 SPLITS = ("train", "eval")
 TRAIN_SPLIT, EVAL_SPLIT = SPLITS
 
@@ -106,6 +107,19 @@ class DataLayout:
     def work(self) -> Path:
         """Scratch space of the extraction engine."""
         return self.root / "work"
+
+    @property
+    def parts_dir(self) -> Path:
+        """Where the parts of a data stage spread over hosts are built (``peagle.data.parts``)."""
+        return self.root / "parts"
+
+    def part(self, label: str) -> DataLayout:
+        return DataLayout(self.parts_dir / label)
+
+    @property
+    def part_done(self) -> Path:
+        """In a part's own layout: written once the part is complete."""
+        return self.root / PART_FILE
 
     @property
     def splits_dir(self) -> Path:

@@ -119,19 +119,41 @@ def check_training_runs_here(cfg: PipelineConfig) -> None:
     check_optimizer_runs_here(cfg.train)
 
 
-def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False, repair: bool = False):
+def generate_data(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False, repair: bool = False,
+                  config_hint: str = "CONFIG"):
     """Prompts -> regenerated responses -> hidden states -> shards + draft vocabulary, and what
     built them (``data/lineage.json``, which export hands on to the head): the prompt sources
     as the build read them (a magpie file once written, a hub set at its commit). ``force``
     replaces a dataset of another configuration once the new one is complete; ``repair`` (and
-    ``force``) extracts the samples of corrupt shards again (``peagle.data.pipeline``)."""
+    ``force``) extracts the samples of corrupt shards again (``peagle.data.pipeline``). Parts
+    built on other hosts (``generate_data_part``) are taken in; ``config_hint`` names the config
+    in the commands messages suggest."""
     from peagle.data.pipeline import build_dataset
     from peagle.lineage import dataset_inputs, record_dataset_inputs
 
     info = build_dataset(cfg, target.path, target.facts, progress=True, force=force, repair=repair,
-                         target_revision=target.revision)
+                         target_revision=target.revision, config_hint=config_hint)
     record_dataset_inputs(info.data_dir, dataset_inputs(cfg, target, info.prompt_files))
     return info
+
+
+def generate_data_part(cfg: PipelineConfig, target: TargetInfo, part: str, *, force: bool = False,
+                       config_hint: str = "CONFIG"):
+    """One host's part ``"I/N"`` of a data stage spread over hosts (``peagle.data.parts``); the
+    build that follows (``generate_data``) takes every part in."""
+    from peagle.data.parts import Part
+    from peagle.data.pipeline import build_part
+
+    return build_part(cfg, target.path, target.facts, Part.parse(part), force=force,
+                      target_revision=target.revision, config_hint=config_hint)
+
+
+def write_requests(cfg: PipelineConfig, target: TargetInfo, *, force: bool = False) -> int:
+    """The config's Magpie requests written once, before a data stage's parts read them; the
+    number of prompts the build mixes from."""
+    from peagle.data.pipeline import write_requests as write
+
+    return write(cfg, target.path, target.facts, force=force)
 
 
 def dataset_on_disk(cfg: PipelineConfig) -> bool:

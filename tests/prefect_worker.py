@@ -64,9 +64,9 @@ def start_deployment_run(deployment: str, parameters: dict, env: dict) -> str:
 
 
 @contextlib.contextmanager
-def prefect_worker(pool: str, env: dict, log: Path, cwd: Path | None = None):
-    """``prefect worker start --pool POOL`` until the block ends; yields the process."""
-    with process_group([PREFECT, "worker", "start", "--pool", pool], log, env=env, cwd=cwd,
+def prefect_worker(pool: str, env: dict, log: Path, cwd: Path | None = None, args: tuple[str, ...] = ()):
+    """``prefect worker start --pool POOL [ARGS]`` until the block ends; yields the process."""
+    with process_group([PREFECT, "worker", "start", "--pool", pool, *args], log, env=env, cwd=cwd,
                        stop_timeout_s=30) as proc:
         time.sleep(1)
         if proc.poll() is not None:
@@ -89,6 +89,22 @@ def wait_for_flow_run(flow_run_id, timeout_s: float, poll_s: float = 5.0, worker
             if time.monotonic() > deadline:
                 raise TimeoutError(f"flow run {flow_run_id} still {run.state_name} after {timeout_s:.0f} s")
             time.sleep(poll_s)
+
+
+def wait_for_online_workers(pool: str, count: int, timeout_s: float = 90.0) -> None:
+    """Until ``count`` workers of ``pool`` have sent the server their first heartbeat (online)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import WorkerStatus
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            online = [w.name for w in client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE]
+            if len(online) >= count:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(online)} of {count} workers of {pool} online after {timeout_s:.0f} s: {online}")
+            time.sleep(1)
 
 
 def read_all_logs(client, flow_run_ids: list) -> list:

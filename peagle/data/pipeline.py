@@ -65,6 +65,7 @@ from peagle.data.budget import data_budget, expected_samples
 from peagle.data.chat import render_with_loss_mask
 from peagle.data.check import mend_corrupt_shards
 from peagle.data.errors import DiskSpaceError
+from peagle.data.parts import Part, finished_parts, mark_done, part_layout
 from peagle.data.preflight import check_data_inputs
 from peagle.data.prompts import COMPLETION_ROLES, Conversation, split_heldout
 from peagle.data.provenance import hub_commits, source_digests
@@ -157,7 +158,7 @@ class BuildPlan:
 
 def build_dataset(
     cfg: PipelineConfig, target_path: str, facts: TargetFacts, progress: bool = True, force: bool = False, *,
-    repair: bool = False, target_revision: str | None = None,
+    repair: bool = False, target_revision: str | None = None, config_hint: str = "CONFIG",
 ) -> DatasetInfo:
     """Build (or finish building, or repair) the dataset of ``cfg`` for the target at ``target_path``.
 
@@ -165,33 +166,24 @@ def build_dataset(
     complete), extract the samples of corrupt shards again, and write even when the disk
     looks too small. ``repair``: extract the samples of corrupt shards again.
     ``target_revision`` (``peagle.lineage``) ties regenerated responses to the target's content.
+    Parts built on other hosts (``build_part``) are taken in; ``config_hint`` is how messages
+    name the config.
     """
-    from transformers import AutoTokenizer
-
     config_hash = cfg.section_hash("target", "data")
     draft_vocab_size = cfg.data.draft_vocab_size or facts.vocab_size
     final_facts = facts.with_draft_vocab(draft_vocab_size)  # ConfigError now rather than after extraction
-    tokenizer = AutoTokenizer.from_pretrained(
-        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
-    )
-    commits = hub_commits(cfg.data.sources)  # resolved once: the hub sets are read at these commits
-    read = source_digests(cfg.data.sources, commits)  # before reading: a file grown meanwhile counts as new
-    # every input checked before any engine starts (what `peagle config check` runs too)
-    inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
-    if inputs.unwritten:  # magpie sources: the requests the target writes itself, then read with the rest
-        check_budget(cfg, facts, expected_samples(cfg, len(inputs.prompts), inputs.unwritten, []),
-                     RunLayout(cfg.run_dir).data, force)
-        synthesize_prompts(cfg, target_path, tokenizer)
-        read = source_digests(cfg.data.sources, commits)
-        inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
-    prompts = inputs.prompts
+    tokenizer = target_tokenizer(cfg, target_path)
+    prompts, read = read_prompts(cfg, target_path, tokenizer, facts, force, write_requests=True)
     plan = plan_build(RunLayout(cfg.run_dir), config_hash, force=force, repair=repair)
-    check_budget(cfg, facts, expected_samples(cfg, len(prompts), inputs.unwritten, []), plan.layout, force)
+    parts = finished_parts(plan.layout, config_hash, config_hint)  # every part complete, before any work
+    check_budget(cfg, facts, expected_samples(cfg, len(prompts), [], []), plan.layout, force)
     key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
     layout = plan.layout
     try:
-        records = fill_dataset(plan, cfg, target_path, facts, tokenizer, prompts, key, progress,
-                               force=force, mend=repair or force)
+        previous = {**parts_samples(parts), **previous_samples(plan)}
+        records = plan_records(cfg, prompts, previous, key)
+        fill_dataset(layout, records, cfg, target_path, facts, tokenizer, key, progress, force=force,
+                     mend=repair or force, parts=parts)
         write_samples(layout.samples, records)
         vocab = build_draft_vocab(count_tokens(ShardReader(layout.train, verify=False), facts.vocab_size),
                                   draft_vocab_size)
@@ -218,12 +210,98 @@ def build_dataset(
     return info
 
 
-def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: TargetFacts, tokenizer,
-                 prompts: list[Conversation], key: str | None, progress: bool, *, force: bool,
-                 mend: bool) -> list[Record]:
-    """Regenerate, render and extract whatever ``plan.layout`` does not hold yet; the records."""
-    layout = plan.layout
-    records = plan_records(cfg, prompts, previous_samples(plan), key)
+@dataclass(frozen=True)
+class PartInfo:
+    """A finished part of the data stage (``build_part``)."""
+
+    part: str  # "I/N"
+    part_dir: str
+    num_samples: int  # records of this part, held-out ones included
+    num_ok: int  # of which stored
+    num_tokens: int
+
+
+def build_part(
+    cfg: PipelineConfig, target_path: str, facts: TargetFacts, part: Part, progress: bool = True,
+    force: bool = False, *, target_revision: str | None = None, config_hint: str = "CONFIG",
+) -> PartInfo:
+    """Regenerate and extract ``part``'s slice of the records into its own store beside the
+    dataset (``peagle.data.parts``); the build that follows takes it in. Reads the same prompts
+    as every other part: a Magpie file not yet written is refused (``write_requests`` first)."""
+    config_hash = cfg.section_hash("target", "data")
+    facts.with_draft_vocab(cfg.data.draft_vocab_size or facts.vocab_size)  # ConfigError now, as the build's
+    tokenizer = target_tokenizer(cfg, target_path)
+    prompts, _ = read_prompts(cfg, target_path, tokenizer, facts, force, write_requests=False,
+                              config_hint=config_hint)
+    plan = plan_build(RunLayout(cfg.run_dir), config_hash, force=force, repair=False)
+    layout = part_layout(plan.layout, part)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
+    previous = {**previous_samples(plan), **read_samples(layout.samples)}
+    records = part.take(plan_records(cfg, prompts, previous, key))
+    check_budget(cfg, facts, len(records), layout, force)
+    try:
+        fill_dataset(layout, records, cfg, target_path, facts, tokenizer, key, progress, force=force, mend=force,
+                     served=False)
+    except Exception as err:
+        if not is_disk_full(err):
+            raise
+        raise DiskSpaceError(f"the disk of {layout.root} filled up while building data part {part.index}/"
+                             f"{part.count} ({err}); what is written is kept: free space and rerun the same "
+                             "command") from err
+    write_samples(layout.samples, records)
+    mark_done(layout, part, config_hash, len(records))
+    ok = [r for r in records if r.status == "ok"]
+    info = PartInfo(f"{part.index}/{part.count}", str(layout.root), len(records), len(ok),
+                    sum(r.num_tokens for r in ok))
+    log.info(f"data part {info.part}: {info.num_ok} of {info.num_samples} samples stored ({info.num_tokens} tokens) "
+             f"in {layout.root}; once every part is done, `peagle data {config_hint}` takes them into one dataset")
+    return info
+
+
+def write_requests(cfg: PipelineConfig, target_path: str, facts: TargetFacts, force: bool = False) -> int:
+    """Write the requests of the config's ``kind: magpie`` sources that are not written yet,
+    once, before the parts of a data stage spread over hosts read them; the prompts read."""
+    prompts, _ = read_prompts(cfg, target_path, target_tokenizer(cfg, target_path), facts, force,
+                              write_requests=True)
+    return len(prompts)
+
+
+def target_tokenizer(cfg: PipelineConfig, target_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        target_path, revision=cfg.target.revision, trust_remote_code=cfg.target.trust_remote_code
+    )
+
+
+def read_prompts(cfg: PipelineConfig, target_path: str, tokenizer, facts: TargetFacts, force: bool, *,
+                 write_requests: bool, config_hint: str = "CONFIG") -> tuple[list[Conversation], dict[str, str]]:
+    """Every input checked before any engine starts (what ``peagle config check`` runs too), the
+    Magpie requests written when ``write_requests`` (else refused if missing); the prompts and
+    the sources as read (``peagle.data.provenance``)."""
+    commits = hub_commits(cfg.data.sources)  # resolved once: the hub sets are read at these commits
+    read = source_digests(cfg.data.sources, commits)  # before reading: a file grown meanwhile counts as new
+    inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
+    if inputs.unwritten and not write_requests:
+        files = ", ".join(str(s.path) for s in inputs.unwritten)
+        raise ConfigError(f"the Magpie requests of {files} are not written yet, and every part of the data stage must "
+                          f"read the same prompts: write them once first (`peagle data {config_hint} --requests-only`; "
+                          "the Prefect data flow does it before it starts the parts)")
+    if inputs.unwritten:  # magpie sources: the requests the target writes itself, then read with the rest
+        check_budget(cfg, facts, expected_samples(cfg, len(inputs.prompts), inputs.unwritten, []),
+                     RunLayout(cfg.run_dir).data, force)
+        synthesize_prompts(cfg, target_path, tokenizer)
+        read = source_digests(cfg.data.sources, commits)
+        inputs = check_data_inputs(cfg, tokenizer, facts.mask_token_id, commits=commits, verbose=True)
+    return inputs.prompts, read
+
+
+def fill_dataset(layout: DataLayout, records: list[Record], cfg: PipelineConfig, target_path: str,
+                 facts: TargetFacts, tokenizer, key: str | None, progress: bool, *, force: bool, mend: bool,
+                 parts: list[DataLayout] = (), served: bool = True) -> None:
+    """Regenerate, render and extract whatever ``layout`` does not hold yet of ``records``,
+    after taking in the shards of ``parts``; the served split too when ``served``."""
     mend_corrupt_shards(layout, mend)
     max_len = min(cfg.data.max_seq_len, cfg.vllm.max_model_len - 1)  # extraction needs one spare position
     meta = {"config_hash": cfg.section_hash("target", "data"), "target": cfg.target.model,
@@ -236,17 +314,18 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
             ))
             for split in SPLITS
         }
+        take_in_parts(writers, parts)
         stored = set().union(*(w.done_ids() for w in writers.values()))
         engine = _LazyEngine(stack, cfg, target_path, facts, layout.work)
         pending = [r for r in records if key is not None and r.regen is None]
         pending_ids = {r.id for r in pending}
         render_records(tokenizer, [r for r in records if r.id not in pending_ids], cfg, max_len, progress)
-        served = served_tokens_to_extract(cfg, tokenizer, layout)
+        served_tokens = served_tokens_to_extract(cfg, tokenizer, layout) if served else (0, 0)
         if pending:
             bounds = regenerated_length_bounds(tokenizer, pending, cfg, max_len)
-            check_disk(space_needed(cfg, facts, records, stored, bounds, served, layout.samples), layout.root, force,
-                       f"data: {len(pending)} prompts to regenerate and {sum(r.id not in stored for r in records)} "
-                       "sequences to extract (each response at its longest)")
+            check_disk(space_needed(cfg, facts, records, stored, bounds, served_tokens, layout.samples), layout.root,
+                       force, f"data: {len(pending)} prompts to regenerate and "
+                       f"{sum(r.id not in stored for r in records)} sequences to extract (each response at its longest)")
             with engine.for_regeneration() as llm:
                 regenerate(llm, tokenizer, pending, cfg, layout.samples, progress, key)
             render_records(tokenizer, pending, cfg, max_len, progress)
@@ -258,7 +337,7 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
         todo = [r for r in todo if stored_layers(cfg, facts, r.split)]
         truncated = sum(r.truncated_from is not None for r in todo + tokens_only)
         nl, ht = len(facts.stored_layer_ids), facts.target_hidden_size
-        check_disk(space_needed(cfg, facts, records, stored, {}, served, layout.samples), layout.root, force,
+        check_disk(space_needed(cfg, facts, records, stored, {}, served_tokens, layout.samples), layout.root, force,
                    f"data: {len(todo)} sequences ({sum(r.num_tokens for r in todo)} tokens) to extract ({nl} layers x "
                    f"{ht} x {cfg.data.storage_dtype})"
                    + (f" and {len(tokens_only)} train sequences ({sum(r.num_tokens for r in tokens_only)} tokens) to "
@@ -267,10 +346,25 @@ def fill_dataset(plan: BuildPlan, cfg: PipelineConfig, target_path: str, facts: 
         store_tokens(writers[TRAIN_SPLIT], tokens_only, ht)
         if todo:
             extract_into(engine.get(), todo, writers, cfg, progress)
-        if not served_is_current(cfg, layout):
+        if served and not served_is_current(cfg, layout):
             build_served_split(engine.get(), tokenizer, cfg, layout, facts.stored_layer_ids,
                                facts.target_hidden_size, meta)
-    return records
+
+
+def take_in_parts(writers: dict[str, ShardWriter], parts: list[DataLayout]) -> None:
+    """Move the shards of finished parts into the build's splits, in part order."""
+    if not parts:
+        return
+    taken = sum(writers[split].adopt(part.split(split)) for part in parts for split in SPLITS)
+    log.info(f"data: {taken} samples taken in from {len(parts)} parts built apart")
+
+
+def parts_samples(parts: list[DataLayout]) -> dict[str, dict]:
+    """The samples.jsonl lines of finished parts, by id: their regenerated answers are reused."""
+    merged: dict[str, dict] = {}
+    for part in parts:
+        merged.update(read_samples(part.samples))
+    return merged
 
 
 # ----------------------------------------------------------------------------- where a build goes
@@ -338,8 +432,10 @@ def plan_build(run: RunLayout, config_hash: str, *, force: bool, repair: bool) -
 
 
 def commit(plan: BuildPlan, config_hash: str, key: str | None) -> None:
-    """Mark the build complete (build.json, written last); a rebuild then replaces the old dataset."""
+    """Mark the build complete (build.json, written last); a rebuild then replaces the old dataset.
+    The parts it took in are gone with it: their shards are the dataset's now."""
     write_json_atomic(plan.layout.build, {"config_hash": config_hash, "regen_key": key}, indent=None)
+    shutil.rmtree(plan.layout.parts_dir, ignore_errors=True)
     if plan.in_place:
         return
     publish_dir(plan.layout.root, plan.final.root)  # the old tree is moved aside, then deleted
@@ -428,8 +524,9 @@ def check_budget(cfg: PipelineConfig, facts: TargetFacts, samples: int | None, l
     sequence at ``data.max_seq_len``) fits the disk, less what a resumed build already stored; a
     stored one that cannot is refused naming ``data.hidden_states: streamed`` (``force``: warn)."""
     budget = data_budget(cfg, len(facts.stored_layer_ids), facts.target_hidden_size, samples)
-    stored = sum(json.loads(layout.manifest(s).read_text()).get("bytes", 0)
-                 for s in (*SPLITS, SERVED_SPLIT) if layout.manifest(s).exists())
+    held = [layout, *(DataLayout(p) for p in sorted(layout.parts_dir.glob("*-of-*")))]  # parts move in: no new disk
+    stored = sum(json.loads(d.manifest(s).read_text()).get("bytes", 0)
+                 for d in held for s in (*SPLITS, SERVED_SPLIT) if d.manifest(s).exists())
     problem = budget.shortfall(already_stored=stored)
     if problem is None:
         return
@@ -588,7 +685,7 @@ def regenerate(llm, tokenizer, records: list[Record], cfg: PipelineConfig, sampl
     for start in range(0, len(records), chunk):
         batch = records[start : start + chunk]
         results = regenerate_responses(llm, tokenizer, [r.messages for r in batch], rcfg, progress=False,
-                                       seed=cfg.data.seed)
+                                       seed=cfg.data.seed, keys=[r.id for r in batch])
         for r, res in zip(batch, results, strict=True):
             r.messages = res.messages
             r.regen = "ok" if res.error is None else f"failed: {res.error}"

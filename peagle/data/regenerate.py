@@ -45,7 +45,7 @@ class RegenResult:
 class _Work:
     """One conversation in flight: its history so far and the turns still to write."""
 
-    index: int
+    key: int | str  # what seeds its sampled turns: the sample's id, else its position
     original: list[dict]
     pending: list[int]  # indices (in original) of the assistant turns still to write
     history: list[dict] = field(default_factory=list)
@@ -93,12 +93,15 @@ def regenerate_responses(
     progress: bool = True,
     *,
     seed: int | None = None,
+    keys: list[str] | None = None,
 ) -> list[RegenResult]:
     """One ``RegenResult`` per conversation, in input order.
 
     ``tokenizer`` is the target's transformers tokenizer (its chat template renders the
     prompts). ``seed`` (else ``cfg.seed`` if the config has one) seeds each sampled turn
-    by (conversation, turn); greedy decoding (``cfg.temperature == 0``) needs none.
+    by (conversation, turn), a conversation named by its ``keys`` entry (a sample id: the same
+    answer whichever batch, resume or host regenerates it), else its position; greedy decoding
+    (``cfg.temperature == 0``) needs none.
     Sampled regeneration needs a plain engine (not ``open_data_engine``'s).
     """
     from tqdm.auto import tqdm
@@ -114,7 +117,7 @@ def regenerate_responses(
     check_sampling_supported(llm, cfg.temperature)
     seed = seed if seed is not None else getattr(cfg, "seed", None)
     max_model_len = engine_max_model_len(llm)
-    works = [_start(i, conv) for i, conv in enumerate(conversations)]
+    works = [_start(keys[i] if keys else i, conv) for i, conv in enumerate(conversations)]
     total_turns = sum(len(w.pending) for w in works if w.result is None)
     bar = tqdm(total=total_turns, desc="regenerate", unit="turn", disable=not progress)
     try:
@@ -128,8 +131,8 @@ def regenerate_responses(
     return [w.result for w in works]
 
 
-def _start(index: int, conversation) -> _Work:
-    work = _Work(index=index, original=conversation, pending=[])
+def _start(key: int | str, conversation) -> _Work:
+    work = _Work(key=key, original=conversation, pending=[])
     problem = conversation_problem(conversation)
     if problem:
         work.fail(problem)
@@ -160,7 +163,7 @@ def _run_round(llm, tokenizer, chunk: list[_Work], cfg: RegenerateConfig, max_mo
         ready.append(w)
         prompts.append(prompt)
         budgets.append(min(cfg.max_tokens, max_model_len - len(prompt)))
-        seeds.append(_turn_seed(seed, w.index, turn))
+        seeds.append(_turn_seed(seed, w.key, turn))
     if not ready:
         return
     completions = generate_from_token_ids(
@@ -192,7 +195,7 @@ def _render_prompt(tokenizer, history: list[dict]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _turn_seed(seed: int | None, conversation: int, turn: int) -> int | None:
+def _turn_seed(seed: int | None, conversation: int | str, turn: int) -> int | None:
     if seed is None:
         return None
     digest = hashlib.sha256(f"{seed}:{conversation}:{turn}".encode()).digest()

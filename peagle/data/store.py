@@ -388,6 +388,50 @@ class ShardWriter:
         numbers = [int(s["file"][len(SHARD_PREFIX):-len(SHARD_SUFFIX)]) for s in self._manifest["shards"]]
         return f"{SHARD_PREFIX}{max(numbers, default=-1) + 1:05d}{SHARD_SUFFIX}"
 
+    def adopt(self, other_dir: str | Path) -> int:
+        """Move the shards another writer of the same settings listed (a part of the data stage
+        built on another host) into this split, after its own; returns the samples taken.
+
+        A shard whose samples this split already holds is skipped (an adoption a crash cut
+        short, rerun); one that holds only some of them is an error: a sample is never stored
+        twice. Shards are renamed, not copied: the other split is on the same volume."""
+        other_dir = Path(other_dir)
+        path = other_dir / MANIFEST
+        if not path.exists():
+            return 0
+        other = json.loads(path.read_text())
+        keys = ["format_version", "layer_ids", "hidden_size", "storage_dtype", *self.meta]
+        diff = {k: (other.get(k), self._manifest[k]) for k in keys if other.get(k) != self._manifest[k]}
+        if diff:
+            detail = ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in diff.items())
+            raise ValueError(f"{other_dir}: its shards were written with other settings than {self.split_dir}'s "
+                             f"({detail}); delete it and build that part again")
+        self.flush()
+        taken = 0
+        for entry in other["shards"]:
+            source = other_dir / entry["file"]
+            held = self.done_ids()
+            if not source.exists():  # moved by an adoption a crash cut short: its samples are extracted again
+                log.warning("%s: listed but gone; its %d samples are extracted again", source, entry["samples"])
+                continue
+            ids = _shard_sample_ids(source)
+            if all(sid in held for sid in ids):
+                continue
+            if any(sid in held for sid in ids):
+                raise ValueError(f"{source} holds samples {self.split_dir} already holds, and others: a sample is "
+                                 f"never stored twice; delete {other_dir} and build that part again")
+            name = self._next_shard_name()
+            os.replace(source, self.split_dir / name)
+            m = self._manifest
+            m["shards"].append({**entry, "file": name})
+            m["num_samples"] += entry["samples"]
+            m["num_tokens"] += entry["tokens"]
+            m["bytes"] += entry["bytes"]
+            write_json_atomic(self.split_dir / MANIFEST, m, indent=1)
+            self._done.update(ids)
+            taken += entry["samples"]
+        return taken
+
     @property
     def num_buffered(self) -> int:
         """Samples added but not yet in a shard."""
