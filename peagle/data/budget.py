@@ -36,6 +36,7 @@ class DataBudget:
     spool_bytes: int
     free: int
     where: str  # the disk the run writes on
+    parts: int = 1  # hosts the data stage is spread over (``orchestration.data_parts``, ``peagle.data.parts``)
 
     @property
     def train_samples(self) -> int | None:
@@ -97,7 +98,13 @@ class DataBudget:
             f"{format_bytes(self.spool_bytes)} while training; {self.streamed_extraction()}",
             f"disk: {format_bytes(self.free)} free at {self.where}; this config ({self.hidden_states}) needs at most "
             f"{size(self.needed())}",
+            *([self.parts_line()] if self.parts > 1 else []),
         ]
+
+    def parts_line(self) -> str:
+        share = "an equal share of the" if self.samples is None else f"at most {-(-self.samples // self.parts):,}"
+        return (f"hosts: the data stage in {self.parts} parts (orchestration.data_parts), {share} samples each, a "
+                "worker each; a part's store is moved into the dataset when every part is done (no extra disk)")
 
     def check_fits(self) -> None:
         """``peagle config check``: a dataset that cannot fit is refused (``ConfigError``)."""
@@ -142,7 +149,7 @@ def data_budget(cfg: PipelineConfig, num_layers: int, hidden_size: int, samples:
         samples=samples, heldout=cfg.data.heldout_samples, max_tokens=max_tokens, num_layers=num_layers,
         hidden_size=hidden_size, storage_dtype=cfg.data.storage_dtype, hidden_states=cfg.data.hidden_states,
         spool_bytes=int(cfg.data.spool_gib * 2**30) if cfg.data.hidden_states == "streamed" else 0,
-        free=free_bytes(cfg.run_dir), where=str(mount_point(cfg.run_dir)),
+        free=free_bytes(cfg.run_dir), where=str(mount_point(cfg.run_dir)), parts=cfg.orchestration.data_parts,
     )
 
 

@@ -4,16 +4,18 @@ Part I of N (0-based: ``peagle data --part I/N``, or a flow run of the data-part
 that the Prefect data flow starts for each part when ``orchestration.data_parts`` is N)
 takes the I-th of N contiguous slices of the dataset's records, held-out ones included, in
 the order one host's build writes them. It regenerates and extracts that slice into a store
-of its own, ``<data>/parts/I-of-N/``, and writes ``part.json`` last, once complete. A part
+of its own, ``<data>/parts/I-of-N/``, and writes ``part.json`` last, once complete; part 0
+also builds the served split (``peagle.data.served``) with its engine. A part
 is resumable like the whole build, and parts share nothing but the volume ``PEAGLE_HOME`` is
 on, so they run at once on as many hosts.
 
 The build that follows (``peagle data``, or the data flow's own task once every part run has
 finished) checks that all N parts are complete and of its configuration (else a clear error
 before any work), reuses their regenerated answers, and moves their shards into one store in
-part order: the store one host would have written, each sample once. It then builds what
-needs the whole dataset (the served split, the draft vocabulary) and, on commit, removes
-``parts/``.
+part order: the store one host would have written, each sample once, and part 0's served
+split. It then builds the draft vocabulary from the whole train split and, on commit, removes
+``parts/``. Only the Magpie requests (``kind: magpie`` sources, written once before the
+parts) need an engine where the parts are taken in.
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ from peagle.data.served import (
     build_served_split,
     served_is_current,
     served_tokens_to_extract,
+    take_served_split,
 )
 from peagle.data.store import (
     ShardReader,
@@ -242,7 +243,7 @@ def build_part(
     check_budget(cfg, facts, len(records), layout, force)
     try:
         fill_dataset(layout, records, cfg, target_path, facts, tokenizer, key, progress, force=force, mend=force,
-                     served=False)
+                     served=part.index == 0)  # the first part's engine builds the served split too
     except Exception as err:
         if not is_disk_full(err):
             raise
@@ -315,6 +316,7 @@ def fill_dataset(layout: DataLayout, records: list[Record], cfg: PipelineConfig,
             for split in SPLITS
         }
         take_in_parts(writers, parts)
+        take_served_split(cfg, layout, parts)
         stored = set().union(*(w.done_ids() for w in writers.values()))
         engine = _LazyEngine(stack, cfg, target_path, facts, layout.work)
         pending = [r for r in records if key is not None and r.regen is None]

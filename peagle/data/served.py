@@ -14,9 +14,9 @@ accepted before it truncates the output), so the simulation needs them too; the 
 records ``max_tokens``, the budget after which the simulation stops drafting.
 
 Built by the data stage with its engine (no extra engine start) into
-``<data>/splits/served/``; a change of the prompts, their number, the budget or K
-rebuilds this split only (its manifest keeps ``served_key``); an interrupted or repaired
-split of the same key is finished, not redone. Not part of a head's identity: it
+``<data>/splits/served/`` (spread over hosts, by the first part: ``peagle.data.parts``); a
+change of the prompts, their number, the budget or K rebuilds this split only (its manifest
+keeps ``served_key``); an interrupted or repaired split of the same key is finished, not redone. Not part of a head's identity: it
 measures heads, it does not train them.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 
 from peagle.config import PipelineConfig, resolve_repo_path
@@ -92,6 +93,22 @@ def _keep_or_clear(split_dir, meta: dict) -> None:
         old = None
     if old is None or any(old.get(k) != v for k, v in meta.items()):
         shutil.rmtree(split_dir, ignore_errors=True)
+
+
+def take_served_split(cfg: PipelineConfig, data: DataLayout, parts: list[DataLayout]) -> bool:
+    """Move a part's current served split into ``data`` when ``data`` has none (the first part
+    of a data stage spread over hosts builds it, so taking the parts in needs no engine);
+    whether ``data``'s served split is current now."""
+    if served_is_current(cfg, data):
+        return True
+    for part in parts:
+        if served_is_current(cfg, part):
+            shutil.rmtree(data.split(SERVED_SPLIT), ignore_errors=True)
+            data.splits_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(part.split(SERVED_SPLIT), data.split(SERVED_SPLIT))
+            log.info("data: served split taken in from %s", part.root)
+            return True
+    return False
 
 
 def build_served_split(llm, tokenizer, cfg: PipelineConfig, data: DataLayout, layer_ids: list[int],

@@ -53,6 +53,13 @@ def test_streamed_a_train_split_that_fits_the_spool_is_said_to_be_extracted_once
                                             spool_bytes=16 * 2**30).streamed_extraction()
 
 
+def test_a_data_stage_spread_over_hosts_says_each_parts_share():
+    assert not any(line.startswith("hosts:") for line in budget().lines())  # one host: nothing to say
+    lines = "\n".join(budget(parts=3).lines())
+    assert "hosts: the data stage in 3 parts (orchestration.data_parts), at most 66,667 samples each" in lines
+    assert "an equal share of the samples each" in "\n".join(budget(parts=3, samples=None).lines())
+
+
 def test_even_streamed_a_config_can_be_too_big_and_says_what_to_lower():
     with pytest.raises(ConfigError, match="lower data.spool_gib, data.max_samples or data.max_seq_len"):
         budget(hidden_states="streamed", spool_bytes=64 * 2**30, free=10 * 2**30).check_fits()

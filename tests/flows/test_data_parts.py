@@ -6,7 +6,8 @@ a time each: two hosts), prefect.yaml's data-part deployment, and the data flow 
 One run pays for every check: the Magpie requests written once by the data flow before the
 parts (a part started before them is refused, naming the command that writes them), the two
 parts taken by the two workers at the same time, and one store with every sample once, in
-the order of the records, its hidden states the target's. Before it, without the deployment
+the order of the records, its hidden states the target's, and the served split that part 0
+built taken in with them, so the build that takes the parts in starts no engine. Before it, without the deployment
 or without a worker online, the data flow is refused before any engine starts.
 """
 
@@ -133,6 +134,10 @@ def test_two_workers_build_the_parts_at_once_into_one_store_with_each_sample_onc
     said = " ".join(r.message for r in flow_run_logs("data parts (embedded)"))
     assert f"{PROMPTS + MAGPIE} regenerated responses restored" in said, said
     assert f"{info.num_train + info.num_eval} samples taken in from 2 parts built apart" in said, said
+    # The served split built by part 0's engine and taken in: the data flow's build starts none.
+    assert "data: served split taken in from" in said and "data: starting vLLM for" not in said, said
+    first_part = " ".join(r.message for r in flow_run_logs("data-part-0/2 parts (embedded)"))
+    assert "data: served split: 4 eval prompts" in first_part, first_part
 
     # One store: every record's sample once, in the records' order; the parts are gone.
     data = DataLayout(info.data_dir)
