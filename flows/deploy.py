@@ -148,17 +148,25 @@ def deployment_config(d: Deployment):
     return load_config(REPO_ROOT / path if not Path(path).is_absolute() else path, d.parameters.get("overrides"))
 
 
+# Flows that run the data stage's engines and never train: their GPUs need only cover vLLM's.
+DATA_ONLY_FLOWS = {"flows/stages.py:data_flow", "flows/stages.py:data_part_flow"}
+
+
 def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:
     """Do the GPUs ``d`` asks its pool for cover the ranks (and vLLM replicas) its config starts?"""
     dp = cfg.vllm.data_parallel_size
     vllm_gpus = cfg.vllm.tensor_parallel_size * (1 if dp == "auto" else dp)  # auto: one engine, more where given
-    ranks = cfg.train.ranks_per_node  # a multi-node run's deployment runs on every node: one node's share
-    needed = max(ranks, vllm_gpus)
-    spread = f" over train.nodes {cfg.train.nodes}" if cfg.train.nodes > 1 else ""
-    starts = (f"train.world_size {cfg.train.world_size}{spread}: {ranks} ranks per node" if spread
-              else f"train.world_size {cfg.train.world_size} ranks")
-    needs = (f"train.world_size {cfg.train.world_size}{spread}, vLLM tensor x data parallel {vllm_gpus}"
-             + (" (data parallel auto: at least one engine)" if dp == "auto" else ""))
+    engines = f"vLLM tensor x data parallel {vllm_gpus}" + (" (data parallel auto: at least one engine)"
+                                                             if dp == "auto" else "")
+    if d.entrypoint in DATA_ONLY_FLOWS:
+        needed, starts, needs = vllm_gpus, engines, engines
+    else:
+        ranks = cfg.train.ranks_per_node  # a multi-node run's deployment runs on every node: one node's share
+        needed = max(ranks, vllm_gpus)
+        spread = f" over train.nodes {cfg.train.nodes}" if cfg.train.nodes > 1 else ""
+        starts = (f"train.world_size {cfg.train.world_size}{spread}: {ranks} ranks per node" if spread
+                  else f"train.world_size {cfg.train.world_size} ranks")
+        needs = f"train.world_size {cfg.train.world_size}{spread}, {engines}"
     requested = requested_gpus(pool.type, {**pool.defaults(), **d.job_variables})
     if requested is None:
         where = "the worker host's devices" if pool.type == "process" else "every GPU of the host (count -1)"
@@ -171,7 +179,9 @@ def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:
     return GpuCheck(d.name, False,
                     f"{d.name}: requests {requested} GPU{'s' if requested != 1 else ''} ({pool.name} "
                     f"{GPU_VARIABLE[pool.type]}) but its config starts {starts} "
-                    f"(needs {needed} GPUs: {needs}); fix: {fix}, or lower train.world_size in its `overrides`")
+                    f"(needs {needed} GPUs: {needs}); fix: {fix}, or lower "
+                    f"{'vllm.data_parallel_size' if d.entrypoint in DATA_ONLY_FLOWS else 'train.world_size'} in its "
+                    "`overrides`")
 
 
 def check_deployments(path: Path = PREFECT_FILE, names: list[str] | None = None,

@@ -69,6 +69,27 @@ def test_check_refuses_gpus_that_do_not_cover_the_world_size(tmp_path):
     assert "ok retrain-demo:" in out
 
 
+def test_a_data_part_on_a_gpu_pool_needs_only_the_engines_gpus(tmp_path):
+    """A data-part deployment never trains: one GPU covers one engine, whatever train.world_size."""
+    def on_kubernetes(gpus: int):
+        def edit(d):
+            d["data-part"]["work_pool"] = {**d["retrain-llama-3.1-8b"]["work_pool"], "job_variables": {"gpu_count": gpus}}
+            d["data-part"]["parameters"] = {"config": "configs/llama-3.1-8b-instruct.yaml", "part": "0/2",
+                                            "overrides": {"vllm.data_parallel_size": 2}}
+        return edit
+
+    ok = peagle("deploy", "--check", "--name", "data-part", "--prefect-file",
+                str(doctored(tmp_path, on_kubernetes(2))))
+    out = " ".join(ok.stdout.split())
+    assert ok.returncode == 0 and "ok data-part: requests 2 GPUs" in out and "covers 2" in out, out
+    refused = peagle("deploy", "--check", "--name", "data-part", "--prefect-file",
+                     str(doctored(tmp_path, on_kubernetes(1))))
+    out = " ".join(refused.stdout.split())
+    assert refused.returncode == 1, out
+    assert "refused data-part: requests 1 GPU (peagle-k8s gpu_count) but its config starts vLLM tensor x data " \
+           "parallel 2" in out and "lower vllm.data_parallel_size" in out, out
+
+
 def test_check_refuses_a_parameter_the_flow_does_not_take(tmp_path):
     result = peagle("deploy", "--check", "--prefect-file",
                     str(doctored(tmp_path, lambda d: d["retrain-demo"]["parameters"].update(epochs=3))))
