@@ -190,14 +190,15 @@ def main() -> None:
         render_saved(name, tables, notes)
         return
 
+    from targets import bench_target
+
     from peagle.config import load_config
     from peagle.paths import configure_environment, peagle_home
-    from peagle.target import resolve_target
 
     configure_environment()
     cfg = load_config(args.config)
     data_dir = Path(args.data_dir) if args.data_dir else RunLayout(cfg.run_dir).data.root
-    target = resolve_target(cfg.target)
+    target = bench_target(cfg.target)
     manifest = json.loads(DataLayout(data_dir).manifest("train").read_text())
     layer_ids = manifest["layer_ids"]
     sequences = load_sequences(data_dir)[: args.max_sequences]

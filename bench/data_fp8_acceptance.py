@@ -107,9 +107,10 @@ def main() -> None:
         render_saved(NAME, tables, notes)
         return
 
+    from targets import bench_target
+
     from peagle.config import load_config
     from peagle.paths import peagle_home
-    from peagle.target import resolve_target
 
     setup_head_bench(args.threads)
     base = load_config(args.config)
@@ -120,7 +121,7 @@ def main() -> None:
     ks = list(range(1, base.train.k_train + 1))
     overrides = {"eval.ks": ks, **epochs_override(args.epochs)}
     cfgs = {d: load_config(args.config, {**overrides, "workdir": str(work / d)}) for d in ("bfloat16", "float8")}
-    target = target_info(resolve_target(base.target), bf16_data)
+    target = target_info(bench_target(base.target), bf16_data)
 
     stamp = started()
     fp8_data = RunLayout(work / "float8").data.root

@@ -961,11 +961,11 @@ def main() -> None:
             staged_row = 1 + next(i for i, (_, change) in enumerate(VARIANTS) if STAGED in change)
             variant_rows = [0, 1, staged_row]  # the config recipe, the first variant and the staged one
         else:
-            from peagle.target import resolve_target
+            from targets import bench_target
 
             cfg0 = load_config(args.config)
             data_dir = Path(args.data_dir) if args.data_dir else RunLayout(cfg0.run_dir).data.root
-            target_dir, work = resolve_target(cfg0.target), peagle_home() / "bench" / name
+            target_dir, work = bench_target(cfg0.target), peagle_home() / "bench" / name
             budgets, ablation_budget, seeds = args.budgets, args.ablation_budget, args.seeds
             rows = args.ablation_rows
             variant_rows = args.variants

@@ -154,11 +154,11 @@ def main() -> None:
             data_dir, target_dir = tiny_head_dataset(Path(tmp))
             overrides, seeds, work = {**QUICK_OVERRIDES, **overrides}, args.seeds[:1], Path(tmp) / "runs"
         else:
-            from peagle.target import resolve_target
+            from targets import bench_target
 
             base = load_config(args.config)
             data_dir = Path(args.data_dir) if args.data_dir else RunLayout(base.run_dir).data.root
-            target_dir, seeds, work = resolve_target(base.target), args.seeds, peagle_home() / "bench" / NAME
+            target_dir, seeds, work = bench_target(base.target), args.seeds, peagle_home() / "bench" / NAME
         train = load_config(args.config, overrides).train
         ks = list(range(1, train.k_train + 1))
         target = target_info(target_dir, data_dir)

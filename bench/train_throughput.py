@@ -214,9 +214,10 @@ def main() -> None:
 
 
 def compare(args, version: str, tmp: Path) -> Run:
+    from targets import bench_target
+
     from peagle.config import load_config
     from peagle.layout import RunLayout
-    from peagle.target import resolve_target
     from peagle.train.trainer import load_training_inputs
 
     overrides = {"train.method": "peagle", **epochs_override(args.epochs)}
@@ -227,7 +228,7 @@ def compare(args, version: str, tmp: Path) -> Run:
         data_dir, target_dir = tiny_head_dataset(tmp)
     else:
         data_dir = Path(args.data_dir) if args.data_dir else RunLayout(cfg.run_dir).data.root
-        target_dir = resolve_target(cfg.target)
+        target_dir = bench_target(cfg.target)
     target_path = str(target_dir)
     inputs = load_training_inputs(data_dir, cfg)
     samples = [inputs.samples[i] for i in range(min(args.samples, len(inputs.samples)))]

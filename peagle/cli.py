@@ -119,21 +119,6 @@ def config_env():
     console.print_json(json.dumps({**library_homes(), "prefect": prefect_settings()}))
 
 
-@target_app.command("build")
-def target_build(
-    config: Path = typer.Option(Path("configs/demo.yaml"), help="Config whose target.embedded recipe to build"),
-    force: bool = typer.Option(False, help="Rebuild even if a cached build exists"),
-):
-    """Build (or reuse) the embedded default target: a small code LM trained offline."""
-    cfg = _load(config)
-    from peagle.target import build_embedded_target
-
-    path = build_embedded_target(cfg.target.embedded, force=force)
-    report = json.loads((path / "build_report.json").read_text())
-    console.print(f"target: {path}")
-    console.print_json(json.dumps(report))
-
-
 @target_app.command("import-gguf")
 def target_import_gguf(
     source: str = typer.Argument(..., help="A .gguf file, or package:NAME for the one an installed package ships"),

@@ -33,7 +33,7 @@ from peagle.catalogue import DEFAULT_METHOD, describe
 from peagle.fileio import json_digest
 from peagle.paths import REPO_ROOT, peagle_home
 
-EMBEDDED_TARGET = "embedded"  # the tiny test target, built from scratch (peagle target build)
+EMBEDDED_TARGET = "embedded"  # the tiny test target, built from scratch (python -m peagle.testing.embedded)
 DEMO_TARGET_LINE = "./.peagle/targets/smollm2-135m-instruct"  # configs/demo.yaml's target (make smollm2)
 
 

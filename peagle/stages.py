@@ -90,13 +90,13 @@ def check_config(cfg: PipelineConfig) -> ConfigReport:
     from peagle.data.budget import data_budget, expected_samples
     from peagle.data.preflight import CONFIG_CHECK_PROMPTS, check_data_inputs, check_writable
     from peagle.target import resolve_target
-    from peagle.target.build import embedded_target_dir, is_complete
+    from peagle.target.embedded import BUILD_COMMAND, embedded_target_dir, is_complete
 
     notes, tokenizer, mask_token_id, facts = [], None, None, None
     if cfg.target.is_embedded and not is_complete(embedded_target_dir(cfg.target.embedded)):
         check_writable(embedded_target_dir(cfg.target.embedded), "PEAGLE_HOME")
-        notes.append(f"target: the embedded target is built on first use, in minutes (`peagle target build`), "
-                     f"into {embedded_target_dir(cfg.target.embedded)}; the mask token is checked once it is built")
+        notes.append(f"target: the tiny test target is not built yet: `{BUILD_COMMAND}` builds it, in minutes, into "
+                     f"{embedded_target_dir(cfg.target.embedded)}; the mask token is checked once it is built")
     else:
         facts, tokenizer = checked_target_facts(cfg, resolve_target(cfg.target))
         facts.with_draft_vocab(cfg.data.draft_vocab_size or facts.vocab_size)

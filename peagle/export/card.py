@@ -222,7 +222,7 @@ def describe_target(target: str) -> str:
     if hub_id(target):
         return target
     if target == EMBEDDED_TARGET:
-        return "the embedded code LM (`peagle target build`)"
+        return "the tiny embedded test target (`python -m peagle.testing.embedded`)"
     return f"the local model `{Path(target).name}`"
 
 

@@ -8,18 +8,18 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from peagle.config import ConfigError, TargetConfig
-from peagle.target.build import build_embedded_target
+from peagle.config import DEMO_TARGET_LINE, ConfigError, TargetConfig
+from peagle.target.embedded import BUILD_COMMAND, embedded_target_dir, is_complete
 
 
 def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
 
 
-def resolve_target(target: TargetConfig, progress: bool = True) -> str:
-    """``embedded`` -> the cached build (built now if missing); a local path -> that path; else the hub id."""
+def resolve_target(target: TargetConfig) -> str:
+    """``embedded`` -> the tiny test target's build; a local path -> that path; else the hub id."""
     if target.is_embedded:
-        return str(build_embedded_target(target.embedded, progress=progress))
+        return str(embedded_test_target(target))
     local = Path(target.model).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
@@ -36,6 +36,17 @@ def resolve_target(target: TargetConfig, progress: bool = True) -> str:
         ) from None
     require_cached_when_offline(target)
     return target.model
+
+
+def embedded_test_target(target: TargetConfig) -> Path:
+    """The built directory of the tiny test target's recipe, or a ``ConfigError`` saying how to
+    build it (test scaffolding: the test suite builds it, a run never does)."""
+    path = embedded_target_dir(target.embedded)
+    if not is_complete(path):
+        raise ConfigError(f"target.model: embedded is the tiny test target, and its recipe's build is not in {path}: "
+                          f"build it with `{BUILD_COMMAND}` (the test suite does), or point target.model at a model "
+                          f"(configs/demo.yaml's: `target: {{model: {DEMO_TARGET_LINE}}}`)")
+    return path
 
 
 def require_cached_when_offline(target: TargetConfig) -> None:

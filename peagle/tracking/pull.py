@@ -115,8 +115,8 @@ def pull_target_ref(version: ModelVersion, target: str | None) -> str:
         return recorded
     raise ValueError(
         f"version {version.version} of {version.name!r} was trained for target {recorded!r}, which is not a hub id; "
-        "pass --target with the target's hub id or local path (the embedded target's path is printed by "
-        "`peagle target build`)"
+        "pass --target with the target's hub id or local path (the embedded test target's path is printed by "
+        "`python -m peagle.testing.embedded`)"
     )
 
 

@@ -38,7 +38,7 @@ def in_home(tiny_home, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_target(tiny_home):
     """The tiny recipe built once per session into ``tiny_home``."""
-    from peagle.target import build_embedded_target
+    from peagle.testing.embedded import build_embedded_target
 
     old = os.environ.get("PEAGLE_HOME")
     os.environ["PEAGLE_HOME"] = str(tiny_home)

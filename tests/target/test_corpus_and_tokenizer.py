@@ -7,9 +7,9 @@ import pytest
 
 from peagle.config import ConfigError, EmbeddedTargetRecipe, TargetConfig
 from peagle.paths import REPO_ROOT
-from peagle.target import build as build_mod
+from peagle.target import embedded as build_mod
 from peagle.target import embedded_target_dir, load_target_config_and_tokenizer, recipe_hash, resolve_target
-from peagle.target.corpus import (
+from peagle.testing.embedded.corpus import (
     MAX_ASSISTANT_CHARS,
     MAX_USER_CHARS,
     SPECIAL_TOKENS,
@@ -19,8 +19,8 @@ from peagle.target.corpus import (
     load_corpus,
     stdlib_root,
 )
-from peagle.target.prompts import GENERATED_WITH_PYTHON, embedded_prompt_messages
-from peagle.target.tokenizer import render_chat, train_bpe, wrap_tokenizer
+from peagle.testing.embedded.prompts import GENERATED_WITH_PYTHON, embedded_prompt_messages
+from peagle.testing.embedded.tokenizer import render_chat, train_bpe, wrap_tokenizer
 
 MESSAGES = [
     {"role": "user", "content": "Complete this Python function:\n```python\ndef f(x):\n    \"\"\"Twice x.\"\"\"\n```"},
@@ -100,6 +100,13 @@ def test_recipe_hash_keys_the_cache(monkeypatch, in_home):
     before = recipe_hash(base)
     monkeypatch.setattr(build_mod, "BUILD_VERSION", build_mod.BUILD_VERSION + "-next")
     assert recipe_hash(base) != before
+
+
+def test_a_run_never_builds_the_embedded_test_target_and_says_what_does(monkeypatch, tmp_path):
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path))  # nothing built here
+    with pytest.raises(ConfigError, match=r"tiny test target.*`python -m peagle.testing.embedded`.*configs/demo.yaml"):
+        resolve_target(TargetConfig(model="embedded"))
+    assert not (tmp_path / "targets").exists()
 
 
 def test_resolve_local_path_and_missing_path(tmp_path):

@@ -9,7 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from peagle.config import TargetConfig
 from peagle.facts import default_aux_layer_ids
-from peagle.target import build_embedded_target, load_target_config_and_tokenizer, resolve_target
+from peagle.target import load_target_config_and_tokenizer, resolve_target
+from peagle.testing.embedded import build_embedded_target
 
 from .conftest import TINY_RECIPE
 

@@ -1,4 +1,4 @@
-"""Build the embedded default target: a small Llama code model trained on the stdlib, offline.
+"""Build the tiny ``embedded`` test target: a small Llama code model trained on the stdlib, offline.
 
 The build is a pure function of the recipe (plus BUILD_VERSION and this machine's stdlib):
 the output directory is keyed by their hash, written to a temp dir and renamed into place,
@@ -24,14 +24,12 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from peagle.config import EmbeddedTargetRecipe
-from peagle.fileio import json_digest, staged_dir
+from peagle.fileio import staged_dir
 from peagle.logs import console_stream
-from peagle.paths import peagle_home
-from peagle.target.corpus import Corpus, chat_examples, load_corpus, stdlib_root
-from peagle.target.tokenizer import END, render_chat, train_bpe, wrap_tokenizer
+from peagle.target.embedded import BUILD_VERSION, REPORT_NAME, embedded_target_dir, is_complete, recipe_hash
+from peagle.testing.embedded.corpus import Corpus, chat_examples, load_corpus, stdlib_root
+from peagle.testing.embedded.tokenizer import END, render_chat, train_bpe, wrap_tokenizer
 
-# Bump when the build code changes what a recipe produces (it is part of the cache key).
-BUILD_VERSION = "1"
 CHAT_FRACTION = 0.4  # share of training rows that are chat examples (the rest raw code)
 WARMUP_FRACTION = 0.05
 MIN_LR_RATIO = 0.1
@@ -39,19 +37,6 @@ EVAL_WINDOWS = 32
 GREEDY_PROMPTS = 24
 GREEDY_PROMPT_TOKENS = 64
 GREEDY_NEW_TOKENS = 32
-REPORT_NAME = "build_report.json"
-
-
-def recipe_hash(recipe: EmbeddedTargetRecipe) -> str:
-    return json_digest({"recipe": recipe.model_dump(mode="json"), "build": BUILD_VERSION}, 12)
-
-
-def embedded_target_dir(recipe: EmbeddedTargetRecipe) -> Path:
-    return peagle_home() / "targets" / f"embedded-{recipe_hash(recipe)}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / REPORT_NAME).is_file()
 
 
 def build_embedded_target(recipe: EmbeddedTargetRecipe, force: bool = False, progress: bool = True) -> Path:

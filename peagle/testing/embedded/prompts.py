@@ -6,7 +6,7 @@ HELD-OUT files (never seen by the target). Each line is
 the assistant turn is a reference that regeneration replaces with the target's answer.
 ``code_completion_{train,eval}.jsonl`` are completion traffic on the same functions:
 ``{"id", "text": signature + docstring}``, raw code the target continues with no chat
-template (``schema: text`` sources, ``eval.completion_prompts``). Regenerate with ``python -m peagle.target.prompts``.
+template (``schema: text`` sources, ``eval.completion_prompts``). Regenerate with ``python -m peagle.testing.embedded.prompts``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Literal
 from peagle.config import EmbeddedTargetRecipe
 from peagle.fileio import atomic_open
 from peagle.paths import REPO_ROOT
-from peagle.target.corpus import _hash_unit, chat_examples, load_corpus
+from peagle.testing.embedded.corpus import _hash_unit, chat_examples, load_corpus
 
 PROMPTS_DIR = REPO_ROOT / "data" / "prompts"
 DEFAULT_COUNTS = {"train": 2000, "eval": 64}

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from peagle.target.corpus import SPECIAL_TOKENS
+from peagle.testing.embedded.corpus import SPECIAL_TOKENS
 
 USER, ASSISTANT, END, MASK, PAD = SPECIAL_TOKENS
 
