@@ -428,7 +428,7 @@ def plan_build(run: RunLayout, config_hash: str, *, force: bool, repair: bool) -
     else:
         log.info(f"data: config changed ({old} -> {config_hash}), --force: building the new dataset in "
                  f"{rebuild.root}; {data.root} stays as it is until the new one is complete")
-        rebuild.root.mkdir(parents=True)
+        rebuild.root.mkdir(parents=True, exist_ok=True)  # parts of several hosts may start it at once
     return BuildPlan(rebuild, data, replaces=old, reuse=(data.samples, *(o.samples for o in others)),
                      obsolete=tuple(o.root for o in others))
 
