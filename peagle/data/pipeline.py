@@ -181,7 +181,7 @@ def build_dataset(
     key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
     layout = plan.layout
     try:
-        previous = {**parts_samples(parts), **previous_samples(plan)}
+        previous = previous_samples(plan, first=tuple(part.samples for part in parts))  # the parts' answers reused
         records = plan_records(cfg, prompts, previous, key)
         fill_dataset(layout, records, cfg, target_path, facts, tokenizer, key, progress, force=force,
                      mend=repair or force, parts=parts)
@@ -238,8 +238,7 @@ def build_part(
     layout = part_layout(plan.layout, part)
     layout.root.mkdir(parents=True, exist_ok=True)
     key = regeneration_key(cfg, target_revision) if cfg.data.regenerate.enabled else None
-    previous = {**previous_samples(plan), **read_samples(layout.samples)}
-    records = part.take(plan_records(cfg, prompts, previous, key))
+    records = part.take(plan_records(cfg, prompts, previous_samples(plan, last=(layout.samples,)), key))
     check_budget(cfg, facts, len(records), layout, force)
     try:
         fill_dataset(layout, records, cfg, target_path, facts, tokenizer, key, progress, force=force, mend=force,
@@ -359,14 +358,6 @@ def take_in_parts(writers: dict[str, ShardWriter], parts: list[DataLayout]) -> N
         return
     taken = sum(writers[split].adopt(part.split(split)) for part in parts for split in SPLITS)
     log.info(f"data: {taken} samples taken in from {len(parts)} parts built apart")
-
-
-def parts_samples(parts: list[DataLayout]) -> dict[str, dict]:
-    """The samples.jsonl lines of finished parts, by id: their regenerated answers are reused."""
-    merged: dict[str, dict] = {}
-    for part in parts:
-        merged.update(read_samples(part.samples))
-    return merged
 
 
 # ----------------------------------------------------------------------------- where a build goes
@@ -569,11 +560,11 @@ def out_of_space_message(plan: BuildPlan, err: BaseException) -> str:
 # ----------------------------------------------------------------------------- records
 
 
-def previous_samples(plan: BuildPlan) -> dict[str, dict]:
-    """Earlier samples.jsonl lines by id: other builds' (the replaced dataset, unfinished
-    rebuilds) first, then this build's own, which win."""
+def previous_samples(plan: BuildPlan, first: tuple[Path, ...] = (), last: tuple[Path, ...] = ()) -> dict[str, dict]:
+    """Earlier samples.jsonl lines by id: ``first``, other builds' (the replaced dataset,
+    unfinished rebuilds), this build's own, then ``last``; a later file's line wins."""
     merged: dict[str, dict] = {}
-    for path in (*plan.reuse, plan.layout.samples):
+    for path in (*first, *plan.reuse, plan.layout.samples, *last):
         merged.update(read_samples(path))
     return merged
 
