@@ -15,8 +15,8 @@ from tests.prefect_worker import deployed_on_this_server
 
 REPO = Path(__file__).resolve().parents[2]
 POOLS = {"peagle-process": "process", "peagle-docker": "docker", "peagle-k8s": "kubernetes"}
-DEPLOYMENTS = {"pipeline-demo", "data-demo", "train-demo", "evaluate-demo", "publish-demo", "retrain-demo",
-               "retrain-qwen3-8b", "retrain-llama-3.1-8b"}
+DEPLOYMENTS = {"pipeline-demo", "data-demo", "data-part", "train-demo", "evaluate-demo", "publish-demo",
+               "retrain-demo", "retrain-qwen3-8b", "retrain-llama-3.1-8b"}
 
 
 def peagle(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
@@ -161,6 +161,8 @@ def test_prefect_deploy_all_registers_the_file(server):
     step = pipeline.pull_steps[0]["prefect.deployments.steps.set_working_directory"]
     assert step["directory"] == "{{ $PEAGLE_REPO }}"  # resolved by the worker, where the code is
     assert deployments["publish-demo"].parameters == {"config": "configs/demo.yaml"}
+    part = deployments["data-part"]  # what the data flow starts once per part (orchestration.data_parts)
+    assert part.entrypoint == "flows/stages.py:data_part_flow" and part.work_pool_name == "peagle-process"
 
     retrain = deployments["retrain-demo"]
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in retrain.schedules] == [("0 3 * * *", "UTC", True)]
