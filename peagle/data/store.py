@@ -296,8 +296,7 @@ class ShardWriter:
         if not path.exists():
             return fresh
         old = json.loads(path.read_text())
-        keys = ["format_version", "layer_ids", "hidden_size", "storage_dtype", *self.meta]
-        diff = {k: (old.get(k), fresh[k]) for k in keys if old.get(k) != fresh[k]}
+        diff = self._settings_diff(old, fresh)
         if diff:
             detail = ", ".join(f"{k}: on disk {a!r}, now {b!r}" for k, (a, b) in diff.items())
             raise ValueError(
@@ -306,6 +305,12 @@ class ShardWriter:
             )
         old["complete"] = False
         return old
+
+    def _settings_diff(self, other: dict, mine: dict) -> dict[str, tuple]:
+        """``{key: (other's, mine)}`` for each setting two manifests must share (format, layers,
+        width, dtype, the writer's meta) where they differ: shards of both never mix otherwise."""
+        keys = ["format_version", "layer_ids", "hidden_size", "storage_dtype", *self.meta]
+        return {k: (other.get(k), mine[k]) for k in keys if other.get(k) != mine[k]}
 
     def _remove_unlisted_files(self) -> None:
         """Temp files and shards a killed writer renamed but never listed: not trusted, not kept."""
@@ -400,8 +405,7 @@ class ShardWriter:
         if not path.exists():
             return 0
         other = json.loads(path.read_text())
-        keys = ["format_version", "layer_ids", "hidden_size", "storage_dtype", *self.meta]
-        diff = {k: (other.get(k), self._manifest[k]) for k in keys if other.get(k) != self._manifest[k]}
+        diff = self._settings_diff(other, self._manifest)
         if diff:
             detail = ", ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in diff.items())
             raise ValueError(f"{other_dir}: its shards were written with other settings than {self.split_dir}'s "
