@@ -33,7 +33,8 @@ def cpu_line() -> str:
 
 def git_commit() -> str | None:
     """The checkout's commit, marked when tracked files outside bench/results differ from it
-    (the numbers then come from code no commit holds); None outside a git checkout."""
+    (the numbers then come from code no commit holds). Outside a git checkout (a copy of the tree
+    on a lent GPU box), ``PEAGLE_BENCH_COMMIT``: the commit it was copied from; else None."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -41,7 +42,7 @@ def git_commit() -> str | None:
         head = git("rev-parse", "--short=12", "HEAD")
         changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("PEAGLE_BENCH_COMMIT")
     return f"{head} with uncommitted changes" if changed else head
 
 
