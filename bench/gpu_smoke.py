@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -85,13 +84,13 @@ def llama8b_spec(quick: bool):
 # ----------------------------------------------------------------------------- training cells (one process a backend)
 
 
-def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bool) -> None:
+def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bool, optimizer: str) -> None:
     """Every (length, S) cell of one attention backend in this process, printed as one JSON line each
     (``run_backend`` reads them)."""
     cuda = torch.cuda.is_available()
     spec = llama8b_spec(quick)
     train = TrainConfig(k_train=K_TRAIN, cod_ratio=COD_RATIO, max_len=max(lengths), attention=backend,
-                        optimizer="adamw", learning_rate=1e-4, zero_stage=2, precision="bf16" if cuda else "fp32",
+                        optimizer=optimizer, learning_rate=1e-4, zero_stage=2, precision="bf16" if cuda else "fp32",
                         micro_batch_size=1, grad_accum=1)
     init_process_group()
     torch.manual_seed(0)
@@ -149,10 +148,11 @@ def _train_cell(engine, train, spec, head, length: int) -> dict:
             "peak_total_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
-def run_backend(backend: str, lengths: list[int], segments: list[int], quick: bool, timeout_s: float) -> list[dict]:
+def run_backend(backend: str, lengths: list[int], segments: list[int], quick: bool, optimizer: str,
+                timeout_s: float) -> list[dict]:
     """``train_cells`` of one backend in a fresh process (a crash or a hang loses that backend's cells only)."""
     argv = [sys.executable, __file__, "--backend", backend, "--lengths", *map(str, lengths),
-            "--segments", *map(str, segments)] + (["--quick"] if quick else [])
+            "--segments", *map(str, segments), "--optimizer", optimizer] + (["--quick"] if quick else [])
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
         lines, tail = done.stdout.splitlines(), (done.stderr or "")[-1500:]
@@ -199,29 +199,32 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="the training cells' seconds, shared by the backends")
     parser.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
+    parser.add_argument("--backends", choices=BACKENDS, nargs="*", help="default: both on a GPU, dense on a CPU")
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                        help="muon: results named gpu_smoke_muon")
     parser.add_argument("--lengths", type=int, nargs="*")
     parser.add_argument("--segments", type=int, nargs="*")
     args = parser.parse_args()
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
     segments = args.segments or (QUICK_SEGMENTS if args.quick else SEGMENTS)
     if args.backend:
-        train_cells(args.backend, lengths, segments, args.quick)
+        train_cells(args.backend, lengths, segments, args.quick, args.optimizer)
         return
 
     folder = gpu_folder()
-    if folder:
-        os.environ.setdefault("PEAGLE_BENCH_RESULTS", str(Path(__file__).resolve().parent / "results" / folder))
-    elif not args.quick:
+    if not folder and not args.quick:
         parser.error("no CUDA device: run it on a GPU machine, or --quick for the CPU smoke")
-    backends = BACKENDS if torch.cuda.is_available() else ["dense"]  # no flex backward on CPU
-    run = Run(NAME, {"lengths": lengths, "segments": segments, "backends": backends, "k_train": K_TRAIN,
+    backends = args.backends or (BACKENDS if folder else ["dense"])  # no flex backward on CPU
+    name = NAME if args.optimizer == "adamw" else f"{NAME}_{args.optimizer}"
+    run = Run(f"{folder}/{name}" if folder else name, {
+        "optimizer": args.optimizer, "lengths": lengths, "segments": segments, "backends": backends, "k_train": K_TRAIN,
                      "cod_ratio": COD_RATIO, "quick": args.quick, "budget_s": args.budget_s,
                      "drafting_ks": [1, 4] if args.quick else DRAFT_KS})
     start = time.monotonic()
     cells = []
     for i, backend in enumerate(backends):
         share = (args.budget_s - (time.monotonic() - start)) / (len(backends) - i)
-        cells += run_backend(backend, lengths, segments, args.quick, max(share, 30.0))
+        cells += run_backend(backend, lengths, segments, args.quick, args.optimizer, max(share, 30.0))
     drafting = drafting_rows(args.quick)
     precision = "bf16" if torch.cuda.is_available() else "fp32"
     run.add_table(
@@ -238,7 +241,7 @@ def main() -> None:
         "synthetic hidden states at Llama-3.1-8B's shape (Ht 4096, 32 heads x 128, 8 KV heads, MLP 14336), "
         f"4 drafter layers, draft vocabulary 32,000, K_train {K_TRAIN}, COD ratio {COD_RATIO}"
         if not args.quick else "the CPU smoke's tiny shape (H 128), dense mask, fp32: checks the script, measures nothing",
-        "training: the trainer's micro-batch (run_micro_batch) under DeepSpeed ZeRO-2, AdamW; one warm-up step "
+        f"training: the trainer's micro-batch (run_micro_batch) under DeepSpeed ZeRO-2, {args.optimizer}; one warm-up step "
         "per cell, then one timed step; peak = torch.cuda.max_memory_allocated over the timed step",
         "drafting: best of the repetitions, inference mode, masks built before timing (bench/train_forward_latency.py)",
     ])
