@@ -17,7 +17,9 @@ a 4-layer drafter, draft vocabulary 32K, K_train 8, COD ratio 0.8, it measures:
 2. **Drafting**: one P-EAGLE pass against K sequential EAGLE-3 passes, K = 1..11, batch 1,
    a 512-token context (``bench/train_forward_latency.py``'s passes, on the GPU in bf16).
 
-Results go to ``bench/results/<gpu>/gpu_smoke.{json,md}`` (e.g. ``results/h200/``). It fits
+Results go to ``bench/results/<gpu>/gpu_smoke.{json,md}`` (e.g. ``results/h200/``;
+``--optimizer muon``: ``gpu_smoke_muon``). ``peagle config check`` prices a GPU config's
+training from these rates (``peagle.train.gpu_hours``). It fits
 about 8 minutes on one H100 or H200 (``--budget-s`` bounds the training cells); never
 required by the tests, which run its ``--quick`` form on CPU (a tiny shape, the dense mask,
 fp32) to keep it working.
@@ -27,7 +29,7 @@ fp32) to keep it working.
     python bench/gpu_smoke.py --quick       # anywhere: the CPU smoke
 
 On a lent GPU machine, one call that carries `.whl` runs it, and the GPU tests beside it
-(``PEAGLE_BENCH_COMMIT``: the commit the copied tree is at, since it travels without git):
+(``PEAGLE_BENCH_COMMIT``: the commit the copied tree is at; the git that travels with it can be stale):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 PEAGLE_BENCH_COMMIT=<commit> &&
@@ -217,9 +219,9 @@ def main() -> None:
     backends = args.backends or (BACKENDS if folder else ["dense"])  # no flex backward on CPU
     name = NAME if args.optimizer == "adamw" else f"{NAME}_{args.optimizer}"
     run = Run(f"{folder}/{name}" if folder else name, {
-        "optimizer": args.optimizer, "lengths": lengths, "segments": segments, "backends": backends, "k_train": K_TRAIN,
-                     "cod_ratio": COD_RATIO, "quick": args.quick, "budget_s": args.budget_s,
-                     "drafting_ks": [1, 4] if args.quick else DRAFT_KS})
+        "optimizer": args.optimizer, "lengths": lengths, "segments": segments, "backends": backends,
+        "k_train": K_TRAIN, "cod_ratio": COD_RATIO, "quick": args.quick, "budget_s": args.budget_s,
+        "drafting_ks": [1, 4] if args.quick else DRAFT_KS})
     start = time.monotonic()
     cells = []
     for i, backend in enumerate(backends):

@@ -33,8 +33,12 @@ def cpu_line() -> str:
 
 def git_commit() -> str | None:
     """The checkout's commit, marked when tracked files outside bench/results differ from it
-    (the numbers then come from code no commit holds). Outside a git checkout (a copy of the tree
-    on a lent GPU box), ``PEAGLE_BENCH_COMMIT``: the commit it was copied from; else None."""
+    (the numbers then come from code no commit holds); None outside a git checkout.
+    ``PEAGLE_BENCH_COMMIT`` names it instead, for a copy of the tree (a lent GPU box's) whose git
+    is absent or stale."""
+    if os.environ.get("PEAGLE_BENCH_COMMIT"):
+        return os.environ["PEAGLE_BENCH_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -42,7 +46,7 @@ def git_commit() -> str | None:
         head = git("rev-parse", "--short=12", "HEAD")
         changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("PEAGLE_BENCH_COMMIT")
+        return None
     return f"{head} with uncommitted changes" if changed else head
 
 

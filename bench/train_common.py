@@ -151,8 +151,9 @@ class Run:
     def _meta_line(self) -> str:
         m = self.meta
         end = "(running: the rows so far)" if m.get("partial") else m["load_average_end"]
+        gpu = f"{m['gpu']}, " if m.get("gpu") else ""
         return (
-            f"{m.get('cpu_model') or m['processor']} x{m['cpu_count']}, torch {m['torch']} ({m['torch_threads']} threads), "
+            f"{gpu}{m.get('cpu_model') or m['processor']} x{m['cpu_count']}, torch {m['torch']} ({m['torch_threads']} threads), "
             f"load avg start {m['load_average_start']} end {end}, {m['started_utc']}"
         )
 

@@ -70,7 +70,8 @@ def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Check a config against everything it names, without an engine or a download: types, keys
     and combinations; the target (its tokenizer and the mask token); every prompt source and
     evaluation set; the counts; the run directory. Then its plan: samples, tokens and disk, stored
-    or streamed (data.hidden_states), against the free disk; a dataset that cannot fit is refused."""
+    or streamed (data.hidden_states), against the free disk (a dataset that cannot fit is
+    refused), and for a GPU config (train.precision bf16) training's GPU hours."""
     cfg = _load(config, set_)  # a config that does not parse is refused before the checks' libraries load
     from peagle.stages import check_config
 

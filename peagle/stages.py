@@ -86,11 +86,12 @@ def check_config(cfg: PipelineConfig) -> ConfigReport:
     embedded target once built) and the config fits it (``checked_target_facts``, the draft
     vocabulary); the data stage's own checks follow (``peagle.data.preflight``); then the
     dataset's cost on the run's disk, stored or streamed, a stored one that cannot fit refused
-    (``peagle.data.budget``)."""
+    (``peagle.data.budget``); for a GPU config, training's GPU hours (``peagle.train.gpu_hours``)."""
     from peagle.data.budget import data_budget, expected_samples
     from peagle.data.preflight import CONFIG_CHECK_PROMPTS, check_data_inputs, check_writable
     from peagle.target import resolve_target
     from peagle.target.embedded import BUILD_COMMAND, embedded_target_dir, is_complete
+    from peagle.train.gpu_hours import gpu_hours_line
 
     notes, tokenizer, mask_token_id, facts = [], None, None, None
     if cfg.target.is_embedded and not is_complete(embedded_target_dir(cfg.target.embedded)):
@@ -99,7 +100,7 @@ def check_config(cfg: PipelineConfig) -> ConfigReport:
                      f"{embedded_target_dir(cfg.target.embedded)}; the mask token is checked once it is built")
     else:
         facts, tokenizer = checked_target_facts(cfg, resolve_target(cfg.target))
-        facts.with_draft_vocab(cfg.data.draft_vocab_size or facts.vocab_size)
+        facts = facts.with_draft_vocab(cfg.data.draft_vocab_size or facts.vocab_size)
         mask_token_id = facts.mask_token_id
     inputs = check_data_inputs(cfg, tokenizer, mask_token_id, download=False, scan=CONFIG_CHECK_PROMPTS)
     plan = []
@@ -108,6 +109,8 @@ def check_config(cfg: PipelineConfig) -> ConfigReport:
         budget = data_budget(cfg, len(facts.stored_layer_ids), facts.target_hidden_size, samples)
         budget.check_fits()
         plan = budget.lines()
+        if cfg.train.precision == "bf16":  # a GPU config
+            plan.append(gpu_hours_line(cfg, facts, budget.tokens(budget.train_samples)))
     return ConfigReport(notes=notes + inputs.notes(), plan=plan)
 
 

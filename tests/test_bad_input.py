@@ -220,6 +220,9 @@ def test_a_config_whose_inputs_all_check_is_valid_and_its_plan_is_printed(tmp_pa
                  "plan: stored (data.hidden_states: stored):", "in bfloat16", "in float8",
                  "plan: streamed (data.hidden_states: streamed):", "plan: disk:"):
         assert line in result, (line, result.output)
+    assert "plan: training:" not in result  # a CPU config: no GPU hours
+    gpu = check_here(target_config(tmp_path, local_target), "--set", "train.precision=bf16")
+    assert gpu.returncode == 0 and "plan: training: GPU hours not estimated" in gpu, gpu.output  # not the GPU recipe
 
 
 def test_a_stored_dataset_the_disk_cannot_hold_is_refused_naming_streaming(tmp_path, local_target, small_disk):
