@@ -300,6 +300,7 @@ def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None 
     as vLLM does), not by loss. With
     ``mlflow_run_id`` (the stage's MLflow run) rank 0's step metrics reach it while the ranks run.
     """
+    from peagle.rank import RANK_MODULE
     from peagle.train.launch import launch_training
 
     on_metrics = None
@@ -312,7 +313,7 @@ def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None 
         plan.data_dir,
         target.path,
         plan.checkpoint_dir,
-        eval_factory="peagle.eval.offline:offline_eval_fn",
+        rank_module=RANK_MODULE,
         on_metrics=on_metrics,
     )
 

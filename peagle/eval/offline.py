@@ -366,7 +366,7 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     """The trainer's ``eval_fn`` (it picks the best checkpoint): acceptance length at the largest
     usable K on ``offline_split``, the number that predicts vLLM's.
 
-    Usable as ``--eval-factory peagle.eval.offline:offline_eval_fn`` (K beyond the method's
+    The pipeline's training ranks (``peagle.rank``) hand it to the trainer (K beyond the method's
     ``max_eval_k`` is dropped).
     """
     from peagle.data.store import ShardReader

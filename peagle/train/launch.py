@@ -6,6 +6,10 @@ Entry point (what every rank runs)::
         --data-dir RUN/data --target TARGET_DIR --out RUN/checkpoints/peagle/IDENTITY
     python -m peagle.train.launch --config-json '{"name": ..., ...}' ...   # or a .json path
 
+That rank trains without evaluating. A program above training that hands the trainer more
+(``peagle.rank``: the pipeline's rank, with offline evaluation) runs ``rank_main`` itself and is
+launched in its place (``launch_training(..., rank_module=...)``).
+
 ``launch_training`` runs it as a subprocess and waits; ``cfg.train`` picks the launcher:
 
 - one node (``train.nodes == 1``): ``python -m torch.distributed.run --standalone
@@ -50,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import json
 import logging
 import os
@@ -71,6 +74,7 @@ from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
 LAUNCH_CONFIG = LAUNCH_CONFIG_FILE
+RANK_MODULE = "peagle.train.launch"  # this module, by the name ranks start it under (-m runs it as __main__)
 RANK_OUTPUT = "train.log"  # every rank's stdout/stderr, in the checkpoint directory
 TAIL_LINES = 40
 POLL_S = 1.0  # how often metrics.jsonl is read while the ranks run
@@ -89,18 +93,17 @@ class TrainingFailed(RuntimeError):
 
 def training_command(
     cfg_json: Path, data_dir: Path, target_path: str, out_dir: Path, train: TrainConfig,
-    eval_factory: str | None = None, progress: bool = True,
+    rank_module: str = RANK_MODULE, progress: bool = True,
 ) -> list[str]:
-    """The launcher command line for ``train``'s launch settings (see the module docstring)."""
+    """The launcher command line for ``train``'s launch settings (see the module docstring), every
+    rank running ``python -m rank_module``."""
     args = ["--config-json", str(cfg_json), "--data-dir", str(data_dir), "--target", str(target_path), "--out", str(out_dir)]
-    if eval_factory:
-        args += ["--eval-factory", eval_factory]
     if not progress:
         args.append("--no-progress")
     if train.hostfile is not None:
         hosts = hostfile_slots(Path(train.hostfile), train.world_size)
         return ["deepspeed", "--hostfile", str(train.hostfile), "--master_addr", next(iter(hosts)),
-                "--module", "peagle.train.launch", *args]
+                "--module", rank_module, *args]
     if train.nodes == 1:
         where = ["--standalone"]
     else:
@@ -109,7 +112,7 @@ def training_command(
             f"--rdzv_id={train.rdzv_id or rendezvous_id(out_dir)}", f"--rdzv_conf=join_timeout={train.rdzv_timeout_s}",
         ]
     return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={train.ranks_per_node}",
-            "-m", "peagle.train.launch", *args]
+            "-m", rank_module, *args]
 
 
 def rendezvous_id(out_dir: Path) -> str:
@@ -146,7 +149,7 @@ def launch_training(
     target_path: str,
     out_dir: Path,
     *,
-    eval_factory: str | None = None,
+    rank_module: str = RANK_MODULE,
     progress: bool = True,
     env: dict[str, str] | None = None,
     on_metrics: Callable[[list[dict]], None] | None = None,
@@ -154,9 +157,8 @@ def launch_training(
     """Train in ``train.world_size`` fresh processes (this node's share of them when
     ``train.nodes`` > 1) and return rank 0's ``TrainResult``.
 
-    ``eval_factory`` ("module:function") names ``function(cfg, data_dir, target_path) ->
-    eval_fn`` that every rank calls to build the offline-acceptance hook (the callable
-    itself cannot cross the process boundary). ``on_metrics(records)`` receives rank 0's new
+    ``rank_module`` is the program every rank runs (``rank_main`` with what it hands the
+    trainer; this module's own trains without evaluating). ``on_metrics(records)`` receives rank 0's new
     ``metrics.jsonl`` records (steps after the resume point) about once a second while the
     ranks run; it runs in this process, so the ranks never talk to a tracking server.
     """
@@ -170,7 +172,7 @@ def launch_training(
     cfg_json = out_dir / LAUNCH_CONFIG
     write_text_atomic(cfg_json, cfg.model_dump_json(by_alias=True, indent=1))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
-    cmd = training_command(cfg_json, Path(data_dir), target_path, out_dir, cfg.train, eval_factory, progress)
+    cmd = training_command(cfg_json, Path(data_dir), target_path, out_dir, cfg.train, rank_module, progress)
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
@@ -569,17 +571,16 @@ def _load_cfg(args) -> PipelineConfig:
     return parse_config(json.loads(text), "--config-json")
 
 
-def _eval_fn(factory: str | None, cfg: PipelineConfig, data_dir: Path, target_path: str):
-    if not factory:
-        return None
-    module, sep, name = factory.partition(":")
-    if not sep:
-        raise ValueError(f"--eval-factory {factory!r}: expected 'module:function'")
-    return getattr(importlib.import_module(module), name)(cfg, data_dir, target_path)
+# ``make_eval_fn(cfg, data_dir, target_path) -> eval_fn(drafter) -> acceptance``: what a rank
+# program hands the trainer to choose checkpoints by (``peagle.rank``'s offline evaluation).
+EvalFnFactory = Callable[[PipelineConfig, Path, str], Callable]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peagle.train.launch", description=__doc__.split("\n\n")[0])
+def rank_main(argv: list[str] | None = None, *, prog: str = f"python -m {RANK_MODULE}",
+              make_eval_fn: EvalFnFactory | None = None) -> int:
+    """What a rank runs: parse the launcher's arguments, load the config, train (evaluating
+    through ``make_eval_fn``'s function, if given)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="pipeline config YAML")
     source.add_argument("--config-json", help="the pipeline config as JSON (inline, or a .json file)")
@@ -587,7 +588,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", required=True, type=Path, help="dataset directory (target_facts.json, splits/, vocab)")
     parser.add_argument("--target", required=True, help="the target model's local directory")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint/metrics directory (resumed if it has one)")
-    parser.add_argument("--eval-factory", help="module:function returning eval_fn(drafter) -> acceptance")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment is what is used.
@@ -612,11 +612,11 @@ def main(argv: list[str] | None = None) -> int:
         args.target,
         args.out,
         progress=not args.no_progress,
-        eval_fn=_eval_fn(args.eval_factory, cfg, args.data_dir, args.target),
+        eval_fn=make_eval_fn(cfg, args.data_dir, args.target) if make_eval_fn else None,
         resume=not args.no_resume,
     )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(rank_main())

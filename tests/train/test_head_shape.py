@@ -53,6 +53,7 @@ def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cac
     for layers, cfg in configs.items():
         trained = stages.train_head(stages.plan_head(cfg, None, data_dir), target)
         best[layers] = trained.best_checkpoint
+        assert trained.best_checkpoint is not None  # chosen by acceptance: the ranks (peagle.rank) evaluated
         assert Path(trained.best_checkpoint).parent == stages.checkpoint_dir(cfg, "peagle", data_dir)
         spec = read_head_spec(trained.best_checkpoint)
         assert (spec.num_layers, spec.method, spec.k_train) == (layers, "peagle", 3)

@@ -222,3 +222,10 @@ def test_launcher_streams_output_and_reports_a_failing_child(caplog, tmp_path):
     cmd = training_command(Path("c.json"), Path("data"), "target", Path("out"),
                            tiny_config(world_size=16, hostfile=str(hostfile)).train)
     assert cmd[:7] == ["deepspeed", "--hostfile", str(hostfile), "--master_addr", "node-a", "--module", "peagle.train.launch"]
+    # The pipeline's ranks run peagle.rank (training handed offline evaluation), under either launcher.
+    cmd = training_command(Path("c.json"), Path("data"), "target", Path("out"),
+                           tiny_config(world_size=16, hostfile=str(hostfile)).train, rank_module="peagle.rank")
+    assert cmd[5:7] == ["--module", "peagle.rank"]
+    single = training_command(Path("c.json"), Path("data"), "target", Path("out"), tiny_config(world_size=2).train,
+                              rank_module="peagle.rank")
+    assert single[single.index("--nproc_per_node=2") + 1:][:2] == ["-m", "peagle.rank"]

@@ -1,0 +1,25 @@
+"""The program every training rank of the pipeline runs: the trainer's rank
+(``peagle.train.launch.rank_main``), handed offline evaluation (``peagle.eval.offline``) as a
+function, so checkpoints are chosen by simulated acceptance. It sits above training and
+evaluation both: training never reaches evaluation, by import or by name.
+``peagle.stages.train_head`` launches it (``launch_training(..., rank_module=RANK_MODULE)``)::
+
+    python -m peagle.rank --config-json OUT/launch_config.json --data-dir ... --target ... --out OUT
+"""
+
+from __future__ import annotations
+
+import sys
+
+from peagle.eval.offline import offline_eval_fn
+from peagle.train.launch import rank_main
+
+RANK_MODULE = "peagle.rank"  # this module, by the name ranks start it under (-m runs it as __main__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return rank_main(argv, prog=f"python -m {RANK_MODULE}", make_eval_fn=offline_eval_fn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
