@@ -55,6 +55,28 @@ PIPELINE_PROMPTS = 160  # the shared run's prompt file: the first lines of data/
 SHIPPED_TARGETS = REPO / "tests" / "support" / "targets"  # the embedded target as built (its README says where)
 
 
+def pytest_configure(config):
+    from tests.cores import pin_xdist_worker
+
+    pin_xdist_worker()
+
+
+@pytest.fixture(autouse=True)
+def _all_cores(request):
+    """A test marked ``all_cores`` (``tests.cores.needs_cores``) runs with every core of the run."""
+    if request.node.get_closest_marker("all_cores") is None:
+        yield
+        return
+    from tests.cores import run_cores
+
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, run_cores())
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
 def pytest_sessionstart(session):
     """Every process of the run (the suite, the CLIs and engines it starts) finds the embedded
     target built (a run never builds it): the shipped build, else one built now (4 to 20 minutes

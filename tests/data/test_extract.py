@@ -8,6 +8,7 @@ import torch
 
 from peagle.config import VllmConfig
 from peagle.data.extract import check_layer_ids, extract_hidden_states
+from tests.cores import needs_cores
 
 NUM_LAYERS = 4
 LAYER_IDS = [0, 1, 2, NUM_LAYERS]  # embeddings, aux layers, and the last layer (pre-norm)
@@ -117,10 +118,9 @@ def test_too_long_sequence_is_a_clear_error_and_no_files_remain(extraction):
 
 
 @pytest.mark.slow
+@needs_cores(2)
 def test_data_parallel_replicas_give_the_same_states(extraction, tiny_model, tmp_path):
     """Two engine replicas in their own processes (one CPU core each here)."""
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 CPU cores for 2 replicas")
     seqs = extraction["seqs"][:12]
     dp_cfg = CFG.model_copy(update={"data_parallel_size": 2})
     got = dict(extract_hidden_states(tiny_model, dp_cfg, seqs, LAYER_IDS, tmp_path, dtype="float32",

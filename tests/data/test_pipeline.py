@@ -1,7 +1,6 @@
 """build_dataset: resumable, refuses mixed configurations, and (slow) end to end in vLLM."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from peagle.data.prompts import load_prompts
 from peagle.data.store import ShardReader
 from peagle.facts import TargetFacts
 from peagle.layout import BUILD_FILE, RunLayout
+from tests.cores import needs_cores
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Write a function that adds two numbers."},
@@ -358,7 +358,7 @@ def test_build_dataset_end_to_end_and_resume(tmp_path, prompts_path, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores for 2 engine replicas")
+@needs_cores(2)
 @pytest.mark.timeout(600)  # two engine replicas, one killed, and a rerun (~145 s)
 def test_two_replicas_build_one_store_and_a_rerun_resumes_after_one_dies(tmp_path):
     """``vllm.data_parallel_size: 2`` through ``peagle data``, as a user runs it: one replica is

@@ -1,7 +1,6 @@
 """Engine replicas in their own processes: one call's prompts split over them, in order;
 a replica that fails to start or dies is a clear error and leaves no process behind."""
 
-import os
 
 import psutil
 import pytest
@@ -11,12 +10,13 @@ from peagle.serving import EngineStartError
 from peagle.serving.engine import engine_kwargs
 from peagle.serving.generation import generate_from_token_ids
 from peagle.serving.pool import EnginePool, ReplicaLostError, engine_max_model_len, even_chunks, open_engines
+from tests.cores import needs_cores
 
 CFG = VllmConfig(max_model_len=256, max_num_seqs=8, cpu_kvcache_space_gib=1)
 DP2 = CFG.model_copy(update={"data_parallel_size": 2})
 PROMPTS = [[1, 3] + list(range(20 + i, 40 + i)) for i in range(7)]
 
-needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores for 2 replicas")
+needs_two_cores = needs_cores(2)
 
 
 @pytest.fixture(scope="module")
