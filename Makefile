@@ -1,7 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   bootstrap .venv if missing, install, run the pipeline on configs/demo.yaml
 #   make test   bootstrap the same way, run the test suite on TEST_WORKERS pytest-xdist workers (2;
-#               tests/conftest.py says how tests are grouped onto them)
+#               tests/conftest.py says how tests are grouped onto them; each computes on cores of
+#               its own: tests/cores.py)
 #   make test-fast  the same without the tests marked slow (over ~7 s each: vLLM engines, DeepSpeed
 #                   training under torchrun, the one shared pipeline run of tests/conftest.py, deploying
 #                   to the real Prefect server, most commands run as processes), under 5 minutes on 2

@@ -140,7 +140,7 @@ def train_killed_after(config: Path, step: int) -> Path:
             steps = [r.get("step", 0) for r in map(json.loads, new[0].read_text().splitlines())] if new else []
             if max(steps, default=0) >= step:
                 break
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert run.poll() is None, "training ended before it could be killed"
     finally:
         os.killpg(run.pid, signal.SIGKILL)
@@ -152,8 +152,9 @@ def train_killed_after(config: Path, step: int) -> Path:
 @pytest.mark.timeout(600)  # two data stages (~100 s), a stored training, a streamed one killed and rerun
 def test_a_streamed_run_killed_and_rerun_trains_what_a_stored_run_does_with_a_spool_under_its_cap(datasets):
     """The streamed dataset keeps the train split's tokens only. Its training, killed -9 after step 5
-    (checkpointed at step 4) and rerun, trains the stored run's samples in the stored run's order,
-    each once per epoch, to the stored run's losses, while its spool stays under data.spool_gib."""
+    (checkpointed at step 4, or at 8 when the kill lands later) and rerun, trains the stored run's
+    samples in the stored run's order, each once per epoch, to the stored run's losses, while its
+    spool stays under data.spool_gib."""
     streamed_train = run_dir(datasets["streamed"]) / "data" / "splits" / "train"
     manifest = json.loads((streamed_train / "manifest.json").read_text())
     stored_manifest = json.loads((run_dir(datasets["stored"]) / "data/splits/train/manifest.json").read_text())
@@ -167,19 +168,22 @@ def test_a_streamed_run_killed_and_rerun_trains_what_a_stored_run_does_with_a_sp
         rerun_started = time.time()
         rerun = peagle("train", datasets["streamed"])
     assert rerun.returncode == 0, rerun.output
-    assert "each chunk deleted once read, every epoch extracted again" in rerun.output, rerun.output
 
     assert 0 < spool.peak <= SPOOL_GIB * 2**30, f"spool peaked at {spool.peak} bytes"
     assert any(name.startswith("e0001-") for name in spool.chunks), "the second epoch is extracted again"
     assert not (head / "spool").exists(), "the spool is gone after training"
     stored, streamed = metrics(datasets["stored"]), metrics(datasets["streamed"])
     assert_trains_as_stored(stored, streamed)
-    assert [r["step"] for r in streamed if r["time"] < rerun_started] == [1, 2, 3, 4], "resumed at the step-4 checkpoint"
-
     from peagle.data.order import BatchPlan
     from peagle.train.data import rank_order
 
     plan = BatchPlan(manifest["num_samples"], 1, 2, 1)
+    resumed_at = len([r for r in streamed if r["time"] < rerun_started])
+    assert resumed_at in (4, 8), f"resumed at step {resumed_at}, not at a checkpoint after the kill (save_every 4)"
+    if resumed_at < plan.steps_per_epoch:  # the rerun reads past the epoch it resumes in
+        assert "each chunk deleted once read, every epoch extracted again" in rerun.output, rerun.output
+    else:
+        assert "each chunk deleted once read" in rerun.output and "every epoch" not in rerun.output, rerun.output
     expected = [i for epoch in range(2) for i in rank_order(plan, epoch, 0, 0)][: 2 * STEPS]
     assert [r["samples"] for r in streamed] == [sorted(expected[2 * s : 2 * s + 2]) for s in range(STEPS)]
     trained = [i for r in streamed for i in r["samples"]]
