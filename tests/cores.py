@@ -2,8 +2,8 @@
 
 The suite's tests start multi-threaded processes (vLLM engines, training ranks, Prefect and
 MLflow servers). Two workers side by side on a small machine would run every such process's
-threads on every core, against each other's: OpenMP threads that wait spin, and a pair of
-tests took longer side by side than one after the other. So each worker is pinned to an equal
+threads on every core, against each other's (OpenMP threads that wait spin), and far slower
+than with each worker on cores of its own. So each worker is pinned to an equal
 share of the run's cores (``pin_xdist_worker``), and every process it starts inherits that
 share (vLLM binds its threads within it, torch sizes its pool to it). A test that needs more,
 several engine replicas at once, is marked ``all_cores`` (``needs_cores``) and runs with every
