@@ -229,6 +229,36 @@ def train_cmd(
     print_result(result)
 
 
+@app.command("produce")
+def produce_cmd(
+    config: Path = ConfigArg,
+    set_: list[str] = SetOpt,
+    method: str = typer.Option(None, help="Whose training to extract for (peagle, eagle3); default train.method"),
+):
+    """Extract a streamed dataset's hidden states for `peagle train` running on other hosts
+    (data.producer: separate): this host's vLLM engines write them into the head's spool, in the
+    order the ranks read them, until the training ends. Run it with the same config and --set as
+    the training, on a host that sees the same run directory."""
+    from peagle import stages
+
+    cfg = _load(config, set_ or [])
+    method = _method(method, cfg)
+    if cfg.data.producer != "separate":
+        console.print("[red]data.producer is launcher: `peagle train` extracts beside its own ranks. Set "
+                      "data.producer: separate (in the config, or --set data.producer=separate, for both commands) "
+                      "to extract here instead[/red]", soft_wrap=True)
+        raise typer.Exit(2)
+    _require(vllm=cfg.vllm)
+    try:
+        plan = stages.plan_head(cfg, method, RunLayout(cfg.run_dir).data.root)
+    except FileNotFoundError as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    with _library_output(cfg):
+        stages.produce_hidden_states(plan, stages.prepare_target(cfg))
+    console.print(f"[green]produced the hidden states of {plan.method}'s training in {plan.checkpoint_dir}[/green]")
+
+
 @app.command("export")
 def export_cmd(
     config: Path = ConfigArg,

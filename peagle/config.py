@@ -263,6 +263,19 @@ class DataConfig(Strict):
     # deleted once every rank has read it (peagle.data.spool): for data that does not fit the disk.
     hidden_states: Literal["stored", "streamed"] = Field("stored", json_schema_extra=HASHED_UNLESS_DEFAULT)
     spool_gib: float = Field(4.0, gt=0, json_schema_extra=NOT_HASHED)  # how much, not what: not the dataset's identity
+    # Who extracts a streamed split while it trains. launcher: `peagle train`'s launcher, beside
+    # its ranks (one launcher for every node). separate: `peagle produce` on another host (an
+    # inference node) that sees the same run directory; the launcher waits up to
+    # producer_wait_s for it, then its ranks read what it writes. Where, not what: not hashed.
+    producer: Literal["launcher", "separate"] = Field("launcher", json_schema_extra=NOT_HASHED)
+    producer_wait_s: float = Field(1800.0, gt=0, json_schema_extra=NOT_HASHED)
+
+    @model_validator(mode="after")
+    def _producer_streams(self):
+        if self.producer == "separate" and self.hidden_states != "streamed":
+            raise ValueError("data.producer: separate extracts a streamed train split while it trains: set "
+                             "data.hidden_states: streamed, or leave data.producer out")
+        return self
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -606,7 +619,7 @@ class PipelineConfig(Strict):
             if ids is not None and len(set(ids)) != len(ids):
                 raise ValueError(f"{key} {ids} names a GPU twice")
         shared = sorted(set(train or []) & set(engines or []))
-        if self.data.hidden_states == "streamed" and shared:
+        if self.data.hidden_states == "streamed" and self.data.producer == "launcher" and shared:
             raise ValueError(
                 f"data.hidden_states: streamed runs vLLM's engines beside the ranks, but GPU(s) {', '.join(shared)} are "
                 "in both vllm.devices and train.devices: give each its own GPUs")

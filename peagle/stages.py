@@ -318,6 +318,15 @@ def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None 
     )
 
 
+def produce_hidden_states(plan: HeadPlan, target: TargetInfo) -> None:
+    """``data.producer: separate``: extract ``plan``'s streamed train split into its spool, on
+    this host's engines, for ``train_head`` running on other hosts, until that training ends
+    (``peagle.train.launch.produce_separately``)."""
+    from peagle.train.launch import produce_separately
+
+    produce_separately(plan.config, plan.data_dir, target.path, plan.checkpoint_dir)
+
+
 def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,
                      method: str | None = None):
     """Simulated acceptance per K of a checkpoint (``peagle.eval.offline``: on the served split, as

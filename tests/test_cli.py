@@ -72,3 +72,11 @@ def test_a_stage_result_prints_as_json_a_script_can_read_however_long_its_paths(
               "note": "[red]not markup[/red]"}
     peagle.cli.print_result(result)
     assert json.loads(out.getvalue()) == result
+
+
+def test_produce_is_refused_where_the_launcher_extracts():
+    """`peagle produce` serves a training whose config says data.producer: separate; any other is
+    refused before an engine starts, saying how to set it for both commands."""
+    result = runner.invoke(app, ["produce", str(REPO / "configs" / "tiny.yaml"), "--set", "data.hidden_states=streamed"])
+    assert result.exit_code == 2
+    assert "data.producer is launcher" in " ".join(result.output.split()) and "separate" in result.output

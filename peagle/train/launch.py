@@ -208,6 +208,10 @@ def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path:
     if not is_streamed(DataLayout(data_dir).train):
         yield
         return
+    if cfg.data.producer == "separate":
+        wait_for_separate_producer(cfg, out_dir)
+        yield
+        return
     check_engines_apart_from_ranks(cfg)
     with producer_lock(out_dir) as producer:
         if producer:
@@ -221,6 +225,63 @@ def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path:
             raise ConfigError(
                 f"another process is already training this head ({out_dir}; it holds {out_dir / LOCK_FILE}): "
                 "let it finish or stop it, then rerun (training resumes from the last checkpoint)")
+
+
+PRODUCER_POLL_S = 1.0
+
+
+def wait_for_separate_producer(cfg: PipelineConfig, out_dir: Path) -> None:
+    """``data.producer: separate``: wait (up to ``data.producer_wait_s``) until ``peagle produce``
+    runs for this head (its spool's heartbeat is fresh) with a spool planned from this run's
+    resume point, so the ranks start reading what it writes."""
+    from peagle.data.spool import HEARTBEAT_EVERY_S, HEARTBEAT_FILE, LOCK_FILE, Spool
+    from peagle.layout import spool_dir
+
+    start_step, spool = resume_step(out_dir), Spool(spool_dir(out_dir))
+    log.info("training on a streamed dataset: waiting up to %s for `peagle produce` (data.producer: separate) to "
+             "extract the hidden states into %s", format_duration(cfg.data.producer_wait_s), spool.root)
+    deadline = time.monotonic() + cfg.data.producer_wait_s
+    while True:
+        try:
+            planned = spool.plan().start_step == start_step
+            beat = time.time() - (spool.root / HEARTBEAT_FILE).stat().st_mtime
+        except (FileNotFoundError, ValueError):  # not started yet, or clearing an old spool to start afresh
+            planned, beat = False, None
+        if planned and beat is not None and beat < 5 * HEARTBEAT_EVERY_S:
+            log.info("training on a streamed dataset: the separate producer extracts from step %d on", start_step)
+            return
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"data.producer: separate, but no `peagle produce` extracted for this head within "
+                f"data.producer_wait_s ({cfg.data.producer_wait_s:g} s): no producer holds {out_dir / LOCK_FILE} "
+                f"with a spool planned from step {start_step}. Run `peagle produce CONFIG` (the same config and "
+                "--set) on a host that sees this run directory, or set data.producer: launcher to extract beside "
+                "the ranks")
+        time.sleep(PRODUCER_POLL_S)
+
+
+def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, out_dir: Path) -> None:
+    """``peagle produce``: extract the head's streamed train split into its spool for ``peagle
+    train`` running elsewhere (``data.producer: separate``), and keep the spool until that
+    training writes its result. Refused when another process already extracts for the head; a
+    producer error ends it (the ranks waiting on it stop with the same error)."""
+    from peagle.data.spool import FAILED_FILE, LOCK_FILE, is_streamed, producer_lock
+    from peagle.layout import spool_dir
+
+    if not is_streamed(DataLayout(data_dir).train):
+        raise ConfigError(f"{data_dir}: its train split is stored with its hidden states; `peagle produce` extracts "
+                          "only for a streamed one (data.hidden_states: streamed)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with producer_lock(out_dir) as held:
+        if not held:
+            raise ConfigError(f"another process already extracts for this head (it holds {out_dir / LOCK_FILE}): "
+                              "one producer serves every rank")
+        started, result, failed = time.time(), out_dir / RESULT_FILE, spool_dir(out_dir) / FAILED_FILE
+        with spool_produced_here(cfg, data_dir, target_path, out_dir, planned_steps(cfg, data_dir)):
+            log.info("separate producer: extracting for the ranks of `peagle train` until it writes %s", result)
+            while not (result.exists() and result.stat().st_mtime >= started) and not failed.exists():
+                time.sleep(PRODUCER_POLL_S)
+    log.info("separate producer: the training finished; its spool is removed")
 
 
 @contextmanager

@@ -70,3 +70,19 @@ def test_streamed_engines_and_ranks_on_the_same_gpus_are_refused_with_the_fix():
     assert devices_shared(["6", "7"], ["0", "1"]) is None
     message = devices_shared([str(i) for i in range(8)], ["0", "1"])
     assert "GPU(s) 0, 1 would serve both vLLM" in message and "set vllm.devices and train.devices" in message
+
+
+def test_a_separate_producer_is_for_a_streamed_split_and_its_hosts_gpus_are_its_own():
+    """data.producer: separate extracts on another host: the training node's vllm.devices may name
+    the ranks' GPUs (its engines run elsewhere), it is no part of the head's identity, and a stored
+    split has nothing to produce."""
+    from peagle.config import parse_config
+
+    base = {"name": "d", "target": {"model": "embedded"},
+            "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}], "hidden_states": "streamed"}}
+    separate = parse_config({**base, "data": {**base["data"], "producer": "separate"},
+                             "vllm": {"devices": ["0", "1"]}, "train": {"devices": ["0", "1"], "world_size": 2}})
+    assert separate.section_hash("data", "train") == parse_config(
+        {**base, "train": {"devices": ["0", "1"], "world_size": 2}}).section_hash("data", "train")
+    with pytest.raises(ValueError, match="data.producer: separate extracts a streamed train split"):
+        parse_config({**base, "data": {**base["data"], "hidden_states": "stored", "producer": "separate"}})

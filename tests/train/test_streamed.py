@@ -242,3 +242,40 @@ def test_two_nodes_train_from_one_producer_and_read_what_a_stored_run_reads(data
     records = metrics(two_nodes)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "one writer: no step twice"
     assert [r["samples"] for r in records] == [r["samples"] for r in metrics(datasets["stored"])]
+
+
+@pytest.mark.timeout(400)  # a stored training (reused when a test above trained it), a refusal, producer and training
+def test_a_separate_producer_extracts_for_training_on_another_host(datasets, tmp_path):
+    """data.producer: separate, as an inference node and a training node run it on one run
+    directory: `peagle produce` extracts, `peagle train` waits for it and its rank reads what the
+    producer writes, to the stored run's losses, the spool under its cap; the producer ends once
+    the training has, and the spool is gone. Without a producer, `peagle train` stops after
+    data.producer_wait_s, naming the command to run."""
+    from tests.peagle_cli import assert_refused
+
+    separate = streamed_dataset_in(tmp_path / "separate", datasets, data={"producer": "separate",
+                                                                          "producer_wait_s": 2})
+    assert_refused(peagle("train", separate), "data.producer: separate, but no `peagle produce` extracted",
+                   "Run `peagle produce CONFIG`", "or set data.producer: launcher")
+    assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/step-*")), "nothing trained"
+
+    assert peagle("train", datasets["stored"]).returncode == 0
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with watching_spools(separate) as spool:
+        producer = subprocess.Popen([sys.executable, "-m", "peagle.cli", "produce", str(separate)], cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            trained = peagle("train", separate, "--set", "data.producer_wait_s=300")
+            produced, _ = producer.communicate(timeout=120)
+        finally:
+            producer.kill()
+    assert trained.returncode == 0, trained.output
+    assert "the separate producer extracts from step 0 on" in trained.output, trained.output
+    assert producer.returncode == 0, produced
+    produced = " ".join(produced.split())
+    assert "separate producer: the training finished; its spool is removed" in produced, produced
+    assert "chunk(s) of hidden states extracted beside training" in produced, produced
+
+    assert 0 < spool.peak <= SPOOL_GIB * 2**30 and any(name.startswith("e0001-") for name in spool.chunks)
+    assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after"
+    assert_trains_as_stored(metrics(datasets["stored"]), metrics(separate))
