@@ -314,6 +314,7 @@ def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None 
         target.path,
         plan.checkpoint_dir,
         rank_module=RANK_MODULE,
+        dataset_checked=True,  # plan_head checked it
         on_metrics=on_metrics,
     )
 

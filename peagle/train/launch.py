@@ -37,8 +37,8 @@ checkpoints, metrics and the result), ``LOCAL_RANK`` (on its host: picks the GPU
 exactly those.
 
 Before any rank starts, the dataset is checked (``peagle.data.check.check_dataset``: complete,
-every shard sound, each hashed once per file identity) and the checkpoint disk must hold the
-checkpoints the run keeps (``checkpoint_space_needed``).
+every shard sound, each hashed once per file identity), unless the caller did, and the
+checkpoint disk must hold the checkpoints the run keeps (``checkpoint_space_needed``).
 
 Every rank's output (DeepSpeed, torch, tracebacks) goes to ``OUT/train.log`` as it comes
 (and to the ``peagle.train.ranks`` logger at DEBUG); a non-zero exit raises
@@ -150,6 +150,7 @@ def launch_training(
     out_dir: Path,
     *,
     rank_module: str = RANK_MODULE,
+    dataset_checked: bool = False,
     progress: bool = True,
     env: dict[str, str] | None = None,
     on_metrics: Callable[[list[dict]], None] | None = None,
@@ -158,14 +159,16 @@ def launch_training(
     ``train.nodes`` > 1) and return rank 0's ``TrainResult``.
 
     ``rank_module`` is the program every rank runs (``rank_main`` with what it hands the
-    trainer; this module's own trains without evaluating). ``on_metrics(records)`` receives rank 0's new
+    trainer; this module's own trains without evaluating). The dataset is checked first unless
+    ``dataset_checked`` (a ``HeadPlan``'s was, when it was planned). ``on_metrics(records)`` receives rank 0's new
     ``metrics.jsonl`` records (steps after the resume point) about once a second while the
     ranks run; it runs in this process, so the ranks never talk to a tracking server.
     """
     from peagle.data.check import check_dataset
 
     check_optimizer_runs_here(cfg.train)
-    check_dataset(data_dir)
+    if not dataset_checked:
+        check_dataset(data_dir)
     out_dir = Path(out_dir)
     check_checkpoint_space(cfg, Path(data_dir), out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ def cached_dataset(tmp_path):
 
 
 @pytest.mark.slow  # three launches of the trainer (two trainings, one resume): ~3 min on 2 shared cores
-def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cached_dataset, tmp_path):
+def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cached_dataset, tmp_path, monkeypatch):
     """num_layers 1, then 2, in ONE run directory on one cached dataset: the second training
     starts fresh in a directory of its own identity (no "cannot resume" error) and ships the
     new shape; the first head stays, and rerunning its config reuses it."""
@@ -49,9 +49,14 @@ def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cac
     dataset_files = {p: p.stat().st_mtime_ns for p in data_dir.rglob("*") if p.is_file()}
     configs = {layers: tiny_config(drafter_layers=layers, max_steps=2, eval_every=2).model_copy(
         update={"workdir": str(tmp_path / "run")}) for layers in (1, 2)}
+    from peagle.data import check
+
+    checks = []
+    monkeypatch.setattr(check, "check_dataset", lambda path, real=check.check_dataset: checks.append(path) or real(path))
     best = {}
-    for layers, cfg in configs.items():
+    for trainings, (layers, cfg) in enumerate(configs.items(), 1):
         trained = stages.train_head(stages.plan_head(cfg, None, data_dir), target)
+        assert len(checks) == trainings, checks  # the dataset is checked once a training: by its plan
         best[layers] = trained.best_checkpoint
         assert trained.best_checkpoint is not None  # chosen by acceptance: the ranks (peagle.rank) evaluated
         assert Path(trained.best_checkpoint).parent == stages.checkpoint_dir(cfg, "peagle", data_dir)
