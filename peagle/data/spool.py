@@ -197,14 +197,20 @@ class Spool:
         failed = self.root / FAILED_FILE
         if failed.exists():
             return f"the hidden-state producer failed: {failed.read_text().strip()}"
-        beat = self.root / HEARTBEAT_FILE
-        if not beat.exists():
+        silent = self.heartbeat_age()
+        if silent is None:
             return None  # not started yet: the plan exists, so it is starting
-        silent = time.time() - beat.stat().st_mtime
         if silent > PRODUCER_SILENT_S:
-            return (f"the hidden-state producer stopped ({beat} not touched for {silent:.0f} s); rerun the "
-                    "same command: training resumes from its last checkpoint")
+            return (f"the hidden-state producer stopped ({self.root / HEARTBEAT_FILE} not touched for {silent:.0f} s); "
+                    "rerun the same command: training resumes from its last checkpoint")
         return None
+
+    def heartbeat_age(self) -> float | None:
+        """Seconds since the producer's last heartbeat; None before its first."""
+        try:
+            return time.time() - (self.root / HEARTBEAT_FILE).stat().st_mtime
+        except FileNotFoundError:
+            return None
 
 
 # ----------------------------------------------------------------------------- producer side

@@ -237,7 +237,7 @@ def wait_for_separate_producer(cfg: PipelineConfig, out_dir: Path) -> None:
     """``data.producer: separate``: wait (up to ``data.producer_wait_s``) until ``peagle produce``
     runs for this head (its spool's heartbeat is fresh) with a spool planned from this run's
     resume point, so the ranks start reading what it writes."""
-    from peagle.data.spool import HEARTBEAT_EVERY_S, HEARTBEAT_FILE, LOCK_FILE, Spool
+    from peagle.data.spool import HEARTBEAT_EVERY_S, LOCK_FILE, Spool
     from peagle.layout import spool_dir
 
     start_step, spool = resume_step(out_dir), Spool(spool_dir(out_dir))
@@ -247,10 +247,10 @@ def wait_for_separate_producer(cfg: PipelineConfig, out_dir: Path) -> None:
     while True:
         try:
             planned = spool.plan().start_step == start_step
-            beat = time.time() - (spool.root / HEARTBEAT_FILE).stat().st_mtime
         except (FileNotFoundError, ValueError):  # not started yet, or clearing an old spool to start afresh
-            planned, beat = False, None
-        if planned and beat is not None and beat < 5 * HEARTBEAT_EVERY_S:
+            planned = False
+        beat = spool.heartbeat_age()
+        if planned and beat is not None and beat < 5 * HEARTBEAT_EVERY_S:  # a live producer, not a killed one's
             log.info("training on a streamed dataset: the separate producer extracts from step %d on", start_step)
             return
         if time.monotonic() > deadline:
