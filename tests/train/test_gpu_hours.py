@@ -53,14 +53,27 @@ def test_a_narrower_drafter_is_projected_by_its_matrix_parameters_and_says_so():
     assert rate == pytest.approx(7487 * 1054 / 323, rel=0.01)
 
 
+def header(path: Path) -> str:
+    return " ".join(row.lstrip("#").strip() for row in path.read_text().splitlines() if row.startswith("#"))
+
+
 @pytest.mark.parametrize("name", list(TARGET_SHAPES))
-def test_each_gpu_config_header_quotes_its_plan_line(name):
-    line = gpu_hours_line(gpu_config(name), facts(name), TRAIN_TOKENS)
-    header = " ".join(row.lstrip("#").strip() for row in (REPO / "configs" / f"{name}.yaml").read_text().splitlines()
-                      if row.startswith("#"))
+def test_each_gpu_config_header_quotes_its_plan(name):
+    """Its training's GPU hours in its own header; its disk there, or in the base's for hidden size 4096."""
+    from peagle.data.budget import DataBudget
+
+    cfg, own = gpu_config(name), header(REPO / "configs" / f"{name}.yaml")
+    line = gpu_hours_line(cfg, facts(name), TRAIN_TOKENS)
     for figure in re.findall(r"at most [\d,]+ H200 GPU hours|at [\d,]+ tokens/s|[\d,]+ hours on train.world_size \d+",
                              line):
-        assert figure in header, (figure, header)
+        assert figure in own, (figure, own)
+    hidden = TARGET_SHAPES[name]["target_hidden_size"]
+    disk = DataBudget(samples=cfg.data.max_samples, heldout=cfg.data.heldout_samples, max_tokens=cfg.data.max_seq_len,
+                      num_layers=4, hidden_size=hidden, storage_dtype="bfloat16", hidden_states="stored", spool_bytes=0,
+                      free=0, where="/").lines()[2].split("): ", 1)[1]  # "49.3 TiB in bfloat16, 24.7 TiB in float8"
+    quoted = own if hidden != 4096 else header(REPO / "configs" / "gpu" / "base.yaml")
+    for figure in disk.split(", "):
+        assert figure in quoted, (figure, quoted)
 
 
 def test_a_step_unlike_the_measured_one_is_not_priced_and_says_what_was_measured():
