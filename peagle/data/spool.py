@@ -50,7 +50,7 @@ import torch
 
 from peagle.data.order import BatchPlan, epoch_permutation
 from peagle.data.store import Sample, ShardReader, ShardWriter, bytes_per_token, format_bytes
-from peagle.fileio import staged_dir, tree_bytes, write_json_atomic
+from peagle.fileio import staged_dir, tree_bytes, write_json_atomic, write_text_atomic
 from peagle.layout import MANIFEST_FILE
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,8 @@ def producing(spool: Spool, tokens: Sequence[Sample], extract: Extract, layer_id
             log.info("spool: %d chunk(s) of hidden states extracted beside training", count)
         except BaseException as err:  # noqa: BLE001 - handed to the ranks through the spool and to the caller
             errors.append(err)
-            (spool.root / FAILED_FILE).write_text(f"{type(err).__name__}: {err}\n")
+            # whole or not at all: a rank that sees the file reads the error, never an empty one
+            write_text_atomic(spool.root / FAILED_FILE, f"{type(err).__name__}: {err}\n", durable=False)
 
     (spool.root / HEARTBEAT_FILE).touch()
     threads = [threading.Thread(target=heartbeat, name="spool-heartbeat", daemon=True),
