@@ -77,7 +77,7 @@ LAUNCH_CONFIG = LAUNCH_CONFIG_FILE
 RANK_MODULE = "peagle.train.launch"  # this module, by the name ranks start it under (-m runs it as __main__)
 RANK_OUTPUT = "train.log"  # every rank's stdout/stderr, in the checkpoint directory
 TAIL_LINES = 40
-POLL_S = 1.0  # how often metrics.jsonl is read while the ranks run
+POLL_S = 1.0  # how often the launcher looks: rank 0's metrics.jsonl while the ranks run, a separate producer's spool
 PROGRESS_EVERY_S = 10.0  # at most one progress line per this many seconds (first and last step always)
 log = logging.getLogger(__name__)
 rank_log = logging.getLogger("peagle.train.ranks")
@@ -230,9 +230,6 @@ def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path:
                 "let it finish or stop it, then rerun (training resumes from the last checkpoint)")
 
 
-PRODUCER_POLL_S = 1.0
-
-
 def wait_for_separate_producer(cfg: PipelineConfig, out_dir: Path) -> None:
     """``data.producer: separate``: wait (up to ``data.producer_wait_s``) until ``peagle produce``
     runs for this head (its spool's heartbeat is fresh) with a spool planned from this run's
@@ -260,7 +257,7 @@ def wait_for_separate_producer(cfg: PipelineConfig, out_dir: Path) -> None:
                 f"with a spool planned from step {start_step}. Run `peagle produce CONFIG` (the same config and "
                 "--set) on a host that sees this run directory, or set data.producer: launcher to extract beside "
                 "the ranks")
-        time.sleep(PRODUCER_POLL_S)
+        time.sleep(POLL_S)
 
 
 def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, out_dir: Path) -> None:
@@ -268,7 +265,7 @@ def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, ou
     train`` running elsewhere (``data.producer: separate``), and keep the spool until that
     training writes its result. Refused when another process already extracts for the head; a
     producer error ends it (the ranks waiting on it stop with the same error)."""
-    from peagle.data.spool import FAILED_FILE, LOCK_FILE, is_streamed, producer_lock
+    from peagle.data.spool import LOCK_FILE, Spool, is_streamed, producer_lock
     from peagle.layout import spool_dir
 
     if not is_streamed(DataLayout(data_dir).train):
@@ -279,11 +276,11 @@ def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, ou
         if not held:
             raise ConfigError(f"another process already extracts for this head (it holds {out_dir / LOCK_FILE}): "
                               "one producer serves every rank")
-        started, result, failed = time.time(), out_dir / RESULT_FILE, spool_dir(out_dir) / FAILED_FILE
+        started, result, spool = time.time(), out_dir / RESULT_FILE, Spool(spool_dir(out_dir))
         with spool_produced_here(cfg, data_dir, target_path, out_dir, planned_steps(cfg, data_dir)):
             log.info("separate producer: extracting for the ranks of `peagle train` until it writes %s", result)
-            while not (result.exists() and result.stat().st_mtime >= started) and not failed.exists():
-                time.sleep(PRODUCER_POLL_S)
+            while not (result.exists() and result.stat().st_mtime >= started) and spool.producer_problem() is None:
+                time.sleep(POLL_S)
     log.info("separate producer: the training finished; its spool is removed")
 
 
