@@ -148,8 +148,9 @@ def deployment_config(d: Deployment):
     return load_config(REPO_ROOT / path if not Path(path).is_absolute() else path, d.parameters.get("overrides"))
 
 
-# Flows that run the data stage's engines and never train: their GPUs need only cover vLLM's.
-DATA_ONLY_FLOWS = {"flows/stages.py:data_flow", "flows/stages.py:data_part_flow"}
+# Flows that run data engines and never train (data stage, its parts, a separate producer): their
+# GPUs need only cover vLLM's.
+DATA_ONLY_FLOWS = {"flows/stages.py:data_flow", "flows/stages.py:data_part_flow", "flows/stages.py:produce_flow"}
 
 
 def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:

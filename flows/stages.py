@@ -11,6 +11,8 @@ and online evaluation each hold a slot of the accelerator concurrency limit.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +115,10 @@ def part_run_task(deployment: str, config: str, part: str, force: bool) -> str:
     return str(run.id)
 
 
-def check_part_workers(deployment: str) -> None:
-    """The data-part deployment exists on this server and a worker of its pool is online: else
-    its runs would wait, scheduled, for a worker that never comes."""
+def check_workers_online(deployment: str, knob: str, unset: str, work: str) -> None:
+    """``deployment`` exists on this server and a worker of its pool is online: else its runs
+    would wait, scheduled, for a worker that never comes. ``knob`` starts its runs and ``unset``
+    is the setting that starts none (both named in the fix); ``work``: what its runs do."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import WorkerStatus
     from prefect.exceptions import ObjectNotFound
@@ -124,13 +127,13 @@ def check_part_workers(deployment: str) -> None:
         try:
             pool = client.read_deployment_by_name(deployment).work_pool_name
         except ObjectNotFound:
-            raise RuntimeError(f"orchestration.data_parts > 1 starts runs of the deployment {deployment!r}, which this "
-                               "Prefect server does not have: deploy it (`peagle deploy`, or `prefect deploy --name "
-                               f"{deployment.split('/')[1]}`), or set orchestration.data_parts: 1") from None
+            raise RuntimeError(f"{knob} starts runs of the deployment {deployment!r}, which this Prefect server does "
+                               f"not have: deploy it (`peagle deploy`, or `prefect deploy --name "
+                               f"{deployment.split('/')[1]}`), or set {unset}") from None
         online = [w for w in client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE]
     if not online:
-        raise RuntimeError(f"no worker of the work pool {pool!r} (deployment {deployment}) is online to build the data "
-                           f"parts: start one per host (`prefect worker start --pool {pool} --limit 1`)")
+        raise RuntimeError(f"no worker of the work pool {pool!r} (deployment {deployment}) is online to {work}: "
+                           f"start one per host (`prefect worker start --pool {pool} --limit 1`)")
 
 
 def build_parts(cfg: PipelineConfig, target: stages.TargetInfo, force: bool) -> None:
@@ -138,7 +141,8 @@ def build_parts(cfg: PipelineConfig, target: stages.TargetInfo, force: bool) -> 
     worker of its pool, after the Magpie requests every part reads are written here once."""
     from prefect.utilities.annotations import unmapped
 
-    check_part_workers(cfg.orchestration.data_part_deployment)
+    check_workers_online(cfg.orchestration.data_part_deployment, "orchestration.data_parts > 1",
+                         "orchestration.data_parts: 1", "build the data parts")
     requests_task.with_options(**limits(cfg, "data"))(cfg, target, force)
     config = str(write_resolved_config(cfg))  # on the shared volume every worker reads PEAGLE_HOME from
     n = cfg.orchestration.data_parts
@@ -186,10 +190,95 @@ class TrainOutcome:
     cache_key: str = ""  # the training key: what the exported head is a function of
 
 
+@dataclass(frozen=True)
+class ProducerRun:
+    """What a flow run of ``orchestration.produce_deployment`` is started with: the training's own
+    config, overrides, method and dataset, so it plans the same spool."""
+
+    config: str
+    overrides: dict | None
+    method: str
+    data_dir: str
+
+    def parameters(self, training_task_run: str) -> dict:
+        return {"config": self.config, "overrides": self.overrides, "method": self.method, "data_dir": self.data_dir,
+                "training_task_run": training_task_run}
+
+
 @task(name="train", task_run_name="train-{plan.method}", **CACHED)
-def train_task(plan: stages.HeadPlan, target: stages.TargetInfo, key: str, mlflow_run_id: str | None = None):
-    with on_accelerator(plan.config):
+def train_task(plan: stages.HeadPlan, target: stages.TargetInfo, key: str, mlflow_run_id: str | None = None,
+               producer: ProducerRun | None = None):
+    with on_accelerator(plan.config), producing_elsewhere(plan.config, producer):
         return stages.train_head(plan, target, mlflow_run_id=mlflow_run_id)
+
+
+@contextlib.contextmanager
+def producing_elsewhere(cfg: PipelineConfig, producer: ProducerRun | None):
+    """With ``producer`` (data.producer: separate), a flow run of the produce deployment extracts
+    for the training in this block (this task run's), on a worker of its pool: started before
+    it, and waited for after a training that finished (it ends once the training writes its
+    result). After a training that failed it stops by itself: it watches this task run."""
+    if producer is None:
+        yield
+        return
+    from prefect.deployments import run_deployment
+    from prefect.runtime import task_run
+
+    deployment = cfg.orchestration.produce_deployment
+    run = run_deployment(deployment, parameters=producer.parameters(str(task_run.id)), timeout=0)  # once scheduled
+    get_run_logger().info("data.producer: separate: flow run %s of %s extracts for this training", run.name, deployment)
+    yield
+    ended = wait_for_flow_run_end(run.id, PRODUCER_END_WAIT_S)
+    if ended is None or not ended.is_completed():
+        get_run_logger().warning("the producer's flow run %s ended %s after the training finished: its log says why",
+                                 run.name, ended.name if ended else f"no state in {PRODUCER_END_WAIT_S:.0f} s")
+
+
+# A producer stops within seconds of the training's result (peagle.train.launch.produce_separately).
+PRODUCER_END_WAIT_S = 300.0
+
+
+def wait_for_flow_run_end(run_id, timeout_s: float):
+    """The final state of a flow run, or None if it has none within ``timeout_s``."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            state = client.read_flow_run(run_id).state
+            if state is not None and state.is_final():
+                return state
+            time.sleep(2.0)
+    return None
+
+
+def task_run_ended(task_run_id: str):
+    """A check that the task run ``task_run_id`` has a final state (completed, failed, crashed...)."""
+    from prefect.client.orchestration import get_client
+
+    def ended() -> bool:
+        with get_client(sync_client=True) as client:
+            state = client.read_task_run(task_run_id).state
+        return state is not None and state.is_final()
+
+    return ended
+
+
+def check_producer(cfg: PipelineConfig) -> None:
+    """Before a training with a separate producer: the produce deployment has a worker online,
+    and the accelerator limit has a slot for the producer beside the training's."""
+    from prefect.client.orchestration import get_client
+
+    orch = cfg.orchestration
+    check_workers_online(orch.produce_deployment, "data.producer: separate", "data.producer: launcher",
+                         "extract for the training")
+    with get_client(sync_client=True) as client:
+        slots = client.read_global_concurrency_limit_by_name(orch.accelerator_limit).limit
+    if slots < 2:
+        raise RuntimeError(f"data.producer: separate: the producer's flow run holds a slot of the global concurrency "
+                           f"limit {orch.accelerator_limit!r} beside its training's, and it has {slots}: the producer "
+                           f"would queue behind its own training. Give it a slot per run at once "
+                           f"(`prefect gcl update {orch.accelerator_limit} --limit 2`)")
 
 
 @task(name="evaluate-offline", task_run_name="evaluate-offline-{method}", cache_policy=NO_CACHE)
@@ -225,13 +314,46 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
         ckpt_dir = plan.checkpoint_dir
         refresh = not (ckpt_dir / BEST).exists()
         key = training_key(plan.config, plan.data_dir, method)
+        producer = None
+        if cfg.data.producer == "separate":
+            check_producer(cfg)
+            producer = ProducerRun(config, overrides, method, data_dir)
         trained = train_task.with_options(refresh_cache=refresh, **limits(cfg, "train", cached=True))(
-            plan, target, key, mlflow_run_id)
+            plan, target, key, mlflow_run_id, producer)
         offline = offline_task.with_options(**limits(cfg, "evaluate"))(
             cfg, target, data_dir, str(trained.best_checkpoint), method)
         head_dir = run_export(cfg, target, data_dir, str(trained.best_checkpoint), method) if export else None
         return TrainOutcome(str(ckpt_dir), str(trained.best_checkpoint), head_dir and str(head_dir),
                             trained.metrics_history, offline, key)
+
+
+@task(name="produce", task_run_name="produce-{plan.method}", cache_policy=NO_CACHE)
+def produce_task(plan: stages.HeadPlan, target: stages.TargetInfo, training_task_run: str | None) -> bool:
+    with on_accelerator(plan.config):
+        return stages.produce_hidden_states(plan, target, training_task_run and task_run_ended(training_task_run))
+
+
+@flow(name="peagle-produce", flow_run_name=run_namer("produce-{method}"))
+def produce_flow(config: str, overrides: dict | None = None, method: str | None = None,
+                 data_dir: str | None = None, training_task_run: str | None = None):
+    """data.producer: separate: a streamed training's hidden states extracted on this worker's host
+    (an inference node) into the head's spool, until that training ends. The train flow starts
+    one (``orchestration.produce_deployment``) for each training it runs, with its own parameters
+    and its task run (``training_task_run``): a training that fails leaves this run cancelled."""
+    from prefect.states import Cancelled
+
+    cfg = load_config(config, overrides)
+    stages.require_separate_producer(cfg)
+    with run_logs(cfg):
+        ensure_accelerator_limit(cfg)
+        method = describe(method or cfg.train.method).name
+        plan = stages.plan_head(cfg, method, Path(data_dir or RunLayout(cfg.run_dir).data.root))
+        if training_task_run and task_run_ended(training_task_run)():
+            return Cancelled(message="its training ended before this producer started")
+        target = resolve_target(cfg)
+        # it lives as long as the training
+        finished = produce_task.with_options(**limits(cfg, "train"))(plan, target, training_task_run)
+        return None if finished else Cancelled(message="its training ended without a result")
 
 
 # ----------------------------------------------------------------------------- evaluate

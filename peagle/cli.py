@@ -243,11 +243,11 @@ def produce_cmd(
 
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
-    if cfg.data.producer != "separate":
-        console.print("[red]data.producer is launcher: `peagle train` extracts beside its own ranks. Set "
-                      "data.producer: separate (in the config, or --set data.producer=separate, for both commands) "
-                      "to extract here instead[/red]", soft_wrap=True)
-        raise typer.Exit(2)
+    try:
+        stages.require_separate_producer(cfg)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
     _require(vllm=cfg.vllm)
     try:
         plan = stages.plan_head(cfg, method, RunLayout(cfg.run_dir).data.root)

@@ -266,7 +266,8 @@ class DataConfig(Strict):
     # Who extracts a streamed split while it trains. launcher: `peagle train`'s launcher, beside
     # its ranks (one launcher for every node). separate: `peagle produce` on another host (an
     # inference node) that sees the same run directory; the launcher waits up to
-    # producer_wait_s for it, then its ranks read what it writes. Where, not what: not hashed.
+    # producer_wait_s for it, then its ranks read what it writes (the train flow starts it as a
+    # flow run of orchestration.produce_deployment). Where, not what: not hashed.
     producer: Literal["launcher", "separate"] = Field("launcher", json_schema_extra=NOT_HASHED)
     producer_wait_s: float = Field(1800.0, gt=0, json_schema_extra=NOT_HASHED)
 
@@ -536,6 +537,11 @@ class OrchestrationConfig(Strict):
     # give it as many slots as hosts (one per host's accelerators) or the parts queue.
     data_parts: int = Field(1, ge=1)
     data_part_deployment: str = Field("peagle-data-part/data-part", pattern=r"^[^/]+/[^/]+$")
+    # With data.producer: separate, the train flow starts a flow run of this deployment for each
+    # training it runs, on a worker of its pool (an inference node), and trains beside it. The
+    # producer holds a slot of the accelerator limit too: give the limit one slot more than the
+    # trainings that run at once, or the producer queues behind its own training.
+    produce_deployment: str = Field("peagle-produce/produce", pattern=r"^[^/]+/[^/]+$")
 
 
 class CardConfig(Strict):

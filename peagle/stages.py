@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from peagle.catalogue import BASELINE, describe, trained_methods
-from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, with_overrides
+from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, with_overrides
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
 
@@ -319,13 +319,21 @@ def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None 
     )
 
 
-def produce_hidden_states(plan: HeadPlan, target: TargetInfo) -> None:
+def require_separate_producer(cfg: PipelineConfig) -> None:
+    """A producer extracts only for a training that does not extract beside its own ranks."""
+    if cfg.data.producer != "separate":
+        raise ConfigError("data.producer is launcher: `peagle train` extracts beside its own ranks. Set "
+                          "data.producer: separate (in the config, or --set data.producer=separate, for both the "
+                          "training and the producer) to extract on another host instead")
+
+
+def produce_hidden_states(plan: HeadPlan, target: TargetInfo, training_ended=None) -> bool:
     """``data.producer: separate``: extract ``plan``'s streamed train split into its spool, on
     this host's engines, for ``train_head`` running on other hosts, until that training ends
-    (``peagle.train.launch.produce_separately``)."""
+    (``peagle.train.launch.produce_separately``); whether it finished."""
     from peagle.train.launch import produce_separately
 
-    produce_separately(plan.config, plan.data_dir, target.path, plan.checkpoint_dir)
+    return produce_separately(plan.config, plan.data_dir, target.path, plan.checkpoint_dir, training_ended)
 
 
 def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, checkpoint: Path, *,

@@ -333,7 +333,7 @@ def producing(spool: Spool, tokens: Sequence[Sample], extract: Extract, layer_id
               storage_dtype: str, cap_bytes: int) -> Iterator[threading.Thread]:
     """Run ``produce`` in a thread (with its heartbeat) while the block trains; on leaving, stop
     it, raise its error if it failed, and remove the spool."""
-    stop, errors = threading.Event(), []
+    stop, errors, counts = threading.Event(), [], []
 
     def heartbeat() -> None:
         while not stop.wait(HEARTBEAT_EVERY_S):
@@ -341,8 +341,7 @@ def producing(spool: Spool, tokens: Sequence[Sample], extract: Extract, layer_id
 
     def run() -> None:
         try:
-            count = produce(spool, tokens, extract, layer_ids, hidden_size, storage_dtype, cap_bytes, stop)
-            log.info("spool: %d chunk(s) of hidden states extracted beside training", count)
+            counts.append(produce(spool, tokens, extract, layer_ids, hidden_size, storage_dtype, cap_bytes, stop))
         except BaseException as err:  # noqa: BLE001 - handed to the ranks through the spool and to the caller
             errors.append(err)
             # whole or not at all: a rank that sees the file reads the error, never an empty one
@@ -362,6 +361,8 @@ def producing(spool: Spool, tokens: Sequence[Sample], extract: Extract, layer_id
         spool.clear()
     if errors:
         raise errors[0]
+    # from the caller's thread: a Prefect flow run's log takes records of its own threads only
+    log.info("spool: %d chunk(s) of hidden states extracted beside training", counts[0] if counts else 0)
 
 
 # ----------------------------------------------------------------------------- rank side

@@ -260,11 +260,14 @@ def wait_for_separate_producer(cfg: PipelineConfig, out_dir: Path) -> None:
         time.sleep(POLL_S)
 
 
-def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, out_dir: Path) -> None:
+def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, out_dir: Path,
+                       training_ended: Callable[[], bool] | None = None) -> bool:
     """``peagle produce``: extract the head's streamed train split into its spool for ``peagle
     train`` running elsewhere (``data.producer: separate``), and keep the spool until that
-    training writes its result. Refused when another process already extracts for the head; a
-    producer error ends it (the ranks waiting on it stop with the same error)."""
+    training writes its result; True once it has. With ``training_ended`` (the train flow's
+    producer asks Prefect about its training), a training that ends without a result stops it
+    too: False. Refused when another process already extracts for the head; a producer error
+    ends it (the ranks waiting on it stop with the same error)."""
     from peagle.data.spool import LOCK_FILE, Spool, is_streamed, producer_lock
     from peagle.layout import spool_dir
 
@@ -277,11 +280,19 @@ def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, ou
             raise ConfigError(f"another process already extracts for this head (it holds {out_dir / LOCK_FILE}): "
                               "one producer serves every rank")
         started, result, spool = time.time(), out_dir / RESULT_FILE, Spool(spool_dir(out_dir))
+
+        def trained() -> bool:
+            return result.exists() and result.stat().st_mtime >= started
+
         with spool_produced_here(cfg, data_dir, target_path, out_dir, planned_steps(cfg, data_dir)):
             log.info("separate producer: extracting for the ranks of `peagle train` until it writes %s", result)
-            while not (result.exists() and result.stat().st_mtime >= started) and spool.producer_problem() is None:
+            while not trained() and spool.producer_problem() is None and not (training_ended and training_ended()):
                 time.sleep(POLL_S)
+    if not trained():
+        log.warning("separate producer: the training ended without a result; its spool is removed")
+        return False
     log.info("separate producer: the training finished; its spool is removed")
+    return True
 
 
 @contextmanager

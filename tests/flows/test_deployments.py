@@ -15,7 +15,7 @@ from tests.prefect_worker import deployed_on_this_server
 
 REPO = Path(__file__).resolve().parents[2]
 POOLS = {"peagle-process": "process", "peagle-docker": "docker", "peagle-k8s": "kubernetes"}
-DEPLOYMENTS = {"pipeline-demo", "data-demo", "data-part", "train-demo", "evaluate-demo", "publish-demo",
+DEPLOYMENTS = {"pipeline-demo", "data-demo", "data-part", "produce", "train-demo", "evaluate-demo", "publish-demo",
                "retrain-demo", "retrain-qwen3-8b", "retrain-llama-3.1-8b"}
 
 
@@ -163,6 +163,8 @@ def test_prefect_deploy_all_registers_the_file(server):
     assert deployments["publish-demo"].parameters == {"config": "configs/demo.yaml"}
     part = deployments["data-part"]  # what the data flow starts once per part (orchestration.data_parts)
     assert part.entrypoint == "flows/stages.py:data_part_flow" and part.work_pool_name == "peagle-process"
+    produce = deployments["produce"]  # what the train flow starts per training (data.producer: separate)
+    assert produce.entrypoint == "flows/stages.py:produce_flow" and produce.work_pool_name == "peagle-process"
 
     retrain = deployments["retrain-demo"]
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in retrain.schedules] == [("0 3 * * *", "UTC", True)]

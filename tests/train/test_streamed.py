@@ -121,7 +121,7 @@ def streamed_dataset_in(workdir: Path, datasets: dict, **sections: dict) -> Path
     shutil.copytree(run_dir(datasets["streamed"]) / "data", workdir / "data")
     path = workdir.with_suffix(".yaml")
     path.write_text(yaml.safe_dump({**cfg, "workdir": str(workdir),
-                                    **{name: {**cfg[name], **values} for name, values in sections.items()}}))
+                                    **{name: {**cfg.get(name, {}), **values} for name, values in sections.items()}}))
     return path
 
 
@@ -278,4 +278,83 @@ def test_a_separate_producer_extracts_for_training_on_another_host(datasets, tmp
 
     assert 0 < spool.peak <= SPOOL_GIB * 2**30 and any(name.startswith("e0001-") for name in spool.chunks)
     assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after"
+    assert_trains_as_stored(metrics(datasets["stored"]), metrics(separate))
+
+
+PRODUCE_POOL, PRODUCE_DEPLOYMENT = "peagle-process", "produce"
+
+
+def produce_runs() -> list:
+    """The flow runs of the produce flow on the session's server, oldest first (a run takes its
+    name, "produce-peagle <config> (<target>)", only once it starts)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["peagle-produce"])))
+    return sorted(runs, key=lambda r: r.created)
+
+
+@pytest.mark.timeout(420)  # a worker, a producer run cancelled while it starts, one that extracts beside a training
+def test_the_train_flow_runs_its_producer_on_a_worker_of_the_produce_deployment(datasets, tmp_path, prefect_server):
+    """data.producer: separate as Prefect users run it: the session's real server, prefect.yaml's
+    produce deployment and a real process worker of its pool (the inference node). The train
+    flow, run here, starts the producer's flow run on the worker and trains beside it, to the
+    stored run's losses, and that run completes once the training has. A producer whose training
+    failed stops, its run cancelled, and frees its accelerator slot. Before either: refused
+    without the deployment, without a worker online, and with an accelerator limit of one slot
+    (the producer would queue behind its training)."""
+    from flows.stages import train_flow
+    from tests.prefect_worker import (
+        deployed_on_this_server,
+        logs_of_finished_runs,
+        prefect_cli,
+        prefect_worker,
+        wait_for_flow_run,
+        wait_for_online_workers,
+        worker_env,
+    )
+
+    orchestration = {"accelerator_limit": "peagle-accelerator-produce", "accelerator_slots": 2}
+    separate = streamed_dataset_in(tmp_path / "flow", datasets, data={"producer": "separate", "producer_wait_s": 300},
+                                   orchestration=orchestration)
+    unproduced = streamed_dataset_in(tmp_path / "unproduced", datasets, orchestration=orchestration,
+                                     data={"producer": "separate", "producer_wait_s": 1})
+    one_slot = {"orchestration.accelerator_limit": "peagle-accelerator-one-slot",
+                "orchestration.accelerator_slots": 1}
+    assert peagle("train", datasets["stored"]).returncode == 0  # reused when a test above trained it
+    with deployed_on_this_server({PRODUCE_POOL}, {PRODUCE_DEPLOYMENT}):
+        with pytest.raises(RuntimeError, match="does not have: deploy it .*or set data.producer: launcher"):
+            train_flow(str(separate), export=False)
+        env = worker_env(prefect_server, tmp_path)
+        prefect_cli(["work-pool", "create", PRODUCE_POOL, "--type", "process"], env)
+        prefect_cli(["--no-prompt", "deploy", "--name", PRODUCE_DEPLOYMENT], env, cwd=REPO)
+        with pytest.raises(RuntimeError, match=f"no worker of the work pool '{PRODUCE_POOL}'.* online"):
+            train_flow(str(separate), export=False)
+        with prefect_worker(PRODUCE_POOL, env, tmp_path / "worker.log", cwd=REPO) as worker:
+            wait_for_online_workers(PRODUCE_POOL, 1)
+            with pytest.raises(RuntimeError, match="has 1: the producer would queue behind its own training"):
+                train_flow(str(separate), overrides=one_slot, export=False)
+            assert not produce_runs(), "refused before any producer run starts"
+
+            with pytest.raises(Exception, match="no `peagle produce` extracted"):  # its producer is not up in 1 s
+                train_flow(str(unproduced), export=False)
+            [cancelled] = produce_runs()
+            assert wait_for_flow_run(cancelled.id, timeout_s=120, poll_s=1, worker=worker).state.is_cancelled()
+
+            with watching_spools(separate) as spool:
+                trained = train_flow(str(separate), export=False)
+            _, produced = produce_runs()
+            produced = wait_for_flow_run(produced.id, timeout_s=60, poll_s=1, worker=worker)
+    assert produced.state.is_completed(), produced.state
+    assert produced.name.startswith("produce-peagle streamed-streamed ("), produced.name
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        said = " ".join(r.message for r in logs_of_finished_runs(client, [produced.id]))
+    assert "chunk(s) of hidden states extracted beside training" in said, said
+    assert "separate producer: the training finished; its spool is removed" in said, said
+    assert 0 < spool.peak <= SPOOL_GIB * 2**30
+    assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after"
+    assert Path(trained.best_checkpoint).exists()
     assert_trains_as_stored(metrics(datasets["stored"]), metrics(separate))
