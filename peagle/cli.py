@@ -255,7 +255,11 @@ def produce_cmd(
         console.print(f"[red]{err}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     with _library_output(cfg):
-        stages.produce_hidden_states(plan, stages.prepare_target(cfg))
+        finished = stages.produce_hidden_states(plan, stages.prepare_target(cfg))
+    if not finished:
+        console.print(f"[red]the training of {plan.method} in {plan.checkpoint_dir} failed or was stopped: rerun "
+                      "`peagle train` and this command (both resume from its last checkpoint)[/red]", soft_wrap=True)
+        raise typer.Exit(1)
     console.print(f"[green]produced the hidden states of {plan.method}'s training in {plan.checkpoint_dir}[/green]")
 
 

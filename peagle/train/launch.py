@@ -77,6 +77,9 @@ LAUNCH_CONFIG = LAUNCH_CONFIG_FILE
 RANK_MODULE = "peagle.train.launch"  # this module, by the name ranks start it under (-m runs it as __main__)
 RANK_OUTPUT = "train.log"  # every rank's stdout/stderr, in the checkpoint directory
 TAIL_LINES = 40
+# What a training with a separate producer writes into its head directory when it fails or is
+# stopped: that producer (`peagle produce`, started before it) stops too.
+TRAINING_FAILED_FILE = "training_failed.txt"
 POLL_S = 1.0  # how often the launcher looks: rank 0's metrics.jsonl while the ranks run, a separate producer's spool
 PROGRESS_EVERY_S = 10.0  # at most one progress line per this many seconds (first and last step always)
 log = logging.getLogger(__name__)
@@ -175,6 +178,7 @@ def launch_training(
     cfg_json = out_dir / LAUNCH_CONFIG
     write_text_atomic(cfg_json, cfg.model_dump_json(by_alias=True, indent=1))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
+    (out_dir / TRAINING_FAILED_FILE).unlink(missing_ok=True)  # an earlier attempt's
     cmd = training_command(cfg_json, Path(data_dir), target_path, out_dir, cfg.train, rank_module, progress)
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
@@ -213,7 +217,11 @@ def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path:
         return
     if cfg.data.producer == "separate":
         wait_for_separate_producer(cfg, out_dir)
-        yield
+        try:
+            yield
+        except BaseException as err:  # a failure or Ctrl-C: the producer stops when it reads this
+            write_text_atomic(out_dir / TRAINING_FAILED_FILE, f"{type(err).__name__}: {err}\n")
+            raise
         return
     check_engines_apart_from_ranks(cfg)
     with producer_lock(out_dir) as producer:
@@ -264,10 +272,11 @@ def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, ou
                        training_ended: Callable[[], bool] | None = None) -> bool:
     """``peagle produce``: extract the head's streamed train split into its spool for ``peagle
     train`` running elsewhere (``data.producer: separate``), and keep the spool until that
-    training writes its result; True once it has. With ``training_ended`` (the train flow's
-    producer asks Prefect about its training), a training that ends without a result stops it
-    too: False. Refused when another process already extracts for the head; a producer error
-    ends it (the ranks waiting on it stop with the same error)."""
+    training writes its result; True once it has. A training that fails or is stopped stops it
+    too (its launcher writes ``TRAINING_FAILED_FILE``), as does ``training_ended()`` (the train
+    flow's producer asks Prefect about its training's task run): False. Refused when another
+    process already extracts for the head; a producer error ends it (the ranks waiting on it
+    stop with the same error)."""
     from peagle.data.spool import LOCK_FILE, Spool, is_streamed, producer_lock
     from peagle.layout import spool_dir
 
@@ -281,14 +290,17 @@ def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, ou
                               "one producer serves every rank")
         started, result, spool = time.time(), out_dir / RESULT_FILE, Spool(spool_dir(out_dir))
 
-        def trained() -> bool:
-            return result.exists() and result.stat().st_mtime >= started
+        def written_since_start(path: Path) -> bool:
+            return path.exists() and path.stat().st_mtime >= started
+
+        def failed() -> bool:
+            return written_since_start(out_dir / TRAINING_FAILED_FILE) or bool(training_ended and training_ended())
 
         with spool_produced_here(cfg, data_dir, target_path, out_dir, planned_steps(cfg, data_dir)):
             log.info("separate producer: extracting for the ranks of `peagle train` until it writes %s", result)
-            while not trained() and spool.producer_problem() is None and not (training_ended and training_ended()):
+            while not written_since_start(result) and spool.producer_problem() is None and not failed():
                 time.sleep(POLL_S)
-    if not trained():
+    if not written_since_start(result):
         log.warning("separate producer: the training ended without a result; its spool is removed")
         return False
     log.info("separate producer: the training finished; its spool is removed")

@@ -5,6 +5,7 @@ of the same config; and kill -9 mid-epoch, then a rerun that trains no sample tw
 spool the whole train split fits in, the second epoch reads the first one's extraction. Over
 two "nodes" (two launchers meeting at a c10d rendezvous), one launcher extracts for both."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -280,6 +281,41 @@ def test_a_separate_producer_extracts_for_training_on_another_host(datasets, tmp
     assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after"
     assert_trains_as_stored(metrics(datasets["stored"]), metrics(separate))
 
+
+
+@pytest.mark.timeout(300)  # a producer's engine and a training's start, then Ctrl-C
+def test_a_stopped_training_stops_its_separate_producer(datasets, tmp_path):
+    """Ctrl-C of `peagle train` (SIGINT to its process group) once its ranks train on what
+    `peagle produce` extracts: the training says where it stopped, and the producer, which would
+    otherwise keep its engine for a training that no longer reads, stops too, removes its spool
+    and says to rerun both."""
+    separate = streamed_dataset_in(tmp_path / "stopped", datasets, data={"producer": "separate",
+                                                                         "producer_wait_s": 300})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    producer = subprocess.Popen([sys.executable, "-m", "peagle.cli", "produce", str(separate)], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    training = subprocess.Popen([sys.executable, "-m", "peagle.cli", "train", str(separate)], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    heads = run_dir(separate) / "checkpoints" / "peagle"
+    try:
+        deadline = time.monotonic() + 200
+        while not any(p.read_text().strip() for p in heads.glob("*/metrics.jsonl")):
+            assert time.monotonic() < deadline and training.poll() is None, "the training never took a step"
+            time.sleep(0.1)
+        os.killpg(training.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
+        assert training.wait(timeout=60) != 0
+        produced, _ = producer.communicate(timeout=60)
+    finally:
+        producer.kill()
+        with contextlib.suppress(ProcessLookupError):  # the group is gone when it stopped as asked
+            os.killpg(training.pid, signal.SIGKILL)
+    produced = " ".join(produced.split())
+    assert producer.returncode == 1, produced
+    assert "separate producer: the training ended without a result; its spool is removed" in produced, produced
+    assert "failed or was stopped: rerun `peagle train` and this command" in produced, produced
+    [failed] = heads.glob("*/training_failed.txt")
+    assert "KeyboardInterrupt" in failed.read_text()
+    assert not list(heads.glob("*/spool")), "the spool is gone after"
 
 PRODUCE_POOL, PRODUCE_DEPLOYMENT = "peagle-process", "produce"
 
