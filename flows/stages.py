@@ -12,7 +12,6 @@ and online evaluation each hold a slot of the accelerator concurrency limit.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,28 +227,20 @@ def producing_elsewhere(cfg: PipelineConfig, producer: ProducerRun | None):
     run = run_deployment(deployment, parameters=producer.parameters(str(task_run.id)), timeout=0)  # once scheduled
     get_run_logger().info("data.producer: separate: flow run %s of %s extracts for this training", run.name, deployment)
     yield
-    ended = wait_for_flow_run_end(run.id, PRODUCER_END_WAIT_S)
+    from prefect.flow_runs import FlowRunWaitTimeout, wait_for_flow_run
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    try:
+        ended = run_coro_as_sync(wait_for_flow_run(run.id, timeout=PRODUCER_END_WAIT_S)).state
+    except FlowRunWaitTimeout:
+        ended = None
     if ended is None or not ended.is_completed():
         get_run_logger().warning("the producer's flow run %s ended %s after the training finished: its log says why",
-                                 run.name, ended.name if ended else f"no state in {PRODUCER_END_WAIT_S:.0f} s")
+                                 run.name, ended.name if ended else f"no state in {PRODUCER_END_WAIT_S} s")
 
 
 # A producer stops within seconds of the training's result (peagle.train.launch.produce_separately).
-PRODUCER_END_WAIT_S = 300.0
-
-
-def wait_for_flow_run_end(run_id, timeout_s: float):
-    """The final state of a flow run, or None if it has none within ``timeout_s``."""
-    from prefect.client.orchestration import get_client
-
-    deadline = time.monotonic() + timeout_s
-    with get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
-            state = client.read_flow_run(run_id).state
-            if state is not None and state.is_final():
-                return state
-            time.sleep(2.0)
-    return None
+PRODUCER_END_WAIT_S = 300
 
 
 def task_run_ended(task_run_id: str):
