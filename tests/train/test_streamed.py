@@ -211,6 +211,13 @@ def test_a_train_split_that_fits_its_spool_is_extracted_once_for_every_epoch(dat
     assert_trains_as_stored(metrics(datasets["stored"]), metrics(kept))
 
 
+def start_producer(config: Path) -> subprocess.Popen:
+    """`peagle produce CONFIG` as an inference node runs it, its output (text) on a pipe."""
+    return subprocess.Popen([sys.executable, "-m", "peagle.cli", "produce", str(config)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.mark.timeout(400)  # a stored training (reused when a test above trained it) and two launchers of one run
 def test_two_nodes_train_from_one_producer_and_read_what_a_stored_run_reads(datasets, tmp_path):
     """`peagle train` on two nodes (the same command on each: train.nodes 2, one rank each): one
@@ -261,10 +268,8 @@ def test_a_separate_producer_extracts_for_training_on_another_host(datasets, tmp
     assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/step-*")), "nothing trained"
 
     assert peagle("train", datasets["stored"]).returncode == 0
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     with watching_spools(separate) as spool:
-        producer = subprocess.Popen([sys.executable, "-m", "peagle.cli", "produce", str(separate)], cwd=REPO, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        producer = start_producer(separate)
         try:
             trained = peagle("train", separate, "--set", "data.producer_wait_s=300")
             produced, _ = producer.communicate(timeout=120)
@@ -282,7 +287,6 @@ def test_a_separate_producer_extracts_for_training_on_another_host(datasets, tmp
     assert_trains_as_stored(metrics(datasets["stored"]), metrics(separate))
 
 
-
 @pytest.mark.timeout(300)  # a producer's engine and a training's start, then Ctrl-C
 def test_a_stopped_training_stops_its_separate_producer(datasets, tmp_path):
     """Ctrl-C of `peagle train` (SIGINT to its process group) once its ranks train on what
@@ -291,11 +295,10 @@ def test_a_stopped_training_stops_its_separate_producer(datasets, tmp_path):
     and says to rerun both."""
     separate = streamed_dataset_in(tmp_path / "stopped", datasets, data={"producer": "separate",
                                                                          "producer_wait_s": 300})
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    producer = subprocess.Popen([sys.executable, "-m", "peagle.cli", "produce", str(separate)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    training = subprocess.Popen([sys.executable, "-m", "peagle.cli", "train", str(separate)], cwd=REPO, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    producer = start_producer(separate)
+    training = subprocess.Popen([sys.executable, "-m", "peagle.cli", "train", str(separate)], cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
     heads = run_dir(separate) / "checkpoints" / "peagle"
     try:
         deadline = time.monotonic() + 200
@@ -316,6 +319,7 @@ def test_a_stopped_training_stops_its_separate_producer(datasets, tmp_path):
     [failed] = heads.glob("*/training_failed.txt")
     assert "KeyboardInterrupt" in failed.read_text()
     assert not list(heads.glob("*/spool")), "the spool is gone after"
+
 
 PRODUCE_POOL, PRODUCE_DEPLOYMENT = "peagle-process", "produce"
 
@@ -340,6 +344,8 @@ def test_the_train_flow_runs_its_producer_on_a_worker_of_the_produce_deployment(
     failed stops, its run cancelled, and frees its accelerator slot. Before either: refused
     without the deployment, without a worker online, and with an accelerator limit of one slot
     (the producer would queue behind its training)."""
+    from prefect.client.orchestration import get_client
+
     from flows.stages import train_flow
     from tests.prefect_worker import (
         deployed_on_this_server,
@@ -384,8 +390,6 @@ def test_the_train_flow_runs_its_producer_on_a_worker_of_the_produce_deployment(
             produced = wait_for_flow_run(produced.id, timeout_s=60, poll_s=1, worker=worker)
     assert produced.state.is_completed(), produced.state
     assert produced.name.startswith("produce-peagle streamed-streamed ("), produced.name
-    from prefect.client.orchestration import get_client
-
     with get_client(sync_client=True) as client:
         said = " ".join(r.message for r in logs_of_finished_runs(client, [produced.id]))
     assert "chunk(s) of hidden states extracted beside training" in said, said
