@@ -160,8 +160,8 @@ def calibrate(cfg_for, target, data_dir: Path) -> float:
 
 def measure(cfg, target, data_dir: Path, mlflow_run_id: str | None = None) -> dict:
     from peagle.catalogue import describe
+    from peagle.checkpoint_format import read_head_spec
     from peagle.train.budget import counted_seconds
-    from peagle.train.checkpoint import read_head_spec
 
     trained, wall = train_fresh(cfg, target, data_dir, mlflow_run_id)
     seconds = step_seconds(trained.metrics_history)

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from peagle.checkpoint_format import read_trainer_state, resolve_checkpoint
 from peagle.config import ConfigError, PipelineConfig, TargetConfig
 from peagle.data.provenance import HUB_TIMEOUT_S
 from peagle.fileio import sha256_file, write_json_atomic
@@ -224,7 +225,6 @@ def head_lineage(cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Pa
     dataset: a lineage stamped on a head trained on other inputs would stop retraining forever.
     """
     from peagle.identity import dataset_manifests, head_identity, training_hash
-    from peagle.train.checkpoint import read_trainer_state, resolve_checkpoint
 
     data = DataLayout(data_dir)
     if not data.lineage.is_file():

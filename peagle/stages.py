@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from peagle.catalogue import BASELINE, describe, trained_methods
+from peagle.checkpoint_format import resolve_checkpoint
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, with_overrides
 from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
 from peagle.layout import DataLayout, RunLayout
@@ -229,7 +230,6 @@ def trained_checkpoint(cfg: PipelineConfig, method: str, data_dir: Path) -> Path
     """The best step directory of the ``method`` head trained on these inputs (export's default);
     a clear error naming the heads this run did train when there is none."""
     from peagle.layout import BEST
-    from peagle.train.checkpoint import resolve_checkpoint
 
     best = checkpoint_dir(cfg, method, data_dir) / BEST
     if best.is_file():

@@ -83,7 +83,7 @@ def test_fields_of_another_method_do_not_count():
 
 def test_resume_follows_the_identity(tiny_run, tmp_path):
     """keep_last may change between a run and its resume; the learning rate may not."""
-    from peagle.train import checkpoint as ckpt
+    from peagle import checkpoint_format as fmt
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run
@@ -96,7 +96,7 @@ def test_resume_follows_the_identity(tiny_run, tmp_path):
     from peagle.identity import dataset_manifests
 
     assert state["head_identity"] == head_identity(tiny_config(max_steps=1), dataset_manifests(data_dir))
-    assert ckpt.latest_checkpoint(out) == out / "step-000001"
+    assert fmt.latest_checkpoint(out) == out / "step-000001"
     with pytest.raises(ValueError, match=r"cannot resume .*\(head identity \(dataset, weight-changing config"):
         train_drafter(tiny_config(max_steps=1, learning_rate=1e-2), data_dir, str(target), out, progress=False)
 

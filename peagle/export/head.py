@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle.catalogue import DEFAULT_METHOD, describe
+from peagle.checkpoint_format import resolve_checkpoint
 from peagle.contract import (
     CARD_FILE,
     CONFIG_FILE,
@@ -233,7 +234,6 @@ def export_from_checkpoint(
     ``checkpoint_dir`` is a step directory or the trainer's ``latest``/``best`` pointer.
     Keyword arguments go to ``export_head`` (dtype, target_path, load_in_vllm, ...).
     """
-    from peagle.train.checkpoint import resolve_checkpoint
 
     try:
         ckpt = CheckpointLayout(resolve_checkpoint(checkpoint_dir))

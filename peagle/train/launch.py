@@ -433,7 +433,7 @@ def checkpoint_space_needed(cfg: PipelineConfig, data_dir: Path, out_dir: Path) 
     """(bytes still needed, checkpoints on disk at once, bytes each): ``train.keep_last`` + the best
     + the one being written before the oldest is pruned, less what the checkpoints already in
     ``out_dir`` (a resumed run's) take."""
-    from peagle.train.checkpoint import list_checkpoints
+    from peagle.checkpoint_format import list_checkpoints
 
     each = checkpoint_bytes(cfg, data_dir)
     at_once = cfg.train.keep_last + 2
@@ -479,7 +479,7 @@ def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
 
 def resume_step(out_dir: Path) -> int:
     """The step the ranks resume from (their latest checkpoint's), 0 for a fresh start."""
-    from peagle.train.checkpoint import latest_checkpoint, read_trainer_state
+    from peagle.checkpoint_format import latest_checkpoint, read_trainer_state
 
     latest = latest_checkpoint(out_dir)
     return read_trainer_state(latest).step if latest is not None else 0

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from peagle.checkpoint_format import TrainerState, best_checkpoint, check_same_head, latest_checkpoint, read_trainer_state
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
 from peagle.facts import HeadSpec
 from peagle.fileio import write_text_atomic
@@ -305,9 +306,9 @@ def train_drafter(
     inputs = inputs or load_training_inputs(data_dir, cfg)
     target_config(target_path)  # a missing target fails here, before DeepSpeed starts
     spec = inputs.spec
-    resumable = ckpt.latest_checkpoint(out_dir) if resume else None
+    resumable = latest_checkpoint(out_dir) if resume else None
     if resumable is not None:  # checkpoints of another head (e.g. drafter.num_layers changed): say so before any work
-        ckpt.check_same_head(resumable, spec)
+        check_same_head(resumable, spec)
     dist_info = init_process_group()
     if dist_info.world_size != train.world_size:
         raise ValueError(
@@ -317,7 +318,7 @@ def train_drafter(
     if inputs.streamed:
         from peagle.data.spool import SpooledSamples
 
-        start_step = ckpt.read_trainer_state(resumable).step if resumable is not None else 0
+        start_step = read_trainer_state(resumable).step if resumable is not None else 0
         inputs = replace(inputs, samples=SpooledSamples(inputs.samples, spool_dir(out_dir), dist_info.rank,
                                                         start_step=start_step), streamed=False)
     plan = BatchPlan(len(inputs.samples), dist_info.world_size, train.micro_batch_size, train.grad_accum)
@@ -348,7 +349,7 @@ def train_drafter(
     log = MetricsLog(out_dir / METRICS_FILE, dist_info.is_main, on_metrics)
     step = 0
     identity = head_identity(cfg, dataset_manifests(data_dir))  # what a resumed run must share
-    previous = ckpt.latest_checkpoint(out_dir)
+    previous = latest_checkpoint(out_dir)
     if previous is not None and not resume:
         raise FileExistsError(
             f"{out_dir} already holds checkpoints (latest {previous.name}); resume from them or use a fresh output directory"
@@ -365,9 +366,9 @@ def train_drafter(
     if dist.is_initialized():
         dist.barrier()
 
-    def state_at(step: int, acceptance: float | None, record: dict, checksums: list[float]) -> ckpt.TrainerState:
+    def state_at(step: int, acceptance: float | None, record: dict, checksums: list[float]) -> TrainerState:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-        return ckpt.TrainerState(
+        return TrainerState(
             step=step,
             epoch=epoch,
             epoch_position=in_epoch * plan.grad_accum,
@@ -446,8 +447,8 @@ def train_drafter(
     bar.close()
 
     result = TrainResult(
-        last_checkpoint=ckpt.latest_checkpoint(out_dir),
-        best_checkpoint=ckpt.best_checkpoint(out_dir),
+        last_checkpoint=latest_checkpoint(out_dir),
+        best_checkpoint=best_checkpoint(out_dir),
         metrics_history=log.history,
         warm_start=warm,
     )
@@ -483,7 +484,7 @@ def _save_due(train: TrainConfig, step: int, plan: BatchPlan) -> bool:
     return step % plan.steps_per_epoch == 0  # neither set: once per epoch
 
 
-def _check_resumable(state: ckpt.TrainerState, plan: BatchPlan, total_steps: int, identity: str, where: Path) -> None:
+def _check_resumable(state: TrainerState, plan: BatchPlan, total_steps: int, identity: str, where: Path) -> None:
     mismatch = {
         name: (old, new)
         for name, old, new in [

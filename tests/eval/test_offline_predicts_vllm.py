@@ -19,7 +19,7 @@ TOLERANCE = 0.05  # offline acceptance predicts vLLM's within 5% at every K
 
 def pipeline_checkpoint(run_dir: Path, method: str) -> Path:
     """The ``method`` head the pipeline trained first (later tests train beside it on grown data)."""
-    from peagle.train.checkpoint import resolve_checkpoint
+    from peagle.checkpoint_format import resolve_checkpoint
 
     pointers = sorted(RunLayout(run_dir).method_checkpoints(method).glob(f"*/{BEST}"), key=lambda p: p.stat().st_mtime)
     assert pointers, f"the shared run trained no {method} head"

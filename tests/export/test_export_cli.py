@@ -12,11 +12,12 @@ import pytest
 from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 
+from peagle.checkpoint_format import write_pointer
 from peagle.config import load_config
 from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, read_serve_line
 from peagle.facts import head_spec_for
+from peagle.layout import BEST
 from peagle.testing.golden import draft_vocab_skipping_low_ids, random_head_state_dict
-from peagle.train.checkpoint import BEST, write_pointer
 
 pytestmark = pytest.mark.slow  # each test runs `peagle export` in a process of its own (~12 s)
 

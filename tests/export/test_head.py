@@ -8,13 +8,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from peagle.catalogue import DEFAULT_METHOD
+from peagle.checkpoint_format import write_pointer
 from peagle.contract import expected_tensors
 from peagle.export.card import ModelCardInfo, serve_command
 from peagle.export.head import ExportError, export_from_checkpoint, export_head
 from peagle.export.validate import HeadValidationError
 from peagle.facts import HeadSpec
+from peagle.layout import BEST, LATEST
 from peagle.methods import get_method
-from peagle.train.checkpoint import BEST, LATEST, write_pointer
 
 
 def read_config(head):

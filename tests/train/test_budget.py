@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in 
 from test_deepspeed import child_env, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
 from test_trainer import CHILD_TRAIN_THEN_DIE
 
-from peagle.train import checkpoint as ckpt
+from peagle import checkpoint_format as fmt
 from peagle.train.budget import FIRST_IN_PROCESS, TrainingClock, counted_seconds, time_warmup_decay
 
 
@@ -111,7 +111,7 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
     assert lrs[0] == 0.0 and lrs.index(peak) > 1  # warmup on time
     assert lrs[-1] < 0.25 * peak  # decayed with the budget (a step-count schedule would not know when)
     assert result.last_checkpoint.name == f"step-{len(steps):06d}"
-    assert ckpt.read_trainer_state(result.last_checkpoint).train_seconds == pytest.approx(counted)
+    assert fmt.read_trainer_state(result.last_checkpoint).train_seconds == pytest.approx(counted)
     again = train_drafter(cfg, data_dir, str(target), tmp_path / "whole", progress=False)
     assert len(timed_records(tmp_path / "whole")) == len(steps) and again.last_checkpoint == result.last_checkpoint
 
@@ -122,7 +122,7 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
     child = subprocess.run([sys.executable, str(script), str(cfg_file), str(data_dir), str(target), str(out), "7"],
                            env=child_env(), capture_output=True, text=True, timeout=300)
     assert child.returncode == -9, child.stderr[-3000:]
-    saved = ckpt.read_trainer_state(out / "step-000006")
+    saved = fmt.read_trainer_state(out / "step-000006")
     assert saved.train_seconds == pytest.approx(counted_seconds(timed_records(out)[:6]))
     assert saved.counted_steps == 5
     train_drafter(cfg, data_dir, str(target), out, progress=False)
@@ -162,7 +162,7 @@ def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_pat
 
     out = checkpoint_dir(cfg, "eagle3", data_dir)
     result = train_drafter(baseline_cfg, data_dir, str(target), out, progress=False)
-    trained = ckpt.read_trainer_state(result.last_checkpoint)
+    trained = fmt.read_trainer_state(result.last_checkpoint)
     assert trained.head_identity == head_identity(baseline_cfg, dataset_manifests(data_dir), "eagle3")
     assert trained.head_identity.startswith(out.name)  # the directory named after the identity the trainer recorded
     assert trained.train_seconds == pytest.approx(head_seconds, abs=max(r["step_time_s"] for r in timed_records(out)))
@@ -182,6 +182,6 @@ def test_two_ranks_keep_one_clock(tiny_run, tmp_path):
     result = launch_training(cfg, data_dir, str(target), tmp_path / "out", progress=False, env=ONE_THREAD)
     records = timed_records(tmp_path / "out")
     assert abs(records[-1]["train_seconds"] - 4.0) <= max(r["step_time_s"] for r in records) + 0.5
-    states = [ckpt.read_trainer_state(p) for p in ckpt.list_checkpoints(tmp_path / "out")]
+    states = [fmt.read_trainer_state(p) for p in fmt.list_checkpoints(tmp_path / "out")]
     assert len(states) >= 2 and all(len(set(s.replica_checksums)) == 1 for s in states)
     assert result.last_checkpoint.name == f"step-{len(records):06d}"

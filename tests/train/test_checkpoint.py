@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in 
 from safetensors.torch import load_file
 from test_deepspeed import child_env, one_thread, read_metrics, tiny_config, tiny_run  # noqa: F401 (fixtures)
 
+from peagle import checkpoint_format as fmt
 from peagle.fileio import temp_sibling
 from peagle.train import checkpoint as ckpt
 
@@ -43,22 +44,22 @@ def test_keeps_last_n_plus_best_by_acceptance(tiny_run, tmp_path):
         tiny_config(max_steps=5, eval_every=1, keep_last=2), data_dir, str(target), out,
         progress=False, eval_fn=lambda drafter: next(acceptances), on_metrics=lambda step, rec: seen.append(step),
     )
-    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-000002", "step-000004", "step-000005"]
-    assert result.best_checkpoint == out / "step-000002" == ckpt.best_checkpoint(out)
-    assert result.last_checkpoint == out / "step-000005" == ckpt.latest_checkpoint(out)
-    assert ckpt.read_trainer_state(result.best_checkpoint).acceptance == 3.0
+    assert [p.name for p in fmt.list_checkpoints(out)] == ["step-000002", "step-000004", "step-000005"]
+    assert result.best_checkpoint == out / "step-000002" == fmt.best_checkpoint(out)
+    assert result.last_checkpoint == out / "step-000005" == fmt.latest_checkpoint(out)
+    assert fmt.read_trainer_state(result.best_checkpoint).acceptance == 3.0
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
     stale = temp_sibling(out / "step-000003", "old")  # a publish killed between its two renames
     stale.mkdir()
     ckpt.prune_checkpoints(out, keep_last=2)
-    assert not stale.exists() and [p.name for p in ckpt.list_checkpoints(out)][-1] == "step-000005"
+    assert not stale.exists() and [p.name for p in fmt.list_checkpoints(out)][-1] == "step-000005"
     evals = [r["eval/acceptance"] for r in read_metrics(out) if "eval/acceptance" in r]
     assert evals == [1.0, 3.0, 2.0, 1.5, 1.2]
     assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]  # each step's record, then its evaluation
     for name in ("drafter.safetensors", "head_spec.json", "trainer_state.json", "deepspeed/engine"):
         assert (result.best_checkpoint / name).exists()
-    for kept in ckpt.list_checkpoints(out):  # every checkpoint says which head it holds
-        spec = ckpt.read_head_spec(kept)
+    for kept in fmt.list_checkpoints(out):  # every checkpoint says which head it holds
+        spec = fmt.read_head_spec(kept)
         assert (spec.num_layers, spec.method, spec.k_train, spec.draft_vocab_size) == (1, "peagle", 3, 128)
 
 
@@ -92,7 +93,7 @@ def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path, opt
     trained = fresh_engine(0)
     _one_step(trained, objective, batches[0])
     _one_step(trained, objective, batches[1])
-    state = ckpt.TrainerState(step=2, epoch=0, epoch_position=2, world_size=1, steps_per_epoch=16,
+    state = fmt.TrainerState(step=2, epoch=0, epoch_position=2, world_size=1, steps_per_epoch=16,
                               micro_batch_size=1, grad_accum=1, total_steps=10)
     path = ckpt.save_checkpoint(trained, inputs.spec, state, tmp_path, keep_last=2)
 
@@ -172,6 +173,7 @@ sys.path.insert(0, sys.argv[1])
 from test_deepspeed import tiny_config, tiny_spec
 from peagle.model import PEagleDrafter
 from peagle.fileio import temp_sibling
+from peagle import checkpoint_format as fmt
 from peagle.train import checkpoint as ckpt
 from peagle.train.engine import build_engine, init_process_group
 
@@ -180,7 +182,7 @@ init_process_group()
 engine = build_engine(PEagleDrafter(tiny_spec()), tiny_config().train, total_steps=10, world_size=1)
 
 def state(step):
-    return ckpt.TrainerState(step=step, epoch=0, epoch_position=step, world_size=1, steps_per_epoch=16,
+    return fmt.TrainerState(step=step, epoch=0, epoch_position=step, world_size=1, steps_per_epoch=16,
                              micro_batch_size=1, grad_accum=1, total_steps=10)
 
 ckpt.save_checkpoint(engine, tiny_spec(), state(1), root, keep_last=2)
@@ -215,8 +217,8 @@ def test_killed_write_leaves_no_visible_partial_checkpoint(tmp_path):
 
     partial = root / ".tmp-step-000002"
     assert (partial / "drafter.safetensors").exists()  # the half-written checkpoint is on disk...
-    assert ckpt.list_checkpoints(root) == [root / "step-000001"]  # ...but never listed
-    assert ckpt.latest_checkpoint(root) == root / "step-000001"
-    assert ckpt.read_trainer_state(ckpt.latest_checkpoint(root)).step == 1
+    assert fmt.list_checkpoints(root) == [root / "step-000001"]  # ...but never listed
+    assert fmt.latest_checkpoint(root) == root / "step-000001"
+    assert fmt.read_trainer_state(fmt.latest_checkpoint(root)).step == 1
     ckpt.prune_checkpoints(root, keep_last=2)  # what the next save does afterwards
     assert not partial.exists() and (root / "step-000001").exists()

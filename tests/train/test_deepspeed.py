@@ -247,7 +247,7 @@ def test_other_zero_stages_match_zero2(tiny_run, tmp_path, zero2_reference, trai
 
 @pytest.mark.slow  # torchrun with two DeepSpeed ranks: ~30 s on 2 cores
 def test_two_ranks_under_torchrun_agree(tiny_run, tmp_path):
-    from peagle.train.checkpoint import read_trainer_state
+    from peagle.checkpoint_format import read_trainer_state
     from peagle.train.launch import launch_training
 
     data_dir, target = tiny_run

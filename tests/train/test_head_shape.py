@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in 
 from test_deepspeed import build_tiny_dataset, build_tiny_target, tiny_config  # noqa: E402
 
 from peagle import stages  # noqa: E402
+from peagle.checkpoint_format import read_head_spec  # noqa: E402
 from peagle.facts import load_dataset_facts  # noqa: E402
 from peagle.layout import DataLayout, RunLayout  # noqa: E402
-from peagle.train.checkpoint import read_head_spec  # noqa: E402
 
 
 def head_layers(head: Path) -> set[int]:

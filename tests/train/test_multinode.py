@@ -26,10 +26,10 @@ from test_deepspeed import (  # noqa: E402,F401 (fixtures)
     tiny_facts,
 )
 
+from peagle import checkpoint_format as fmt  # noqa: E402
 from peagle.config import ConfigError  # noqa: E402
 from peagle.identity import head_identity  # noqa: E402
 from peagle.layout import LATEST  # noqa: E402
-from peagle.train import checkpoint as ckpt  # noqa: E402
 from tests.processes import free_port  # noqa: E402
 
 SAMPLES = 16  # one epoch: 8 optimizer steps of a global batch of 2
@@ -144,7 +144,7 @@ def test_two_nodes_through_the_training_stage_match_one_node(tiny_data, single_n
     assert sorted(seen) == list(range(SAMPLES))  # each sample of the epoch exactly once
     assert samples_by_step(records) == samples_by_step(single_node.metrics_history)
     assert any("eval/acceptance" in r for r in records) and a.best_checkpoint is not None
-    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step-000004", "step-000008"]
+    assert [p.name for p in fmt.list_checkpoints(out)] == ["step-000004", "step-000008"]
     written = sorted(p.name for p in a.last_checkpoint.iterdir())
     assert written == ["deepspeed", "drafter.safetensors", "head_spec.json", "optimizer.safetensors",
                        "rng-rank-1.json", "trainer_state.json"]  # rank 1 writes only its RNG state
@@ -153,7 +153,7 @@ def test_two_nodes_through_the_training_stage_match_one_node(tiny_data, single_n
 def resume_from(checkpoint: Path, out: Path) -> Path:
     """A fresh output directory holding only ``checkpoint``, marked latest (a run stopped there)."""
     shutil.copytree(checkpoint, out / checkpoint.name)
-    ckpt.write_pointer(out, LATEST, checkpoint.name, step=ckpt.checkpoint_step(checkpoint))
+    fmt.write_pointer(out, LATEST, checkpoint.name, step=fmt.checkpoint_step(checkpoint))
     return out
 
 
@@ -170,7 +170,7 @@ def test_resume_at_another_world_size_carries_optimizer_and_data_position(tiny_d
     # 2 -> 1: the two-rank checkpoint at step 4 resumes on one rank.
     halfway = single_node.last_checkpoint.parent / "step-000004"
     resumed = train_drafter(one_rank, data_dir, str(target), resume_from(halfway, tmp_path / "to-one"), progress=False)
-    assert ckpt.read_trainer_state(halfway).world_size == 2
+    assert fmt.read_trainer_state(halfway).world_size == 2
     later = {step: reference[step] for step in range(5, 9)}
     assert losses(resumed.metrics_history) == pytest.approx(later, rel=1e-4)  # steps 6-8 need Adam's moments
     assert samples_by_step(resumed.metrics_history) == {step: order[step] for step in later}  # the data position
@@ -186,4 +186,4 @@ def test_resume_at_another_world_size_carries_optimizer_and_data_position(tiny_d
                            progress=False, env=ONE_THREAD)
     assert losses(back.metrics_history) == pytest.approx({s: losses(fresh.metrics_history)[s] for s in later}, rel=1e-4)
     assert samples_by_step(back.metrics_history) == {step: order[step] for step in later}
-    assert ckpt.read_trainer_state(back.last_checkpoint).world_size == 2
+    assert fmt.read_trainer_state(back.last_checkpoint).world_size == 2

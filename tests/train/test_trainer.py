@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in test_deepspeed.py
 from test_deepspeed import child_env, one_thread, step_losses, tiny_config, tiny_run  # noqa: F401 (fixtures)
 
-from peagle.train import checkpoint as ckpt
+from peagle import checkpoint_format as fmt
 from peagle.train.data import BatchPlan, MicroBatches, epoch_permutation, example_generator, rank_order
 
 
@@ -70,8 +70,8 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
     )
     assert child.returncode == -9, child.stderr[-3000:]
     killed_at = time.time()
-    assert max(step_losses(out)) == 5 and ckpt.latest_checkpoint(out) == out / "step-000003"
-    state = ckpt.read_trainer_state(out / "step-000003")
+    assert max(step_losses(out)) == 5 and fmt.latest_checkpoint(out) == out / "step-000003"
+    state = fmt.read_trainer_state(out / "step-000003")
     assert (state.epoch, state.epoch_position) == (0, 6)  # mid-epoch
 
     result = train_drafter(cfg, data_dir, str(target), out, progress=False)  # resumes from `latest`
@@ -80,7 +80,7 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
     for step in range(1, 13):
         assert resumed[step] == pytest.approx(expected[step], abs=1e-6, rel=1e-6), f"step {step}"
     assert (out / "step-000003" / "trainer_state.json").stat().st_mtime < killed_at  # not retrained
-    assert [p.name for p in ckpt.list_checkpoints(out)] == [f"step-{s:06d}" for s in (3, 6, 9, 12)]
+    assert [p.name for p in fmt.list_checkpoints(out)] == [f"step-{s:06d}" for s in (3, 6, 9, 12)]
     assert result.last_checkpoint == out / "step-000012"
 
 
