@@ -48,7 +48,7 @@ def training_key(cfg, data_dir, method: str) -> str:
 def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None = None, champion=None) -> str:
     """Online acceptance: the heads (their training keys when known, else their files' hashes;
     the card and the lineage file do not count), the registry champion measured beside them
-    (its content; ``peagle.tracking.gate.ChampionHead``), the target, vLLM and eval settings."""
+    (its content; ``peagle.publish.gate.ChampionHead``), the target, vLLM and eval settings."""
     from peagle.contract import CARD_FILE  # loads torch: not when a worker imports the flows
 
     head = head_key or {label: {p.name: sha256_file(p) for p in sorted(Path(d).glob("*"))

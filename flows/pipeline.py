@@ -25,7 +25,7 @@ from peagle.catalogue import trained_methods
 from peagle.config import PipelineConfig, load_config, write_resolved_config
 from peagle.layout import RunLayout
 from peagle.lineage import dataset_prompt_files, read_head_lineage
-from peagle.tracking import records
+from peagle.publish import records
 
 
 @dataclass
@@ -65,7 +65,7 @@ def run_pipeline(cfg: PipelineConfig, *, data_cfg: PipelineConfig | None = None,
 
 def _run_stages(cfg: PipelineConfig, data_cfg: PipelineConfig, force_data: bool) -> PipelineResult:
     from peagle.export.card import write_run_card  # imports torch: not at flow import
-    from peagle.tracking import Tracker
+    from peagle.tracking.mlflow_run import Tracker
 
     method, *baseline = trained_methods(cfg.train)  # the head, then the EAGLE-3 baseline when asked for
     # Subflows get the resolved config's path, not the config: Prefect stores parameters.

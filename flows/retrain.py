@@ -2,7 +2,7 @@
 
 1. compare the current inputs (prompt-file hashes, the target's hub commit or content hash,
    data and training config hashes) with the lineage tags on the registry's champion and
-   its siblings (``peagle.tracking.gate.plan_retraining``);
+   its siblings (``peagle.publish.gate.plan_retraining``);
 2. nothing changed: stop (no engine, no training) and say so in a Prefect artifact;
 3. otherwise extend the shared dataset (the data stage regenerates and extracts only the
    samples it does not hold yet), train a new revision in its own directory
@@ -20,7 +20,7 @@ from flows.common import artifact_key, run_logs, run_namer
 from flows.pipeline import PipelineResult, run_pipeline
 from flows.stages import resolve_target
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, load_config
-from peagle.tracking.gate import plan_retraining
+from peagle.publish.gate import plan_retraining
 
 
 @dataclass

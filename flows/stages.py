@@ -38,8 +38,8 @@ from peagle import stages
 from peagle.catalogue import describe
 from peagle.config import PipelineConfig, load_config, write_resolved_config
 from peagle.layout import BEST, RunLayout
-from peagle.tracking.gate import ChampionHead, champion_to_measure
-from peagle.tracking.publish import PublishOutcome, drafted, publish_once
+from peagle.publish.gate import ChampionHead, champion_to_measure
+from peagle.publish.promote import PublishOutcome, drafted, publish_once
 
 CACHED = dict(cache_key_fn=cache_key_from_param, persist_result=True, result_serializer=RESULT_SERIALIZER)
 TRANSIENT_RETRIES = dict(retries=RETRIES, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_if_transient)
@@ -408,7 +408,7 @@ def publish_flow(config: str, head_dir: str | None = None, online_results: str |
     a run of its own.
     """
     from peagle.eval.online import OnlineResult
-    from peagle.tracking import Tracker
+    from peagle.tracking.mlflow_run import Tracker
 
     cfg = load_config(config, overrides)
     head_dir = str(head_dir or stages.exported_head_dir(cfg, cfg.train.method))

@@ -348,8 +348,8 @@ def pull_cmd(
 ):
     """Download a registered head, verified against its registered file hashes, ready to serve."""
     from peagle.config import TrackingConfig
+    from peagle.publish.pull import pull_head
     from peagle.tracking.mlflow_run import read_client, resolve_tracking_uri
-    from peagle.tracking.pull import pull_head
 
     try:
         client = read_client(resolve_tracking_uri(TrackingConfig(tracking_uri=tracking_uri)))

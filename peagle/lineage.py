@@ -10,13 +10,13 @@ Each part is written down where it is known, so every way of registering a head 
 - export writes the head's ``lineage.json`` (those inputs + the training hash + the dataset's
   manifests), but only when the checkpoint's own identity (``trainer_state.json``) proves it
   was trained on that dataset with that config;
-- ``peagle.tracking.registry.register_head`` copies the head's ``lineage.json`` into the
+- ``peagle.publish.registry.register_head`` copies the head's ``lineage.json`` into the
   version's tags (``peagle.lineage.*``), whichever flow or command registers it.
 
 The target revision names the target's content, never where it lies: a hub target's commit
 sha (``HfApi().model_info``; offline, the commit the cached snapshot's ref points at), a local
 directory's content hash (file names, sizes and sha256). The CLI and a worker agree on it.
-Whether to retrain and whether to promote are decided in ``peagle.tracking.gate``.
+Whether to retrain and whether to promote are decided in ``peagle.publish.gate``.
 """
 
 from __future__ import annotations

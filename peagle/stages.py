@@ -3,8 +3,8 @@
 Each stage calls one subpackage; the Prefect flows in ``flows/`` and the CLI both call
 these, so every stage also runs from a test or a notebook without an orchestrator.
 Stages pass small dataclasses (paths and numbers), never live engines. Beside them: the
-model card (``peagle.export.card``), registration (``peagle.tracking.publish``), what the
-tracker logs (``peagle.tracking.records``) and what a head is trained on (``peagle.lineage``).
+model card (``peagle.export.card``), registration (``peagle.publish.promote``), what the
+tracker logs (``peagle.publish.records``) and what a head is trained on (``peagle.lineage``).
 """
 
 from __future__ import annotations
@@ -252,9 +252,9 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     if cfg.train.init_from != INIT_FROM_CHAMPION:
         return cfg
     from peagle.contract import WEIGHTS_FILE
+    from peagle.publish.pull import download_champion
+    from peagle.publish.registry import champion_version
     from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
-    from peagle.tracking.pull import download_champion
-    from peagle.tracking.registry import champion_version
 
     client = make_client(resolve_tracking_uri(cfg.tracking))
     name = registered_model_name(cfg.tracking, cfg.target.model)
@@ -425,9 +425,9 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Pa
     """Acceptance per K and output tokens/s in vLLM of each method's head (rows keyed by the
     method's label, drafting as the method does) on every prompt set of ``eval.prompts``, against
     no speculation and vLLM's n-gram lookup at the same K; the
-    registry's champion (a ``peagle.tracking.gate.ChampionHead``) in the same run when given,
+    registry's champion (a ``peagle.publish.gate.ChampionHead``) in the same run when given,
     its rows labelled ``champion-v<N>``, so the gate compares like with like: at the largest K,
-    the only K the gate reads (``peagle.tracking.gate.head_score``), one engine."""
+    the only K the gate reads (``peagle.publish.gate.head_score``), one engine."""
     from peagle.data.prompt_sets import load_chat_prompt_sets, load_completion_prompts
     from peagle.eval.online import evaluate_online as run_online
 

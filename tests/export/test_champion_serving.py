@@ -172,10 +172,10 @@ def random_head(golden_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def champion_dir(random_head, golden_pair, tmp_path_factory):
     """Register the head in a tmp SQLite store, promote it, and download the champion."""
-    from peagle.tracking import Tracker
-    from peagle.tracking.gate import promote_if_better
-    from peagle.tracking.pull import download_champion
-    from peagle.tracking.registry import CHAMPION, register_head
+    from peagle.publish.gate import promote_if_better
+    from peagle.publish.pull import download_champion
+    from peagle.publish.registry import CHAMPION, register_head
+    from peagle.tracking.mlflow_run import Tracker
 
     head, _, _ = random_head
     target, _ = golden_pair

@@ -316,7 +316,7 @@ def check_the_retrained_revision(deployed: Deployed, before: dict[str, dict], lo
     from peagle.contract import NGRAM
     from peagle.eval.online import OnlineResult
     from peagle.layout import ONLINE_RESULTS_FILE, TRAIN_RESULT_FILE
-    from peagle.tracking.gate import head_score
+    from peagle.publish.gate import head_score
 
     run = deployed.tmp / "run"
     after = samples(run)
@@ -361,8 +361,8 @@ def test_the_dataset_records_the_magpie_file_it_read_and_nothing_is_new(deployed
 
     from peagle.config import load_config
     from peagle.lineage import read_dataset_inputs, recorded_lineage
+    from peagle.publish.gate import plan_retraining
     from peagle.stages import prepare_target
-    from peagle.tracking.gate import plan_retraining
 
     written = [json.loads(line) for line in deployed.magpie.read_text().splitlines()]
     assert written and all(r["messages"][0]["role"] == "user" for r in written)

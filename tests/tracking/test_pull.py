@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from peagle.export.card import HEAD_PLACEHOLDER, TARGET_PLACEHOLDER, read_serve_line, serve_command
-from peagle.tracking.gate import promote_if_better
+from peagle.publish.gate import promote_if_better
+from peagle.publish.pull import pull_head, resolve_model_uri
+from peagle.publish.registry import TAG_TARGET, register_head
 from peagle.tracking.mlflow_run import Tracker
-from peagle.tracking.pull import pull_head, resolve_model_uri
-from peagle.tracking.registry import TAG_TARGET, register_head
 
 EXPORTED_CARD = "\n".join([
     "---", "license: apache-2.0", "library_name: vllm", "---", "", "# head", "", "```bash",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from peagle.contract import NGRAM
-from peagle.tracking import Tracker
-from peagle.tracking.records import record_online
+from peagle.publish.records import record_online
+from peagle.tracking.mlflow_run import Tracker
 from tests.eval.test_online import measured_with_ngram
 
 

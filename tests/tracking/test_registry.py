@@ -11,10 +11,9 @@ import pytest
 
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import recorded_lineage
-from peagle.tracking.gate import decide_promotion, promote_if_better, weighted_score
-from peagle.tracking.mlflow_run import Tracker
-from peagle.tracking.pull import download_champion
-from peagle.tracking.registry import (
+from peagle.publish.gate import decide_promotion, promote_if_better, weighted_score
+from peagle.publish.pull import download_champion
+from peagle.publish.registry import (
     CHALLENGER,
     CHAMPION,
     MAX_DESCRIPTION_CHARS,
@@ -30,6 +29,7 @@ from peagle.tracking.registry import (
     registered_twin,
     tag_head_content,
 )
+from peagle.tracking.mlflow_run import Tracker
 
 _names = itertools.count()
 
@@ -263,7 +263,7 @@ def test_a_card_longer_than_mlflow_keeps_says_where_the_rest_is():
 
 def test_the_gate_refuses_a_sqlite_store_that_does_not_exist(tmp_path, make_head_dir):
     from peagle.config import load_config
-    from peagle.tracking.gate import champion_to_measure
+    from peagle.publish.gate import champion_to_measure
     from peagle.tracking.mlflow_run import TrackingStoreMissing
 
     missing = tmp_path / "mlflow.db"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from peagle.config import TrackingConfig
-from peagle.tracking.gate import promote_if_better
+from peagle.publish.gate import promote_if_better
+from peagle.publish.pull import download_champion
+from peagle.publish.registry import register_head
 from peagle.tracking.mlflow_run import Tracker
-from peagle.tracking.pull import download_champion
-from peagle.tracking.registry import register_head
 
 
 @pytest.mark.slow

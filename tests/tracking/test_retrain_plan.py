@@ -1,4 +1,4 @@
-"""Scheduled retraining decides for the right reasons (``peagle.tracking.gate.plan_retraining``).
+"""Scheduled retraining decides for the right reasons (``peagle.publish.gate.plan_retraining``).
 
 Each test registers heads the way the pipeline does (``register_head`` on a head directory
 whose ``lineage.json`` records what it was trained on; the first validated one promoted),
@@ -20,10 +20,10 @@ import pytest
 from peagle.config import load_config
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import hub_revision, lineage
+from peagle.publish.gate import plan_retraining, promote_if_better
+from peagle.publish.registry import register_head
 from peagle.stages import TargetInfo, prepare_target, with_train
-from peagle.tracking.gate import plan_retraining, promote_if_better
 from peagle.tracking.mlflow_run import Tracker
-from peagle.tracking.registry import register_head
 
 REPO = Path(__file__).resolve().parents[2]
 _models = itertools.count()

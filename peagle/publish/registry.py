@@ -2,10 +2,10 @@
 
 Every exported head becomes a version of the target's registered model and takes the
 ``challenger`` alias, with its lineage (the head's ``lineage.json``) as tags. The ``champion``
-alias (what deployments pull) is moved by the gate (``peagle.tracking.gate.promote_if_better``),
+alias (what deployments pull) is moved by the gate (``peagle.publish.gate.promote_if_better``),
 which writes every decision on the version as tags, so the registry itself explains why a head
 is or is not serving. The version's description (what the MLflow UI shows on its page) is the
-head's model card as registered. A consumer's pull is ``peagle.tracking.pull``.
+head's model card as registered. A consumer's pull is ``peagle.publish.pull``.
 """
 
 from __future__ import annotations

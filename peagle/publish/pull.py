@@ -23,8 +23,8 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
 from peagle.contract import CARD_FILE
 from peagle.fileio import publish_dir
+from peagle.publish.registry import TAG_FILES, TAG_TARGET, champion_version, client_of, head_file_manifest
 from peagle.tracking.mlflow_run import Tracker, file_sha256
-from peagle.tracking.registry import TAG_FILES, TAG_TARGET, champion_version, client_of, head_file_manifest
 
 
 def download_champion(client: MlflowClient | Tracker, name: str, dst: str | Path, *, overwrite: bool = False) -> Path:

@@ -1,7 +1,7 @@
 """Registering a pipeline run's head: its promotion score, the serving check, the registry gate.
 
 The head's lineage travels in its own ``lineage.json`` (``register_head`` tags it); the gate
-compares it with the champion measured in the same evaluation run (``peagle.tracking.gate``)."""
+compares it with the champion measured in the same evaluation run (``peagle.publish.gate``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def drafted(online, label: str) -> bool:
 def promotion_score(cfg: PipelineConfig, online) -> float:
     """Weighted acceptance length of the ``train.method`` head at the largest evaluated K over
     the configured benchmarks."""
-    from peagle.tracking.gate import head_score
+    from peagle.publish.gate import head_score
 
     return head_score(cfg, online, describe(cfg.train.method).label)
 
@@ -29,9 +29,9 @@ def promotion_score(cfg: PipelineConfig, online) -> float:
 def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, validated: bool):
     """Register the ``train.method`` head as a model version (alias challenger); promote it only if
     it beats the champion measured in the same evaluation run (``online``)."""
-    from peagle.tracking.gate import measured_champions, promote_if_better
+    from peagle.publish.gate import measured_champions, promote_if_better
+    from peagle.publish.registry import TAG_TARGET, register_head
     from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import TAG_TARGET, register_head
 
     method = describe(cfg.train.method)
     name = registered_model_name(cfg.tracking, cfg.target.model)
@@ -51,7 +51,7 @@ def publish_head(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
 @dataclass
 class PublishOutcome:
     version: str
-    promotion: object  # peagle.tracking.gate.PromotionDecision
+    promotion: object  # peagle.publish.gate.PromotionDecision
     reused: bool  # an identical head was already registered: nothing new registered
 
 
@@ -59,14 +59,14 @@ def publish_once(cfg: PipelineConfig, tracker, head_dir: Path, online, *, valida
     """Register and gate the head unless an identical one (same files) is registered already;
     a new version carries its lineage (its ``lineage.json``: what retraining compares) and its
     content hash."""
-    from peagle.tracking.gate import PromotionDecision
-    from peagle.tracking.mlflow_run import registered_model_name
-    from peagle.tracking.registry import (
+    from peagle.publish.gate import PromotionDecision
+    from peagle.publish.registry import (
         champion_version,
         describe_with_card,
         registered_twin,
         tag_head_content,
     )
+    from peagle.tracking.mlflow_run import registered_model_name
 
     name = registered_model_name(cfg.tracking, cfg.target.model)
     twin = registered_twin(tracker, name, Path(head_dir))

@@ -55,9 +55,9 @@ class ChampionHead:
 def champion_to_measure(cfg: PipelineConfig, challenger_dir: str | Path) -> ChampionHead | None:
     """The champion to serve beside ``challenger_dir``'s head, downloaded into the run directory;
     None when there is none yet or it is that very head (nothing to compare)."""
+    from peagle.publish.pull import download_version, verify_head_files
+    from peagle.publish.registry import TAG_CONTENT, TAG_FILES, champion_version, head_content_digest
     from peagle.tracking.mlflow_run import read_client, registered_model_name, resolve_tracking_uri
-    from peagle.tracking.pull import download_version, verify_head_files
-    from peagle.tracking.registry import TAG_CONTENT, TAG_FILES, champion_version, head_content_digest
 
     client = read_client(resolve_tracking_uri(cfg.tracking))
     champion = champion_version(client, registered_model_name(cfg.tracking, cfg.target.model))
@@ -120,7 +120,7 @@ class RetrainPlan:
 def plan_retraining(cfg: PipelineConfig, target, *, force: bool = False) -> RetrainPlan:
     """Compare the current inputs with the registry's champion (and every version trained on
     them); ``force`` retrains regardless. ``target``: a ``peagle.stages.TargetInfo``."""
-    from peagle.tracking.registry import TAG_REASON, champion_and_match
+    from peagle.publish.registry import TAG_REASON, champion_and_match
 
     current = lineage(cfg, target)
     champion, already = champion_and_match(cfg.tracking, cfg.target.model,
@@ -213,12 +213,12 @@ def promote_if_better(
     champion's by ``margin`` (relative): ``score > champion_score * (1 + margin)``.
 
     ``measured`` maps champion versions to their scores measured in the same evaluation run
-    as ``score`` (``peagle.tracking.gate.measured_champions``); a champion not measured there
+    as ``score`` (``peagle.publish.gate.measured_champions``); a champion not measured there
     is not compared with: its stored score came from another run (other prompts, K or hardware).
     ``client``: an ``MlflowClient`` or a ``Tracker``. The decision is ``decide_promotion``'s; this
     writes it on the version (tags) and moves the alias.
     """
-    from peagle.tracking.registry import (
+    from peagle.publish.registry import (
         CHAMPION,
         TAG_CHAMPION_BEFORE,
         TAG_CHAMPION_SCORE,
