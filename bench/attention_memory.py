@@ -90,9 +90,10 @@ def make_step(length: int, backend: str, backward: bool, seed: int = 0):
     """(drafter, a callable running one step of an ``length``-token example, the example's size)."""
     import torch
 
+    from peagle.methods.peagle.loss import peagle_loss
     from peagle.model.drafter import PEagleDrafter
     from peagle.objective.batch import build_peagle_example, collate
-    from peagle.objective.loss import TargetHead, peagle_loss
+    from peagle.objective.loss import TargetHead
     from peagle.objective.masks import PrecomputedMask
 
     torch.manual_seed(0)

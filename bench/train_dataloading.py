@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from peagle.methods.eagle3 import build_eagle3_example  # noqa: E402
+from peagle.methods.eagle3.examples import build_eagle3_example  # noqa: E402
 from peagle.objective.batch import build_peagle_example, collate  # noqa: E402
 from peagle.objective.masks import PrecomputedMask, brute_force_mask, element_mask  # noqa: E402
 

@@ -38,9 +38,10 @@ def run_cell(length: int, segments: int) -> dict:
     """One training step in this (fresh) process; returns its measurements."""
     import torch
 
+    from peagle.methods.peagle.loss import peagle_loss
     from peagle.model.drafter import PEagleDrafter
     from peagle.objective.batch import build_peagle_example, collate
-    from peagle.objective.loss import TargetHead, peagle_loss
+    from peagle.objective.loss import TargetHead
     from peagle.objective.masks import PrecomputedMask
     from peagle.objective.partition import examples_denominator, segment_batches
 
@@ -85,8 +86,8 @@ def _warm_up(drafter, head, spec) -> None:
     """One tiny step first, so the measured step pays no one-off kernel/allocator set-up."""
     import torch
 
+    from peagle.methods.peagle.loss import peagle_loss
     from peagle.objective.batch import build_peagle_example, collate
-    from peagle.objective.loss import peagle_loss
     from peagle.objective.masks import PrecomputedMask
 
     sample = synthetic_sample(64, spec, seed=1)

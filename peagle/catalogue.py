@@ -7,7 +7,7 @@ text. Config validation, a head's identity, the dataset's facts and every stage 
 what a method does (its training objective, offline drafting, its head's own tensors) is its
 behaviour in ``peagle.methods``, which imports torch and sits above the stages.
 
-Adding a method is its description here (in ``DESCRIPTIONS``) and its behaviour, a module under
+Adding a method is its description here (in ``DESCRIPTIONS``) and its behaviour, a package under
 ``peagle/methods/`` whose ``DraftingMethod`` subclass ``peagle.methods.METHODS`` names.
 """
 

@@ -1,9 +1,12 @@
-"""What a drafter's training step computes, apart from how a run is driven (``peagle.train``).
+"""What every drafting method's training step shares, apart from how a run is driven
+(``peagle.train``): the (anchor, depth) training layout both P-EAGLE and EAGLE-3 train on.
 
-COD anchor sets (``cod``), the attention masks of the training layout (``masks``), compact
-training examples and batches (``batch``), the loss against the frozen target head (``loss``),
-sequence partitioning for long contexts (``partition``), and the ``Objective`` a drafting
-method (``peagle.methods``) hands the trainer: how it builds, batches and scores examples.
+COD anchor sets (``cod``), the attention masks of the layout (``masks``), compact training
+examples and batches (``batch``), the KL against the frozen target head (``loss``), sequence
+partitioning for long contexts (``partition``), and the ``Objective`` a drafting method hands the
+trainer: how it builds, batches and scores examples. What only one method does (P-EAGLE's one-pass
+loss, EAGLE-3's ground-truth inputs and training-time test passes) is in its own package under
+``peagle.methods``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from peagle.objective.batch import Batch, Example, build_peagle_example, collate
 from peagle.objective.cod import depth_budget, sample_cod
-from peagle.objective.loss import LossOutput, TargetHead, forward_kl, kl_loss, peagle_loss
+from peagle.objective.loss import LossOutput, TargetHead, forward_kl, kl_loss
 from peagle.objective.masks import ElementAttention, PrecomputedMask, brute_force_mask, element_mask
 from peagle.objective.partition import examples_denominator, segment_batches
 
@@ -61,6 +64,5 @@ __all__ = [
     "element_mask",
     "forward_kl",
     "kl_loss",
-    "peagle_loss",
     "sample_cod",
 ]

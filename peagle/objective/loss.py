@@ -20,7 +20,6 @@ from torch import nn
 from peagle.facts import HeadSpec
 from peagle.model.drafter import RMSNorm
 from peagle.model.target_weights import load_target_tensors, target_config
-from peagle.objective.batch import Batch
 
 
 @dataclass(frozen=True)
@@ -203,36 +202,3 @@ def acceptance_weights(correct: torch.Tensor, row: torch.Tensor, anchor: torch.T
 def supervised_rows(supervised: torch.Tensor) -> torch.Tensor:
     """Long [M]: the batch row of each supervised element (``supervised`` Bool [B, N])."""
     return torch.arange(supervised.shape[0], device=supervised.device)[:, None].expand_as(supervised)[supervised]
-
-
-def peagle_loss(
-    drafter: nn.Module,
-    target_head: TargetHead,
-    batch: Batch,
-    weighting: Weighting = "uniform",
-    denominator: float | torch.Tensor | None = None,
-    k: int | None = None,
-    unaccepted_weight: float = 1.0,
-    kind: LossKind = "kl",
-) -> LossOutput:
-    """Run the drafter over a batch and score its supervised elements against the target.
-
-    ``k`` sizes the per-depth statistics (default: the deepest depth in the batch + 1;
-    pass train.k_train so metrics from different batches line up).
-    """
-    supervised = batch.supervised
-    out = drafter(
-        input_ids=batch.input_ids,
-        aux_hidden=batch.aux_hidden,
-        position_ids=batch.position_ids,
-        attention_mask=batch.attention,
-        is_mask=batch.is_mask,
-        logits_mask=supervised,
-    )
-    with torch.no_grad():
-        target_logits = target_head(batch.target_hidden[supervised])
-    depth = batch.depth[supervised]
-    if k is None:
-        k = int(batch.depth.max()) + 1 if batch.depth.numel() else 1
-    chain = (supervised_rows(supervised), batch.anchor[supervised])
-    return kl_loss(out.logits, target_logits, depth, k, weighting, denominator, chain, unaccepted_weight, kind)

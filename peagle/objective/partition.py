@@ -19,18 +19,13 @@ to (L + deeper elements of one segment)^2.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from functools import partial
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from peagle.objective.batch import ELEMENT_FIELDS, Batch, Example, collate
-from peagle.objective.loss import LossOutput, TargetHead, Weighting, metrics_from_stats, peagle_loss
-from peagle.objective.masks import PrecomputedMask
-
-STAT_KEYS = ("kl_sum", "correct", "count")
+from peagle.objective.batch import ELEMENT_FIELDS, Batch, Example
+from peagle.objective.loss import Weighting
 
 
 @dataclass
@@ -77,7 +72,7 @@ def segment_indices(anchor: torch.Tensor, depth: torch.Tensor,
 
 def partition_example(example: Example, num_segments: int) -> list[Segment]:
     """Split one example into ``num_segments`` segments (Algorithm 1); see the module doc."""
-    _check_depth_zero_complete(example.anchor, example.depth)
+    check_depth_zero_complete(example.anchor, example.depth)
     segments = []
     for index, owned, start, end in segment_indices(example.anchor, example.depth, num_segments):
         part = example.select(index)
@@ -86,7 +81,7 @@ def partition_example(example: Example, num_segments: int) -> list[Segment]:
     return segments
 
 
-def _check_depth_zero_complete(anchor: torch.Tensor, depth: torch.Tensor) -> None:
+def check_depth_zero_complete(anchor: torch.Tensor, depth: torch.Tensor) -> None:
     """Partitioning relies on depth 0 holding every anchor 0..L-1 (the real context)."""
     zero = anchor[depth == 0]
     num_anchors = int(anchor.max()) + 1 if anchor.numel() else 0
@@ -125,37 +120,6 @@ def select_elements(batch: Batch, index: list[torch.Tensor], keep_supervised: li
     return Batch(**out, hidden=batch.hidden)
 
 
-class SegmentBatches(Sequence[Batch]):
-    """The S segment batches of one batch, each built only when it is read (one alive at a time)."""
-
-    def __init__(self, batch: Batch, rows: list[list[tuple[torch.Tensor, torch.Tensor]]], segments: int):
-        self._batch, self._rows, self._segments = batch, rows, segments
-
-    def __len__(self) -> int:
-        return self._segments
-
-    def __getitem__(self, s: int) -> Batch:
-        if not -self._segments <= s < self._segments:
-            raise IndexError(f"segment {s} out of range for {self._segments} segments")
-        s %= self._segments
-        return select_elements(self._batch, [row[s][0] for row in self._rows], [row[s][1] for row in self._rows])
-
-
-def partition_batch(batch: Batch, segments: int) -> SegmentBatches:
-    """Split every row of a collated batch into ``segments`` segment batches (Algorithm 1).
-
-    Segment s of the batch holds segment s of every row; masks are sliced from the batch's
-    own mask. Losses of these batches must be divided by the WHOLE batch's normaliser.
-    """
-    rows = []
-    for row in range(batch.input_ids.shape[0]):
-        valid = torch.nonzero(batch.valid[row]).squeeze(1)
-        anchor, depth = batch.anchor[row, valid], batch.depth[row, valid]
-        _check_depth_zero_complete(anchor, depth)
-        rows.append([(valid[idx], owned) for idx, owned, _, _ in segment_indices(anchor, depth, segments)])
-    return SegmentBatches(batch, rows, segments)
-
-
 # ----------------------------------------------------------------------------- training step
 
 
@@ -180,67 +144,3 @@ def segment_batches(examples: list[Example], segments: int, collate_fn: Callable
 def examples_denominator(examples: list[Example], weighting: Weighting, k: int):
     """``loss_denominator`` of a micro-batch given as examples (before any collation)."""
     return loss_denominator(torch.cat([e.supervised for e in examples]), torch.cat([e.depth for e in examples]), weighting, k)
-
-
-def _as_examples(data: Example | list[Example] | Batch) -> list[Example] | None:
-    if isinstance(data, Example):
-        return [data]
-    if isinstance(data, (list, tuple)) and all(isinstance(e, Example) for e in data):
-        return list(data)
-    if isinstance(data, Batch):
-        return None
-    raise TypeError(f"expected an Example, a list of Examples or a Batch, got {type(data).__name__}")
-
-
-def partitioned_loss_backward(
-    drafter: nn.Module,
-    target_head: TargetHead,
-    data: Example | list[Example] | Batch,
-    segments: int,
-    weighting: Weighting = "uniform",
-    mask: PrecomputedMask | None = None,
-    k: int | None = None,
-    unaccepted_weight: float = 1.0,
-) -> LossOutput:
-    """Forward+backward ``data`` as ``segments`` segments; gradients = the single-pass gradients.
-
-    Examples are partitioned first and each segment batch is collated (mask built) only
-    when it runs, so peak memory is that of the largest segment; a ``Batch`` is split
-    with ``partition_batch`` (its full mask already exists). ``mask`` defaults to a
-    ``PrecomputedMask`` sized for the data. Returns the summed ``LossOutput`` (``loss``
-    detached: the backward passes have already run).
-    """
-    examples = _as_examples(data)
-    if examples is not None:
-        k = k or max(int(e.depth.max()) for e in examples) + 1
-        if mask is None:
-            mask = PrecomputedMask(max(int(e.anchor.max()) + 1 for e in examples), k)
-        denominator = examples_denominator(examples, weighting, k)
-        parts = segment_batches(examples, segments, partial(collate, mask=mask))
-    else:
-        k = k or int(data.depth.max()) + 1
-        denominator = loss_denominator(data.supervised, data.depth, weighting, k)
-        parts = iter(partition_batch(data, segments))
-    total = None
-    for part in parts:
-        out = peagle_loss(drafter, target_head, part, weighting, denominator, k=k, unaccepted_weight=unaccepted_weight)
-        out.loss.backward()
-        total = _accumulate(total, out)
-        del out, part
-    return total
-
-
-def _accumulate(total: LossOutput | None, out: LossOutput) -> LossOutput:
-    """Sum two segments' outputs (loss, KL sum, counts, per-depth statistics)."""
-    stats = {key: out.depth_stats[key].detach().clone() for key in STAT_KEYS}
-    if total is not None:
-        stats = {key: total.depth_stats[key] + stats[key] for key in STAT_KEYS}
-        out = replace(
-            out,
-            loss=total.loss + out.loss.detach(),
-            loss_sum=total.loss_sum + out.loss_sum,
-            num_supervised=total.num_supervised + out.num_supervised,
-        )
-    else:
-        out = replace(out, loss=out.loss.detach())
-    return replace(out, depth_stats=stats, metrics=metrics_from_stats(stats))

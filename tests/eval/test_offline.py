@@ -25,7 +25,8 @@ from peagle.eval.offline import (  # noqa: E402
     reference_tokens,
     walk_drafts,
 )
-from peagle.methods.eagle3 import build_eagle3_example, ttt_passes  # noqa: E402
+from peagle.methods.eagle3.examples import build_eagle3_example  # noqa: E402
+from peagle.methods.eagle3.ttt import ttt_passes  # noqa: E402
 from peagle.objective import PrecomputedMask, collate  # noqa: E402
 
 K = 4

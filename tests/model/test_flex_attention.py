@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle.methods.eagle3 import build_eagle3_example, eagle3_loss, ttt_passes
+from peagle.methods.eagle3.examples import build_eagle3_example
+from peagle.methods.eagle3.loss import eagle3_loss
+from peagle.methods.eagle3.ttt import ttt_passes
+from peagle.methods.peagle.loss import peagle_loss
 from peagle.model import PEagleDrafter, attention_backend, check_attention_backend
-from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, peagle_loss
+from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate
 from peagle.objective.batch import Batch
 from peagle.objective.masks import brute_force_mask
 

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import torch
 
 from peagle.facts import HeadSpec
+from peagle.methods.peagle.loss import peagle_loss
 from peagle.model import PEagleDrafter
-from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, kl_loss, peagle_loss
+from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, kl_loss
 from peagle.objective.masks import brute_force_mask
-from peagle.objective.partition import partitioned_loss_backward
+from tests.support.partition import partitioned_loss_backward
 
 HT, K = 16, 5
 SPEC = HeadSpec(

@@ -10,8 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from peagle.facts import HeadSpec
+from peagle.methods.peagle.loss import peagle_loss
 from peagle.model import PEagleDrafter
-from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, forward_kl, kl_loss, peagle_loss
+from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, forward_kl, kl_loss
 from peagle.objective.loss import Depth0Share, chain_accepted
 
 HT = 16

@@ -8,23 +8,20 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from peagle.facts import HeadSpec
+from peagle.methods.peagle.loss import peagle_loss
 from peagle.model import PEagleDrafter
-from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate, peagle_loss
+from peagle.objective import PrecomputedMask, TargetHead, build_peagle_example, collate
 from peagle.objective.loss import Depth0Share
 from peagle.objective.masks import brute_force_mask
-from peagle.objective.partition import (
-    owner_segment,
-    partition_batch,
-    partition_example,
-    partitioned_loss_backward,
-    segment_boundaries,
-)
+from peagle.objective.partition import owner_segment, partition_example, segment_boundaries
+from tests.support.partition import partition_batch, partitioned_loss_backward
 
 
 @pytest.fixture(autouse=True)
@@ -184,7 +181,8 @@ def test_partitioned_gradients_equal_single_pass_where_a_miss_ends_the_chain(seg
 
 
 def test_partition_batch_matches_trainer_contract():
-    """The trainer calls partition_batch(batch, S) and divides each loss by the whole batch's count."""
+    """A collated batch split with partition_batch(batch, S), each loss divided by the whole batch's
+    count, trains as the batch does."""
     spec, k = tiny_spec(), 4
     drafter, head = make_models(spec, seed=7)
     g = torch.Generator().manual_seed(0)
@@ -269,7 +267,7 @@ PEAK_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_partition import make_models, random_sample, tiny_spec
     from peagle.objective import build_peagle_example
-    from peagle.objective.partition import partitioned_loss_backward
+    from tests.support.partition import partitioned_loss_backward
 
     n, segments, k = {n}, {segments}, 4
     torch.set_num_threads(2)
@@ -309,7 +307,8 @@ PEAK_SCRIPT = textwrap.dedent(
 def peak_memory_run(n: int, segments: int) -> dict:
     """One forward+backward of an n-token example in a fresh process: peak RSS and time."""
     script = PEAK_SCRIPT.format(tests=os.path.dirname(__file__), n=n, segments=segments)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[2])  # the script imports tests.support
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

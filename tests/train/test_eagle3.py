@@ -14,10 +14,12 @@ from test_partition import grads, make_models, max_rel_error, one_thread, random
 
 from peagle.config import TrainConfig  # noqa: E402
 from peagle.methods.eagle3 import METHOD as EAGLE3  # noqa: E402
-from peagle.methods.eagle3 import build_eagle3_example, eagle3_loss, ttt_passes
+from peagle.methods.eagle3.examples import build_eagle3_example
+from peagle.methods.eagle3.loss import eagle3_loss
+from peagle.methods.eagle3.ttt import ttt_passes
 from peagle.objective import PrecomputedMask, build_peagle_example, collate  # noqa: E402
 from peagle.objective.loss import TargetHead  # noqa: E402
-from peagle.objective.partition import partition_batch  # noqa: E402
+from tests.support.partition import partition_batch  # noqa: E402
 
 
 def causal_drafter_pass(drafter, tokens, aux, positions, override=None):

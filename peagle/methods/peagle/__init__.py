@@ -1,8 +1,8 @@
 """P-EAGLE: K draft tokens in one forward pass (mask token + learned ``mask_hidden``).
 
 Training: every anchor's depth 0 plus COD-sampled depths 1..k_train-1 of mask slots, one
-pass, forward KL to the target (``peagle.objective.batch`` / ``peagle.objective.loss``). Drafting:
-one pass of that layout without COD subsampling. The head ships ``mask_hidden``; vLLM
+pass, forward KL to the target (the shared layout of ``peagle.objective.batch``, the loss of
+``peagle.methods.peagle.loss``). Drafting: one pass of that layout without COD subsampling. The head ships ``mask_hidden``; vLLM
 serves it with ``parallel_drafting``, at any K, but it is only evaluated offline at the
 depths it was trained for (K <= k_train).
 """
@@ -14,9 +14,10 @@ from functools import partial
 from peagle.catalogue import PEAGLE
 from peagle.contract import TensorRule, fc_input_size
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
+from peagle.methods.peagle.loss import peagle_loss
 from peagle.objective import Objective
 from peagle.objective.batch import build_peagle_example, collate
-from peagle.objective.loss import Depth0Share, peagle_loss
+from peagle.objective.loss import Depth0Share
 from peagle.objective.masks import PrecomputedMask
 
 
