@@ -78,7 +78,8 @@ def load_target_config_and_tokenizer(target: TargetConfig) -> tuple[PretrainedCo
         reason = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"target.model {target.model!r} (revision {target.revision or 'default'}) could not be reached: "
-            f"{reason}. If it is a gated or private hub model set HF_TOKEN (and unset HF_HUB_OFFLINE); "
-            "otherwise point target.model at a local directory with the model, or use 'embedded'"
+            f"{reason}. If it is a gated or private hub model set HF_TOKEN (and unset HF_HUB_OFFLINE); on a host "
+            f"without the hub, download it once where the hub is reachable (`hf download {target.model}`) and set "
+            "HF_HUB_OFFLINE=1, or point target.model at a local directory with the model"
         ) from None
     return config, tokenizer
