@@ -95,7 +95,7 @@ def training_numbers(metrics: Path) -> dict:
 
 def online_rows(results: Path) -> list[dict]:
     """Per prompt set: the head's row and n-gram lookup's at the same K, one request at a time."""
-    from peagle.eval.online import NGRAM, OnlineResult
+    from peagle.eval.online import OnlineResult
 
     rows = []
     for result in OnlineResult.load(results).prompt_sets():
@@ -111,7 +111,6 @@ def online_rows(results: Path) -> list[dict]:
                 "tokens_per_s": head.output_tokens_per_s,
                 "ngram_tokens_per_s": ngram.output_tokens_per_s if ngram else None,
                 "baseline_tokens_per_s": base.output_tokens_per_s if base else None,
-                "ngram_method": NGRAM,
             })
     return rows
 
