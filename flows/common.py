@@ -24,6 +24,7 @@ from pathlib import Path
 
 from peagle.config import PipelineConfig, load_config
 from peagle.logs import ROOT, run_library_output
+from peagle.serving.engine import EngineStartError
 
 RESULT_SERIALIZER = "json"
 RETRIES = 2
@@ -188,7 +189,6 @@ TRANSIENT_MESSAGES = ("Connection refused", "Max retries exceeded", "Temporary f
 
 def is_transient(exc: BaseException | None) -> bool:
     """vLLM engine start failures and tracking-server connection errors are worth a retry."""
-    from peagle.serving.engine import EngineStartError
 
     seen = set()
     while exc is not None and id(exc) not in seen:

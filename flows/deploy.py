@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from flows import require_prefect_api
+from peagle.config import load_config
 from peagle.paths import REPO_ROOT
 
 PREFECT_FILE = REPO_ROOT / "prefect.yaml"
@@ -140,7 +141,6 @@ GPU_FIX = {
 
 def deployment_config(d: Deployment):
     """The pipeline config the deployment's run loads (its config path plus overrides), or None."""
-    from peagle.config import load_config
 
     path = d.parameters.get("config_path") or d.parameters.get("config")
     if not isinstance(path, str):

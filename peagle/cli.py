@@ -10,11 +10,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from peagle import stages
 from peagle.catalogue import available_methods, describe
-from peagle.config import INIT_FROM_CHAMPION, ConfigError, VllmConfig, load_config, parse_overrides
+from peagle.config import INIT_FROM_CHAMPION, ConfigError, TrackingConfig, VllmConfig, load_config, parse_overrides
+from peagle.contract import CONFIG_FILE
+from peagle.data.errors import CorruptShardError, DiskSpaceError
+from peagle.data.parts import Part
 from peagle.interrupt import interrupted, record_interrupts
 from peagle.layout import RunLayout
-from peagle.paths import configure_environment
+from peagle.logs import ROOT, run_library_output, show_on_console
+from peagle.paths import configure_environment, library_homes
+from peagle.services import EXIT_UNAVAILABLE, ServiceUnavailable
+from peagle.serving.engine import EngineStartError, require_vllm
+from peagle.stages import check_config, summary_json
 
 app = typer.Typer(help="Train P-EAGLE drafter heads and publish them ready for vLLM.", no_args_is_help=True)
 target_app = typer.Typer(help="The target model.", no_args_is_help=True)
@@ -28,7 +36,6 @@ def print_result(result) -> None:
     """A stage's result as JSON through rich's JSON printer, as ``config env`` prints: it keeps a
     long run directory whole where plain printing wrapped it at the console's width and broke the
     JSON a script reads (``| jq``)."""
-    from peagle.stages import summary_json
 
     console.print_json(summary_json(result))
 
@@ -59,7 +66,6 @@ def _library_output(cfg):
     library log (``RunLayout.library_log``); our own lines and progress bars stay on the console."""
     import logging
 
-    from peagle.logs import ROOT, run_library_output
 
     logging.getLogger(ROOT).info("library output (vLLM, DeepSpeed, torch) goes to %s", RunLayout(cfg.run_dir).library_log)
     return run_library_output(cfg.run_dir)
@@ -73,7 +79,6 @@ def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     or streamed (data.hidden_states), against the free disk (a dataset that cannot fit is
     refused), and for a GPU config (train.precision bf16) training's GPU hours."""
     cfg = _load(config, set_)  # a config that does not parse is refused before the checks' libraries load
-    from peagle.stages import check_config
 
     try:
         report = check_config(cfg)
@@ -98,7 +103,6 @@ def _require(*, vllm=None, tracking=None, prefect: bool = False) -> None:
     and the devices ``vllm`` (a VllmConfig) asks for, the MLflow server of ``tracking`` (a
     TrackingConfig), the Prefect API. ``main`` prints the one that is missing."""
     if vllm is not None:
-        from peagle.serving.engine import require_vllm
 
         require_vllm(vllm)
     if tracking is not None:
@@ -115,7 +119,6 @@ def _require(*, vllm=None, tracking=None, prefect: bool = False) -> None:
 def config_env():
     """Show where this process reads and writes: peagle's home, the HF cache and token, the Prefect API."""
     from flows import prefect_settings
-    from peagle.paths import library_homes
 
     console.print_json(json.dumps({**library_homes(), "prefect": prefect_settings()}))
 
@@ -152,11 +155,9 @@ def data_cmd(
                                        "before the parts (--part) of several hosts read them"),
 ):
     """Generate the hidden-state dataset (regeneration and extraction through vLLM)."""
-    from peagle import stages
 
     cfg = _load(config, set_)
     if part is not None:
-        from peagle.data.parts import Part
 
         Part.parse(part)  # a bad --part is refused before any work
     if verify:
@@ -214,7 +215,6 @@ def train_cmd(
     method: str = typer.Option(None, help="A drafting method (peagle, eagle3); default train.method"),
 ):
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
-    from peagle import stages
 
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
@@ -239,7 +239,6 @@ def produce_cmd(
     (data.producer: separate): this host's vLLM engines write them into the head's spool, in the
     order the ranks read them, until the training ends. Run it with the same config and --set as
     the training, on a host that sees the same run directory."""
-    from peagle import stages
 
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
@@ -273,7 +272,6 @@ def export_cmd(
     vllm_check: bool = typer.Option(True, help="Also load the head in vLLM and draft before publishing"),
 ):
     """Export a checkpoint as a head directory vLLM serves; refuses a head that fails validation."""
-    from peagle import stages
     from peagle.export.head import ExportError
     from peagle.export.validate import validate_head
 
@@ -301,8 +299,6 @@ def export_cmd(
 @app.command("evaluate")
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
-    from peagle import stages
-    from peagle.contract import CONFIG_FILE
 
     cfg = _load(config, set_)
     _require(vllm=_one_engine(cfg))
@@ -326,7 +322,6 @@ def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
 def run_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Run the whole pipeline as a Prefect flow and print acceptance per K."""
     cfg = _load(config, set_)  # fail on a bad config before Prefect starts
-    from peagle import stages
 
     stages.check_training_runs_here(cfg)  # and on a machine that cannot train it (main() says why, exit 2)
     _require(vllm=cfg.vllm, tracking=cfg.tracking, prefect=True)  # and without a service it needs
@@ -347,7 +342,6 @@ def pull_cmd(
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT_DIR"),
 ):
     """Download a registered head, verified against its registered file hashes, ready to serve."""
-    from peagle.config import TrackingConfig
     from peagle.publish.pull import pull_head
     from peagle.tracking.mlflow_run import read_client, resolve_tracking_uri
 
@@ -511,12 +505,8 @@ def print_summary(result) -> None:
 def main() -> None:
     configure_environment()  # once, before any library the commands import reads its settings
     record_interrupts()
-    from peagle.logs import show_on_console
 
     show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file
-    from peagle.data.errors import CorruptShardError, DiskSpaceError
-    from peagle.services import EXIT_UNAVAILABLE, ServiceUnavailable
-    from peagle.serving.engine import EngineStartError
 
     try:
         app()

@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from peagle.facts import HeadSpec
 
 HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -32,7 +30,7 @@ CARD_FILE = "README.md"
 FORMAT_VERSION = 1
 MASK_HIDDEN = "mask_hidden"  # the tensor that lets a head draft K tokens in one pass (P-EAGLE's)
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+HEAD_DTYPES = ("float32", "bfloat16", "float16")  # the float dtypes a head may ship (config.json's torch_dtype)
 
 
 @dataclass(frozen=True)
@@ -99,8 +97,11 @@ def rope_parameters(spec: HeadSpec) -> dict:
     return params
 
 
-def head_config(spec: HeadSpec, dtype: torch.dtype) -> dict:
-    """config.json of the head; the mask id goes under every name vLLM versions read."""
+def head_config(spec: HeadSpec, dtype: str) -> dict:
+    """config.json of a head whose float tensors are ``dtype`` (one of ``HEAD_DTYPES``); the mask id goes
+    under every name vLLM versions read."""
+    if dtype not in HEAD_DTYPES:
+        raise ValueError(f"unsupported head dtype {dtype!r}; use one of {list(HEAD_DTYPES)}")
     config = {
         "architectures": [HEAD_ARCHITECTURE],
         "model_type": "llama",
@@ -125,8 +126,8 @@ def head_config(spec: HeadSpec, dtype: torch.dtype) -> dict:
         "mask_token_id": spec.mask_token_id,
         "ptd_token_id": spec.mask_token_id,
         "tie_word_embeddings": False,
-        "torch_dtype": DTYPE_NAMES[dtype],
-        "dtype": DTYPE_NAMES[dtype],  # transformers 5 spelling; must agree with torch_dtype
+        "torch_dtype": dtype,
+        "dtype": dtype,  # transformers 5 spelling; must agree with torch_dtype
     }
     if spec.rope_scaling:
         config["rope_scaling"] = rope_parameters(spec)
@@ -181,10 +182,3 @@ NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
 def ngram_speculative_config(k: int) -> dict:
     """vLLM's ``--speculative-config`` for training-free n-gram lookup at K draft tokens."""
     return {"method": "ngram", "num_speculative_tokens": k, **NGRAM_LOOKUP}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    for dtype, dname in DTYPE_NAMES.items():
-        if dname == name:
-            return dtype
-    raise ValueError(f"unsupported head dtype {name!r}; use one of {sorted(DTYPE_NAMES.values())}")

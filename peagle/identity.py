@@ -50,7 +50,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from peagle.catalogue import DESCRIPTIONS, describe
-from peagle.fileio import json_digest
+from peagle.fileio import json_digest, sha256_file
+from peagle.layout import SPLITS, DataLayout
 
 BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
                          "init_from", "attention"})
@@ -83,8 +84,6 @@ def head_identity(cfg, dataset: Mapping[str, str], method: str | None = None) ->
 
 def dataset_manifests(data_dir) -> dict[str, str]:
     """sha256 of each split's manifest.json: the identity of the dataset actually built."""
-    from peagle.fileio import sha256_file
-    from peagle.layout import SPLITS, DataLayout
 
     data = DataLayout(data_dir)
     return {split: sha256_file(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}

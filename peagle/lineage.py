@@ -32,7 +32,9 @@ from peagle.checkpoint_format import read_trainer_state, resolve_checkpoint
 from peagle.config import ConfigError, PipelineConfig, TargetConfig
 from peagle.data.provenance import HUB_TIMEOUT_S
 from peagle.fileio import sha256_file, write_json_atomic
+from peagle.identity import dataset_manifests, head_identity, training_hash
 from peagle.layout import LINEAGE_FILE, DataLayout
+from peagle.paths import peagle_home
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +134,6 @@ def local_content_digest(root: Path) -> tuple[str, int]:
 
 def cached_digests(files: list[Path]) -> dict[Path, str]:
     """sha256 of each file, reusing the digest cache where a file's size and mtime are unchanged."""
-    from peagle.paths import peagle_home
 
     cache_path = peagle_home() / DIGEST_CACHE
     try:
@@ -186,7 +187,6 @@ def lineage(cfg: PipelineConfig, target) -> dict[str, str]:
     compares with a head's recorded lineage. The dataset is named by the inputs the data stage
     would read now, as it names those it read; the training part is the head identity's own
     (``peagle.identity.training_hash``: bookkeeping never counts)."""
-    from peagle.identity import training_hash
 
     return {**dataset_inputs(cfg, target), "train_config_hash": training_hash(cfg)}
 
@@ -224,7 +224,6 @@ def head_lineage(cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Pa
     Told only when the checkpoint's identity (recorded by the trainer) is this config's on this
     dataset: a lineage stamped on a head trained on other inputs would stop retraining forever.
     """
-    from peagle.identity import dataset_manifests, head_identity, training_hash
 
     data = DataLayout(data_dir)
     if not data.lineage.is_file():

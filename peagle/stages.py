@@ -19,8 +19,13 @@ from pathlib import Path
 from peagle.catalogue import BASELINE, describe, trained_methods
 from peagle.checkpoint_format import resolve_checkpoint
 from peagle.config import INIT_FROM_CHAMPION, ConfigError, PipelineConfig, with_overrides
-from peagle.facts import HeadSpec, TargetFacts, drafter_shape, target_facts_from_target
-from peagle.layout import DataLayout, RunLayout
+from peagle.contract import CONFIG_FILE, WEIGHTS_FILE
+from peagle.data.parts import Part
+from peagle.data.prompt_sets import check_eval_prompts, load_chat_prompt_sets, load_completion_prompts
+from peagle.facts import HeadSpec, TargetFacts, drafter_shape, load_dataset_facts, target_facts_from_target
+from peagle.identity import dataset_manifests, head_identity
+from peagle.layout import BEST, METRICS_FILE, DataLayout, RunLayout
+from peagle.train.gpu_hours import gpu_hours_line
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,6 @@ def prepare_target(cfg: PipelineConfig) -> TargetInfo:
     """Resolve (or build) the target and check the config against it before heavy work; tell its
     revision (what the lineage and cache keys name it by) once per run. The evaluation prompt
     files are checked first: a missing or short one fails before a target is built or downloaded."""
-    from peagle.data.prompt_sets import check_eval_prompts
     from peagle.lineage import target_revision
     from peagle.target import resolve_target
 
@@ -92,7 +96,6 @@ def check_config(cfg: PipelineConfig) -> ConfigReport:
     from peagle.data.preflight import CONFIG_CHECK_PROMPTS, check_data_inputs, check_writable
     from peagle.target import resolve_target
     from peagle.target.embedded import BUILD_COMMAND, embedded_target_dir, is_complete
-    from peagle.train.gpu_hours import gpu_hours_line
 
     notes, tokenizer, mask_token_id, facts = [], None, None, None
     if cfg.target.is_embedded and not is_complete(embedded_target_dir(cfg.target.embedded)):
@@ -145,7 +148,6 @@ def generate_data_part(cfg: PipelineConfig, target: TargetInfo, part: str, *, fo
                        config_hint: str = "CONFIG"):
     """One host's part ``"I/N"`` of a data stage spread over hosts (``peagle.data.parts``); the
     build that follows (``generate_data``) takes every part in."""
-    from peagle.data.parts import Part
     from peagle.data.pipeline import build_part
 
     return build_part(cfg, target.path, target.facts, Part.parse(part), force=force,
@@ -195,7 +197,6 @@ def head_training_seconds(cfg: PipelineConfig, method: str, data_dir: Path) -> f
     """Seconds the optimizer steps of ``method``'s head on these inputs took (its ``metrics.jsonl``;
     checkpointing, evaluation and each process's first step not counted, as on a time budget's
     clock: ``peagle.train.budget``), to the millisecond."""
-    from peagle.layout import METRICS_FILE
 
     metrics = checkpoint_dir(cfg, method, data_dir) / METRICS_FILE
     if not metrics.is_file():
@@ -219,7 +220,6 @@ def checkpoint_dir(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
 
 def head_checkpoint_dir(resolved: PipelineConfig, data_dir: Path) -> Path:
     """``checkpoint_dir`` of a config already resolved for its head (``method_config``)."""
-    from peagle.identity import dataset_manifests, head_identity
 
     method = resolved.train.method
     identity = head_identity(resolved, dataset_manifests(data_dir), method)
@@ -229,7 +229,6 @@ def head_checkpoint_dir(resolved: PipelineConfig, data_dir: Path) -> Path:
 def trained_checkpoint(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
     """The best step directory of the ``method`` head trained on these inputs (export's default);
     a clear error naming the heads this run did train when there is none."""
-    from peagle.layout import BEST
 
     best = checkpoint_dir(cfg, method, data_dir) / BEST
     if best.is_file():
@@ -251,7 +250,6 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
     """
     if cfg.train.init_from != INIT_FROM_CHAMPION:
         return cfg
-    from peagle.contract import WEIGHTS_FILE
     from peagle.publish.pull import download_champion
     from peagle.publish.registry import champion_version
     from peagle.tracking.mlflow_run import make_client, registered_model_name, resolve_tracking_uri
@@ -361,7 +359,6 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
 
 def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
     """Refuse a checkpoint trained on another dataset's target, layers or draft vocabulary."""
-    from peagle.facts import load_dataset_facts
 
     if not spec.same_target_as(load_dataset_facts(data)):
         raise ValueError(
@@ -401,7 +398,6 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
     ``heads/eagle3`` when ``train.eagle3_baseline``).
     """
-    from peagle.contract import CONFIG_FILE  # loads torch: not at import, which flows and the CLI pay
 
     head, *baseline = trained_methods(cfg.train)
     if not baseline and baseline_dir is not None and head.name != BASELINE:
@@ -428,7 +424,6 @@ def evaluate_online(cfg: PipelineConfig, target: TargetInfo, heads: dict[str, Pa
     registry's champion (a ``peagle.publish.gate.ChampionHead``) in the same run when given,
     its rows labelled ``champion-v<N>``, so the gate compares like with like: at the largest K,
     the only K the gate reads (``peagle.publish.gate.head_score``), one engine."""
-    from peagle.data.prompt_sets import load_chat_prompt_sets, load_completion_prompts
     from peagle.eval.online import evaluate_online as run_online
 
     methods = {describe(m).label: m for m in heads}

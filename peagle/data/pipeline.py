@@ -94,6 +94,7 @@ from peagle.fileio import atomic_open, is_disk_full, json_digest, publish_dir, w
 from peagle.interrupt import interrupted
 from peagle.layout import SAMPLES_FILE, SPLITS, TRAIN_SPLIT, DataLayout, RunLayout
 from peagle.logs import console_stream
+from peagle.serving.engine import with_data_parallel_replicas
 
 log = logging.getLogger(__name__)
 
@@ -640,7 +641,6 @@ class _LazyEngine:
     def get(self):
         if self.llm is None:
             from peagle.data.extract import open_data_engine
-            from peagle.serving.engine import with_data_parallel_replicas
 
             vllm_cfg = with_data_parallel_replicas(self.cfg.vllm)
             replicas = vllm_cfg.data_parallel_size

@@ -25,7 +25,6 @@ from peagle.contract import (
     MASK_HIDDEN,
     WEIGHTS_FILE,
     draft_vocab_size,
-    dtype_from_name,
     expected_tensors,
     fc_input_size,
     head_config,
@@ -36,7 +35,9 @@ from peagle.export.validate import (
     CheckedTarget,
     ValidationReport,
     checked_target_from_spec,
+    dtype_name,
     read_target,
+    torch_dtype,
     validate_head,
 )
 from peagle.facts import HeadSpec, load_dataset_facts
@@ -103,7 +104,7 @@ def check_vocab(vocab, spec: HeadSpec) -> VocabMaps:
 
 def _float_dtype(state_dict: Mapping[str, torch.Tensor], dtype) -> torch.dtype:
     if dtype is not None:
-        return dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+        return torch_dtype(dtype) if isinstance(dtype, str) else dtype
     floats = {t.dtype for t in state_dict.values() if t.is_floating_point()}
     return floats.pop() if len(floats) == 1 else torch.float32
 
@@ -201,7 +202,7 @@ def export_head(
     if out_dir.exists() and not overwrite:
         raise ExportError(f"{out_dir} already exists; pass overwrite=True or choose another directory")
     with staged_dir(out_dir, overwrite=overwrite) as tmp:  # published whole, only once validated
-        (tmp / CONFIG_FILE).write_text(json.dumps(head_config(spec, float_dtype), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(head_config(spec, dtype_name(float_dtype)), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "peagle_format": str(FORMAT_VERSION)})
         (tmp / CARD_FILE).write_text(render_model_card(card, spec))
         validate_export(tmp, target, target_ref, load_in_vllm=load_in_vllm, vllm_cfg=vllm_cfg, method=method)

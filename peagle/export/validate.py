@@ -24,10 +24,10 @@ from peagle.contract import (
     ACCEPTED_ARCHITECTURES,
     CARD_FILE,
     CONFIG_FILE,
+    HEAD_DTYPES,
     MASK_HIDDEN,
     WEIGHTS_FILE,
     TensorRule,
-    dtype_from_name,
     expected_tensors,
     speculative_config,
 )
@@ -97,6 +97,18 @@ class HeadValidationError(ValueError):
         self.problems = list(problems)
         listing = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{head_dir}: {len(self.problems)} problem(s) with this vLLM head:\n{listing}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a head's float tensors named ``name`` (config.json's ``torch_dtype``)."""
+    if name not in HEAD_DTYPES:
+        raise ValueError(f"unsupported head dtype {name!r}; use one of {list(HEAD_DTYPES)}")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as config.json names it."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -449,7 +461,7 @@ def static_check(
     _check_config(report, config, target, method.parallel_drafting)
     try:
         spec = spec_from_config(config, target)
-        float_dtype = dtype_from_name(config["torch_dtype"]) if config.get("torch_dtype") else None
+        float_dtype = torch_dtype(config["torch_dtype"]) if config.get("torch_dtype") else None
     except (KeyError, TypeError, ValueError) as err:
         report.problem(f"config.json values cannot describe a head ({err})", "re-export the head")
         return report

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from peagle.catalogue import BASELINE, DEFAULT_METHOD
 from peagle.config import PipelineConfig, with_overrides
+from peagle.contract import drafts_in_parallel
 from peagle.layout import RunLayout
 from peagle.lineage import changes_since, lineage, lineage_key, recorded_lineage
 
@@ -79,7 +80,6 @@ def champion_to_measure(cfg: PipelineConfig, challenger_dir: str | Path) -> Cham
 
 def served_method(head_dir: Path) -> str:
     """The method a head drafts with, read from its weights as ``peagle serve`` does."""
-    from peagle.contract import drafts_in_parallel
 
     return DEFAULT_METHOD if drafts_in_parallel(head_dir) else BASELINE
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from peagle.contract import NGRAM
 from peagle.layout import ONLINE_PLOT_FILE, ONLINE_RESULTS_FILE, SPLITS, DataLayout
 
 # vLLM's acceptance length (1 + accepted / drafts over the steps that drafted) in metric names: for
@@ -51,7 +52,6 @@ def record_prompt_set(run, measured) -> None:
     lookup's least beside it, ``<set>_ngram_min_tokens_per_step``), ``<set>_<label>_vllm_acceptance_length``
     (vLLM's, over the steps that drafted only), and each head's gain over n-gram lookup (tokens
     per step and output tokens/s ratios): above 1, it earns its training."""
-    from peagle.contract import NGRAM
 
     name = measured.prompt_set
     for label in measured.methods():
@@ -71,7 +71,6 @@ def record_online(run, online, out_dir: Path) -> Path:
     """Every prompt set's figures (``record_prompt_set``), the first set's also without its name
     (``<label>_tokens_per_step``, ``ngram_min_tokens_per_step``, ``<label>_vllm_acceptance_length``), output tokens/s per method,
     K and concurrency, and the plot and the results table as artifacts."""
-    from peagle.contract import NGRAM
     from peagle.eval.plots import plot_online
 
     for label in online.methods():

@@ -68,9 +68,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from peagle.checkpoint_format import latest_checkpoint, list_checkpoints, read_trainer_state
 from peagle.config import ConfigError, PipelineConfig, TrainConfig, load_config, parse_config, parse_overrides
+from peagle.facts import head_spec_for, load_dataset_facts
 from peagle.fileio import json_digest, write_text_atomic
-from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout
+from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout, spool_dir
+from peagle.paths import configure_environment
+from peagle.serving.engine import engine_gpus, is_cpu_platform, visible_gpus, with_data_parallel_replicas
 from peagle.train.trainer import RESULT_FILE, TrainResult
 
 LAUNCH_CONFIG = LAUNCH_CONFIG_FILE
@@ -243,7 +247,6 @@ def wait_for_separate_producer(cfg: PipelineConfig, out_dir: Path) -> None:
     runs for this head (its spool's heartbeat is fresh) with a spool planned from this run's
     resume point, so the ranks start reading what it writes."""
     from peagle.data.spool import HEARTBEAT_EVERY_S, LOCK_FILE, Spool
-    from peagle.layout import spool_dir
 
     start_step, spool = resume_step(out_dir), Spool(spool_dir(out_dir))
     log.info("training on a streamed dataset: waiting up to %s for `peagle produce` (data.producer: separate) to "
@@ -278,7 +281,6 @@ def produce_separately(cfg: PipelineConfig, data_dir: Path, target_path: str, ou
     process already extracts for the head; a producer error ends it (the ranks waiting on it
     stop with the same error)."""
     from peagle.data.spool import LOCK_FILE, Spool, is_streamed, producer_lock
-    from peagle.layout import spool_dir
 
     if not is_streamed(DataLayout(data_dir).train):
         raise ConfigError(f"{data_dir}: its train split is stored with its hidden states; `peagle produce` extracts "
@@ -315,9 +317,6 @@ def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, o
     from peagle.data.extract import extract_with_engine, open_data_engine
     from peagle.data.spool import SpoolPlan, chunk_samples_for, keeps_whole_split, producing, start_spool
     from peagle.data.store import ShardReader, bytes_per_token
-    from peagle.facts import load_dataset_facts
-    from peagle.layout import spool_dir
-    from peagle.serving.engine import with_data_parallel_replicas
     from peagle.train.data import training_samples
 
     data = DataLayout(data_dir)
@@ -356,7 +355,6 @@ def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, o
 def check_engines_apart_from_ranks(cfg: PipelineConfig) -> None:
     """On GPUs, a streamed dataset's engines and the ranks beside them each need their own
     (``vllm.devices``, ``train.devices``); on CPU they share the cores."""
-    from peagle.serving.engine import engine_gpus, is_cpu_platform, visible_gpus, with_data_parallel_replicas
 
     if is_cpu_platform():
         return
@@ -414,7 +412,6 @@ def checkpoint_bytes(cfg: PipelineConfig, data_dir: Path) -> int:
     drafter's parameter count (built on the meta device: no memory, no weights read)."""
     import torch
 
-    from peagle.facts import head_spec_for, load_dataset_facts
     from peagle.methods import get_method
     from peagle.model import PEagleDrafter
 
@@ -433,7 +430,6 @@ def checkpoint_space_needed(cfg: PipelineConfig, data_dir: Path, out_dir: Path) 
     """(bytes still needed, checkpoints on disk at once, bytes each): ``train.keep_last`` + the best
     + the one being written before the oldest is pruned, less what the checkpoints already in
     ``out_dir`` (a resumed run's) take."""
-    from peagle.checkpoint_format import list_checkpoints
 
     each = checkpoint_bytes(cfg, data_dir)
     at_once = cfg.train.keep_last + 2
@@ -479,7 +475,6 @@ def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
 
 def resume_step(out_dir: Path) -> int:
     """The step the ranks resume from (their latest checkpoint's), 0 for a fresh start."""
-    from peagle.checkpoint_format import latest_checkpoint, read_trainer_state
 
     latest = latest_checkpoint(out_dir)
     return read_trainer_state(latest).step if latest is not None else 0
@@ -678,7 +673,6 @@ def rank_main(argv: list[str] | None = None, *, prog: str = f"python -m {RANK_MO
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    from peagle.paths import configure_environment
 
     configure_environment()
     try:

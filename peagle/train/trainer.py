@@ -32,10 +32,10 @@ from tqdm import tqdm
 
 from peagle.checkpoint_format import TrainerState, best_checkpoint, check_same_head, latest_checkpoint, read_trainer_state
 from peagle.config import INIT_FROM_CHAMPION, PipelineConfig, TrainConfig
-from peagle.facts import HeadSpec
+from peagle.facts import HeadSpec, head_spec_for, load_dataset_facts
 from peagle.fileio import write_text_atomic
 from peagle.identity import dataset_manifests, head_identity
-from peagle.layout import METRICS_FILE, TRAIN_SPLIT, spool_dir
+from peagle.layout import METRICS_FILE, TRAIN_SPLIT, DataLayout, spool_dir
 from peagle.layout import TRAIN_RESULT_FILE as RESULT_FILE
 from peagle.methods import get_method
 from peagle.objective import Objective
@@ -113,8 +113,6 @@ def load_training_inputs(data_dir: Path, cfg: PipelineConfig) -> TrainingInputs:
     from peagle.data.spool import is_streamed
     from peagle.data.store import ShardReader
     from peagle.data.vocab import DraftVocab
-    from peagle.facts import head_spec_for, load_dataset_facts
-    from peagle.layout import DataLayout
 
     data = DataLayout(data_dir)
     facts = load_dataset_facts(data)

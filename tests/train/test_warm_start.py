@@ -103,7 +103,7 @@ def test_a_head_of_another_depth_names_the_config_key(tmp_path):
 
     deeper = dataclasses.replace(tiny_spec(), num_layers=2)
     head = export_tensors(random_drafter(0, deeper), tmp_path / "head", torch.arange(DRAFT_VOCAB))
-    (head / "config.json").write_text(json.dumps(head_config(deeper, torch.float32)))
+    (head / "config.json").write_text(json.dumps(head_config(deeper, "float32")))
     with pytest.raises(ValueError, match=r"num_hidden_layers 2 \(head\) vs 1 \(now\).*set drafter\.num_layers: 2"):
         warm_start(random_drafter(1), head, torch.arange(DRAFT_VOCAB))
 
