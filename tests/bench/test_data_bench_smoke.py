@@ -1,23 +1,15 @@
 """The data benchmarks' own helpers on a tiny random split (no engine, no training)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from peagle.data.store import ShardReader, ShardWriter, bytes_per_token
+from tests.support.bench import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 LAYERS, HIDDEN = [1, 2, 3], 16
 
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture

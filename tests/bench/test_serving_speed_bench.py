@@ -1,18 +1,9 @@
 """The serving-speed benchmark's summary: ratios are taken within a round, then summarised."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support.bench import load_bench
 
 
 def test_ratios_pair_measurements_of_the_same_round_and_name_the_fastest_k():

@@ -1,20 +1,11 @@
 """The streamed quality benchmark's numbers: answers seen, the curve, and the head's rows against
 n-gram lookup and the per-position bounds, read from what the pipeline writes."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 from peagle.eval.online import BASELINE, OnlineResult, OnlineRow
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support.bench import load_bench
 
 
 def write_metrics(path: Path) -> Path:

@@ -14,7 +14,7 @@ from functools import partial
 from peagle.catalogue import PEAGLE
 from peagle.contract import TensorRule, fc_input_size
 from peagle.methods.base import DraftingMethod, starts_from_trained_rows
-from peagle.methods.peagle.loss import peagle_loss
+from peagle.methods.peagle.loss import one_pass, peagle_loss
 from peagle.objective import Objective
 from peagle.objective.batch import build_peagle_example, collate
 from peagle.objective.loss import Depth0Share
@@ -71,14 +71,7 @@ class PEagle(DraftingMethod):
             drafter.train_mask_row_only()
 
     def draft(self, drafter, batch, k, to_target_ids):
-        out = drafter(
-            input_ids=batch.input_ids,
-            aux_hidden=batch.aux_hidden,
-            position_ids=batch.position_ids,
-            attention_mask=batch.attention,
-            is_mask=batch.is_mask,
-            logits_mask=batch.supervised,
-        )
+        out = one_pass(drafter, batch)
         picked = batch.supervised
         return batch.anchor[picked], batch.depth[picked], to_target_ids(out.logits.argmax(-1))
 

@@ -10,6 +10,19 @@ from peagle.objective.batch import Batch
 from peagle.objective.loss import LossKind, LossOutput, TargetHead, Weighting, kl_loss, supervised_rows
 
 
+def one_pass(drafter: nn.Module, batch: Batch):
+    """The drafter over every element of ``batch`` at once, logits at its supervised elements: how
+    P-EAGLE trains and drafts."""
+    return drafter(
+        input_ids=batch.input_ids,
+        aux_hidden=batch.aux_hidden,
+        position_ids=batch.position_ids,
+        attention_mask=batch.attention,
+        is_mask=batch.is_mask,
+        logits_mask=batch.supervised,
+    )
+
+
 def peagle_loss(
     drafter: nn.Module,
     target_head: TargetHead,
@@ -26,14 +39,7 @@ def peagle_loss(
     pass train.k_train so metrics from different batches line up).
     """
     supervised = batch.supervised
-    out = drafter(
-        input_ids=batch.input_ids,
-        aux_hidden=batch.aux_hidden,
-        position_ids=batch.position_ids,
-        attention_mask=batch.attention,
-        is_mask=batch.is_mask,
-        logits_mask=supervised,
-    )
+    out = one_pass(drafter, batch)
     with torch.no_grad():
         target_logits = target_head(batch.target_hidden[supervised])
     depth = batch.depth[supervised]
