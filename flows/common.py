@@ -189,7 +189,6 @@ TRANSIENT_MESSAGES = ("Connection refused", "Max retries exceeded", "Temporary f
 
 def is_transient(exc: BaseException | None) -> bool:
     """vLLM engine start failures and tracking-server connection errors are worth a retry."""
-
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

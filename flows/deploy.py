@@ -141,7 +141,6 @@ GPU_FIX = {
 
 def deployment_config(d: Deployment):
     """The pipeline config the deployment's run loads (its config path plus overrides), or None."""
-
     path = d.parameters.get("config_path") or d.parameters.get("config")
     if not isinstance(path, str):
         return None

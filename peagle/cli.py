@@ -36,7 +36,6 @@ def print_result(result) -> None:
     """A stage's result as JSON through rich's JSON printer, as ``config env`` prints: it keeps a
     long run directory whole where plain printing wrapped it at the console's width and broke the
     JSON a script reads (``| jq``)."""
-
     console.print_json(summary_json(result))
 
 
@@ -155,7 +154,6 @@ def data_cmd(
                                        "before the parts (--part) of several hosts read them"),
 ):
     """Generate the hidden-state dataset (regeneration and extraction through vLLM)."""
-
     cfg = _load(config, set_)
     if part is not None:
 
@@ -215,7 +213,6 @@ def train_cmd(
     method: str = typer.Option(None, help="A drafting method (peagle, eagle3); default train.method"),
 ):
     """Train the drafter with DeepSpeed on the run's dataset (resumes from its last checkpoint)."""
-
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
     _require(tracking=cfg.tracking if cfg.train.init_from == INIT_FROM_CHAMPION else None)
@@ -239,7 +236,6 @@ def produce_cmd(
     (data.producer: separate): this host's vLLM engines write them into the head's spool, in the
     order the ranks read them, until the training ends. Run it with the same config and --set as
     the training, on a host that sees the same run directory."""
-
     cfg = _load(config, set_ or [])
     method = _method(method, cfg)
     try:
@@ -299,7 +295,6 @@ def export_cmd(
 @app.command("evaluate")
 def evaluate_cmd(config: Path = ConfigArg, set_: list[str] = SetOpt):
     """Acceptance per K and tokens/s in vLLM for the run's exported heads, against the baseline."""
-
     cfg = _load(config, set_)
     _require(vllm=_one_engine(cfg))
     run = RunLayout(cfg.run_dir)

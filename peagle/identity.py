@@ -84,6 +84,5 @@ def head_identity(cfg, dataset: Mapping[str, str], method: str | None = None) ->
 
 def dataset_manifests(data_dir) -> dict[str, str]:
     """sha256 of each split's manifest.json: the identity of the dataset actually built."""
-
     data = DataLayout(data_dir)
     return {split: sha256_file(data.manifest(split)) for split in SPLITS if data.manifest(split).exists()}

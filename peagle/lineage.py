@@ -134,7 +134,6 @@ def local_content_digest(root: Path) -> tuple[str, int]:
 
 def cached_digests(files: list[Path]) -> dict[Path, str]:
     """sha256 of each file, reusing the digest cache where a file's size and mtime are unchanged."""
-
     cache_path = peagle_home() / DIGEST_CACHE
     try:
         cache = json.loads(cache_path.read_text())
@@ -187,7 +186,6 @@ def lineage(cfg: PipelineConfig, target) -> dict[str, str]:
     compares with a head's recorded lineage. The dataset is named by the inputs the data stage
     would read now, as it names those it read; the training part is the head identity's own
     (``peagle.identity.training_hash``: bookkeeping never counts)."""
-
     return {**dataset_inputs(cfg, target), "train_config_hash": training_hash(cfg)}
 
 
@@ -224,7 +222,6 @@ def head_lineage(cfg: PipelineConfig, data_dir: str | Path, checkpoint: str | Pa
     Told only when the checkpoint's identity (recorded by the trainer) is this config's on this
     dataset: a lineage stamped on a head trained on other inputs would stop retraining forever.
     """
-
     data = DataLayout(data_dir)
     if not data.lineage.is_file():
         return None, f"{data.lineage} is missing (the dataset was built outside a pipeline run: `peagle data CONFIG` records it)"

@@ -197,7 +197,6 @@ def head_training_seconds(cfg: PipelineConfig, method: str, data_dir: Path) -> f
     """Seconds the optimizer steps of ``method``'s head on these inputs took (its ``metrics.jsonl``;
     checkpointing, evaluation and each process's first step not counted, as on a time budget's
     clock: ``peagle.train.budget``), to the millisecond."""
-
     metrics = checkpoint_dir(cfg, method, data_dir) / METRICS_FILE
     if not metrics.is_file():
         raise FileNotFoundError(
@@ -220,7 +219,6 @@ def checkpoint_dir(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
 
 def head_checkpoint_dir(resolved: PipelineConfig, data_dir: Path) -> Path:
     """``checkpoint_dir`` of a config already resolved for its head (``method_config``)."""
-
     method = resolved.train.method
     identity = head_identity(resolved, dataset_manifests(data_dir), method)
     return RunLayout(resolved.run_dir).checkpoints(method, identity)
@@ -229,7 +227,6 @@ def head_checkpoint_dir(resolved: PipelineConfig, data_dir: Path) -> Path:
 def trained_checkpoint(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
     """The best step directory of the ``method`` head trained on these inputs (export's default);
     a clear error naming the heads this run did train when there is none."""
-
     best = checkpoint_dir(cfg, method, data_dir) / BEST
     if best.is_file():
         return resolve_checkpoint(best)
@@ -359,7 +356,6 @@ def evaluate_offline(cfg: PipelineConfig, target: TargetInfo, data_dir: Path, ch
 
 def check_trained_on(spec: HeadSpec, data: DataLayout, checkpoint: Path) -> None:
     """Refuse a checkpoint trained on another dataset's target, layers or draft vocabulary."""
-
     if not spec.same_target_as(load_dataset_facts(data)):
         raise ValueError(
             f"{checkpoint} was trained on another dataset than {data.root} (target, layers or draft "
@@ -398,7 +394,6 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
     ``heads/eagle3`` when ``train.eagle3_baseline``).
     """
-
     head, *baseline = trained_methods(cfg.train)
     if not baseline and baseline_dir is not None and head.name != BASELINE:
         baseline = [describe(BASELINE)]

@@ -235,7 +235,6 @@ def export_from_checkpoint(
     ``checkpoint_dir`` is a step directory or the trainer's ``latest``/``best`` pointer.
     Keyword arguments go to ``export_head`` (dtype, target_path, load_in_vllm, ...).
     """
-
     try:
         ckpt = CheckpointLayout(resolve_checkpoint(checkpoint_dir))
     except FileNotFoundError as err:

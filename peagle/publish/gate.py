@@ -80,7 +80,6 @@ def champion_to_measure(cfg: PipelineConfig, challenger_dir: str | Path) -> Cham
 
 def served_method(head_dir: Path) -> str:
     """The method a head drafts with, read from its weights as ``peagle serve`` does."""
-
     return DEFAULT_METHOD if drafts_in_parallel(head_dir) else BASELINE
 
 

@@ -52,7 +52,6 @@ def record_prompt_set(run, measured) -> None:
     lookup's least beside it, ``<set>_ngram_min_tokens_per_step``), ``<set>_<label>_vllm_acceptance_length``
     (vLLM's, over the steps that drafted only), and each head's gain over n-gram lookup (tokens
     per step and output tokens/s ratios): above 1, it earns its training."""
-
     name = measured.prompt_set
     for label in measured.methods():
         run.log_metrics_per_k(measured.tokens_per_step_by_k(label), f"{name}_{label}_tokens_per_step")

@@ -355,7 +355,6 @@ def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, o
 def check_engines_apart_from_ranks(cfg: PipelineConfig) -> None:
     """On GPUs, a streamed dataset's engines and the ranks beside them each need their own
     (``vllm.devices``, ``train.devices``); on CPU they share the cores."""
-
     if is_cpu_platform():
         return
     vllm = with_data_parallel_replicas(cfg.vllm)
@@ -430,7 +429,6 @@ def checkpoint_space_needed(cfg: PipelineConfig, data_dir: Path, out_dir: Path) 
     """(bytes still needed, checkpoints on disk at once, bytes each): ``train.keep_last`` + the best
     + the one being written before the oldest is pruned, less what the checkpoints already in
     ``out_dir`` (a resumed run's) take."""
-
     each = checkpoint_bytes(cfg, data_dir)
     at_once = cfg.train.keep_last + 2
     existing = sum(f.stat().st_size for step in list_checkpoints(out_dir) for f in step.rglob("*") if f.is_file()) \
@@ -475,7 +473,6 @@ def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
 
 def resume_step(out_dir: Path) -> int:
     """The step the ranks resume from (their latest checkpoint's), 0 for a fresh start."""
-
     latest = latest_checkpoint(out_dir)
     return read_trainer_state(latest).step if latest is not None else 0
 
