@@ -215,9 +215,10 @@ def main() -> None:
     if budget < 600:
         raise SystemExit(f"the data stage took {result['seconds']['data']:.0f} s: {budget:.0f} s are left to train")
     result["train_budget_s"] = budget
-    step("train", "train", config, "--set", f"train.max_train_seconds={budget:.0f}")
-    step("export", "export", config)
-    step("evaluate", "evaluate", config)
+    budget_set = ("--set", f"train.max_train_seconds={budget:.0f}")  # part of the head's identity: every step names it
+    step("train", "train", config, *budget_set)
+    step("export", "export", config, *budget_set)
+    step("evaluate", "evaluate", config, *budget_set)
     run = args.workdir / "run"
     [metrics] = (run / "checkpoints").glob("peagle/*/metrics.jsonl")
     result["training"] = training_numbers(metrics)
