@@ -97,11 +97,17 @@ def rope_parameters(spec: HeadSpec) -> dict:
     return params
 
 
+def check_head_dtype(name: str) -> str:
+    """``name`` when a head may ship its float tensors in it (``HEAD_DTYPES``); else a clear error."""
+    if name not in HEAD_DTYPES:
+        raise ValueError(f"unsupported head dtype {name!r}; use one of {list(HEAD_DTYPES)}")
+    return name
+
+
 def head_config(spec: HeadSpec, dtype: str) -> dict:
     """config.json of a head whose float tensors are ``dtype`` (one of ``HEAD_DTYPES``); the mask id goes
     under every name vLLM versions read."""
-    if dtype not in HEAD_DTYPES:
-        raise ValueError(f"unsupported head dtype {dtype!r}; use one of {list(HEAD_DTYPES)}")
+    check_head_dtype(dtype)
     config = {
         "architectures": [HEAD_ARCHITECTURE],
         "model_type": "llama",

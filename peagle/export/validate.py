@@ -24,10 +24,10 @@ from peagle.contract import (
     ACCEPTED_ARCHITECTURES,
     CARD_FILE,
     CONFIG_FILE,
-    HEAD_DTYPES,
     MASK_HIDDEN,
     WEIGHTS_FILE,
     TensorRule,
+    check_head_dtype,
     expected_tensors,
     speculative_config,
 )
@@ -101,9 +101,7 @@ class HeadValidationError(ValueError):
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a head's float tensors named ``name`` (config.json's ``torch_dtype``)."""
-    if name not in HEAD_DTYPES:
-        raise ValueError(f"unsupported head dtype {name!r}; use one of {list(HEAD_DTYPES)}")
-    return getattr(torch, name)
+    return getattr(torch, check_head_dtype(name))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
