@@ -94,7 +94,7 @@ COVERAGE_DIR := .peagle/coverage
 
 coverage: install
 	rm -rf $(COVERAGE_DIR) && mkdir -p $(COVERAGE_DIR)
-	$(PY) -m coverage run -m pytest $(PYTEST_PARALLEL) --timeout=0 $(PYTEST_ARGS)
+	$(PY) -m coverage run -m pytest $(PYTEST_PARALLEL) -p no:timeout $(PYTEST_ARGS)
 	$(PY) -m coverage combine -q
 	$(PY) -m coverage report --sort=cover > $(COVERAGE_DIR)/report.txt
 	$(PY) -m coverage json -q -o $(COVERAGE_DIR)/coverage.json
