@@ -214,14 +214,13 @@ def checkpoint_dir(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
     (``peagle.identity``: the dataset, the weight-changing config, the method), so the same
     inputs resume and changed ones (a deeper drafter, a grown dataset) train a new head
     beside the old one, which stays usable."""
-    return head_checkpoint_dir(method_config(cfg, method, data_dir), data_dir)
+    resolved = method_config(cfg, method, data_dir)
+    return RunLayout(resolved.run_dir).checkpoints(resolved.train.method, identity_of(resolved, data_dir))
 
 
-def head_checkpoint_dir(resolved: PipelineConfig, data_dir: Path) -> Path:
-    """``checkpoint_dir`` of a config already resolved for its head (``method_config``)."""
-    method = resolved.train.method
-    identity = head_identity(resolved, dataset_manifests(data_dir), method)
-    return RunLayout(resolved.run_dir).checkpoints(method, identity)
+def identity_of(resolved: PipelineConfig, data_dir: Path) -> str:
+    """The identity of the head a config already resolved for it (``method_config``) trains on ``data_dir``."""
+    return head_identity(resolved, dataset_manifests(data_dir), resolved.train.method)
 
 
 def trained_checkpoint(cfg: PipelineConfig, method: str, data_dir: Path) -> Path:
@@ -269,11 +268,13 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
 class HeadPlan:
     """One head's training, worked out once before any work (``plan_head``) and read by every
     later step of it: its method, the config it trains with (``method_config``: validated), the
-    checked dataset it trains on and its checkpoint directory (one per head identity)."""
+    checked dataset it trains on, its identity (``peagle.identity``: what a resumed run must
+    share, handed to the ranks) and its checkpoint directory (one per identity)."""
 
     method: str
     config: PipelineConfig
     data_dir: Path
+    identity: str
     checkpoint_dir: Path
 
 
@@ -285,7 +286,8 @@ def plan_head(cfg: PipelineConfig, method: str | None, data_dir: Path) -> HeadPl
 
     check_dataset(data_dir)
     resolved = method_config(cfg, method or cfg.train.method, Path(data_dir))
-    return HeadPlan(resolved.train.method, resolved, Path(data_dir), head_checkpoint_dir(resolved, Path(data_dir)))
+    method, identity = resolved.train.method, identity_of(resolved, Path(data_dir))
+    return HeadPlan(method, resolved, Path(data_dir), identity, RunLayout(resolved.run_dir).checkpoints(method, identity))
 
 
 def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None = None):
@@ -310,6 +312,7 @@ def train_head(plan: HeadPlan, target: TargetInfo, *, mlflow_run_id: str | None 
         plan.checkpoint_dir,
         rank_module=RANK_MODULE,
         dataset_checked=True,  # plan_head checked it
+        head_identity=plan.identity,
         on_metrics=on_metrics,
     )
 

@@ -72,6 +72,8 @@ from peagle.checkpoint_format import latest_checkpoint, list_checkpoints, read_t
 from peagle.config import ConfigError, PipelineConfig, TrainConfig, load_config, parse_config, parse_overrides
 from peagle.facts import head_spec_for, load_dataset_facts
 from peagle.fileio import json_digest, write_text_atomic
+from peagle.identity import dataset_manifests
+from peagle.identity import head_identity as identity_of
 from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout, spool_dir
 from peagle.paths import configure_environment
 from peagle.serving.engine import engine_gpus, is_cpu_platform, visible_gpus, with_data_parallel_replicas
@@ -100,11 +102,13 @@ class TrainingFailed(RuntimeError):
 
 def training_command(
     cfg_json: Path, data_dir: Path, target_path: str, out_dir: Path, train: TrainConfig,
-    rank_module: str = RANK_MODULE, progress: bool = True,
+    rank_module: str = RANK_MODULE, progress: bool = True, head_identity: str | None = None,
 ) -> list[str]:
     """The launcher command line for ``train``'s launch settings (see the module docstring), every
-    rank running ``python -m rank_module``."""
+    rank running ``python -m rank_module``, told the head's identity when given."""
     args = ["--config-json", str(cfg_json), "--data-dir", str(data_dir), "--target", str(target_path), "--out", str(out_dir)]
+    if head_identity is not None:
+        args += ["--head-identity", head_identity]
     if not progress:
         args.append("--no-progress")
     if train.hostfile is not None:
@@ -161,6 +165,7 @@ def launch_training(
     progress: bool = True,
     env: dict[str, str] | None = None,
     on_metrics: Callable[[list[dict]], None] | None = None,
+    head_identity: str | None = None,
 ) -> TrainResult:
     """Train in ``train.world_size`` fresh processes (this node's share of them when
     ``train.nodes`` > 1) and return rank 0's ``TrainResult``.
@@ -170,6 +175,8 @@ def launch_training(
     ``dataset_checked`` (a ``HeadPlan``'s was, when it was planned). ``on_metrics(records)`` receives rank 0's new
     ``metrics.jsonl`` records (steps after the resume point) about once a second while the
     ranks run; it runs in this process, so the ranks never talk to a tracking server.
+    ``head_identity`` (a ``HeadPlan``'s) is what every rank checks a resumed checkpoint against;
+    worked out here from ``cfg`` and the dataset when not given, never by the ranks.
     """
     from peagle.data.check import check_dataset
 
@@ -183,7 +190,8 @@ def launch_training(
     write_text_atomic(cfg_json, cfg.model_dump_json(by_alias=True, indent=1))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
     (out_dir / TRAINING_FAILED_FILE).unlink(missing_ok=True)  # an earlier attempt's
-    cmd = training_command(cfg_json, Path(data_dir), target_path, out_dir, cfg.train, rank_module, progress)
+    identity = head_identity or identity_of(cfg, dataset_manifests(data_dir))
+    cmd = training_command(cfg_json, Path(data_dir), target_path, out_dir, cfg.train, rank_module, progress, identity)
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
@@ -666,6 +674,7 @@ def rank_main(argv: list[str] | None = None, *, prog: str = f"python -m {RANK_MO
     parser.add_argument("--out", required=True, type=Path, help="checkpoint/metrics directory (resumed if it has one)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints already in --out")
+    parser.add_argument("--head-identity", help="the head's identity a resumed checkpoint must hold (the launcher's)")
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment is what is used.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -689,6 +698,7 @@ def rank_main(argv: list[str] | None = None, *, prog: str = f"python -m {RANK_MO
         progress=not args.no_progress,
         eval_fn=make_eval_fn(cfg, args.data_dir, args.target) if make_eval_fn else None,
         resume=not args.no_resume,
+        identity=args.head_identity,
     )
     return 0
 

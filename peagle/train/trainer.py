@@ -281,12 +281,15 @@ def train_drafter(
     on_metrics: MetricsCallback | None = None,
     resume: bool = True,
     inputs: TrainingInputs | None = None,
+    identity: str | None = None,
 ) -> TrainResult:
     """Train (or resume training) a drafter in the current process group; see the module doc.
 
     ``eval_fn(drafter) -> acceptance`` (run on rank 0 at ``train.eval_every`` steps and at
     the end) picks the best checkpoint; ``on_metrics(step, record)`` sees every record
     written to ``metrics.jsonl``. ``inputs`` overrides what is read from ``data_dir``.
+    ``identity`` is the head's (``peagle.identity``), which a resumed checkpoint must hold: the
+    launcher's, else worked out here.
     With ``train.max_steps`` set, training runs that many optimizer steps (as many epochs
     as needed); with ``train.max_train_seconds``, until its steps have taken that long
     (``peagle.train.budget``); otherwise ``train.epochs`` whole epochs.
@@ -346,7 +349,7 @@ def train_drafter(
         out_dir.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out_dir / METRICS_FILE, dist_info.is_main, on_metrics)
     step = 0
-    identity = head_identity(cfg, dataset_manifests(data_dir))  # what a resumed run must share
+    identity = identity or head_identity(cfg, dataset_manifests(data_dir))  # what a resumed run must share
     previous = latest_checkpoint(out_dir)
     if previous is not None and not resume:
         raise FileExistsError(

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the tiny-run builders live in 
 from test_deepspeed import build_tiny_dataset, build_tiny_target, tiny_config  # noqa: E402
 
 from peagle import stages  # noqa: E402
-from peagle.checkpoint_format import read_head_spec  # noqa: E402
+from peagle.checkpoint_format import read_head_spec, read_trainer_state  # noqa: E402
 from peagle.facts import load_dataset_facts  # noqa: E402
 from peagle.layout import DataLayout, RunLayout  # noqa: E402
 
@@ -55,8 +55,12 @@ def test_a_changed_drafter_in_one_run_dir_trains_the_new_head_beside_the_old(cac
     monkeypatch.setattr(check, "check_dataset", lambda path, real=check.check_dataset: checks.append(path) or real(path))
     best = {}
     for trainings, (layers, cfg) in enumerate(configs.items(), 1):
-        trained = stages.train_head(stages.plan_head(cfg, None, data_dir), target)
+        plan = stages.plan_head(cfg, None, data_dir)
+        trained = stages.train_head(plan, target)
         assert len(checks) == trainings, checks  # the dataset is checked once a training: by its plan
+        # the ranks check a resume against the plan's identity, handed to them: one owner
+        assert read_trainer_state(trained.best_checkpoint).head_identity == plan.identity
+        assert plan.checkpoint_dir.name == plan.identity[:12]
         best[layers] = trained.best_checkpoint
         assert trained.best_checkpoint is not None  # chosen by acceptance: the ranks (peagle.rank) evaluated
         assert Path(trained.best_checkpoint).parent == stages.checkpoint_dir(cfg, "peagle", data_dir)

@@ -8,6 +8,7 @@ two "nodes" (two launchers meeting at a c10d rendezvous), one launcher extracts 
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -252,61 +253,48 @@ def test_two_nodes_train_from_one_producer_and_read_what_a_stored_run_reads(data
     assert [r["samples"] for r in records] == [r["samples"] for r in metrics(datasets["stored"])]
 
 
-@pytest.mark.timeout(400)  # a stored training (reused when a test above trained it), a refusal, producer and training
-def test_a_separate_producer_extracts_for_training_on_another_host(datasets, tmp_path):
+def start_training(config: Path) -> subprocess.Popen:
+    """`peagle train CONFIG` in a process group of its own, as a terminal runs it."""
+    return subprocess.Popen([sys.executable, "-m", "peagle.cli", "train", str(config)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_after_first_step(training: subprocess.Popen, heads: Path) -> None:
+    """Ctrl-C (SIGINT to its process group) once the training's ranks took a step."""
+    deadline = time.monotonic() + 200
+    while not any(p.read_text().strip() for p in heads.glob("*/metrics.jsonl")):
+        assert time.monotonic() < deadline and training.poll() is None, "the training never took a step"
+        time.sleep(0.1)
+    os.killpg(training.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
+    assert training.wait(timeout=60) != 0
+
+
+@pytest.mark.timeout(500)  # a refusal, then a producer and a training twice: stopped, rerun to the end
+def test_a_separate_producer_extracts_for_a_training_on_another_host_and_stops_with_it(datasets, tmp_path):
     """data.producer: separate, as an inference node and a training node run it on one run
-    directory: `peagle produce` extracts, `peagle train` waits for it and its rank reads what the
-    producer writes, to the stored run's losses, the spool under its cap; the producer ends once
-    the training has, and the spool is gone. Without a producer, `peagle train` stops after
-    data.producer_wait_s, naming the command to run."""
+    directory. Without a producer, `peagle train` stops after data.producer_wait_s, naming the
+    command to run. With `peagle produce` running, Ctrl-C of the training once its ranks read
+    what the producer writes: the training says where it stopped, and the producer, which would
+    otherwise keep its engine for a training that no longer reads, stops too, removes its spool
+    and says to rerun both. Rerun both: the training reads what the producer writes, to the
+    stored run's losses, the spool under its cap; the producer ends once the training has, and
+    the spool is gone."""
     from tests.peagle_cli import assert_refused
 
     separate = streamed_dataset_in(tmp_path / "separate", datasets, data={"producer": "separate",
                                                                           "producer_wait_s": 2})
+    heads = run_dir(separate) / "checkpoints" / "peagle"
     assert_refused(peagle("train", separate), "data.producer: separate, but no `peagle produce` extracted",
                    "Run `peagle produce CONFIG`", "or set data.producer: launcher")
-    assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/step-*")), "nothing trained"
+    assert not list(heads.glob("*/step-*")), "nothing trained"
+    waiting = {"data": {**yaml.safe_load(separate.read_text())["data"], "producer_wait_s": 300}}
+    separate.write_text(yaml.safe_dump({**yaml.safe_load(separate.read_text()), **waiting}))
 
-    assert peagle("train", datasets["stored"]).returncode == 0
-    with watching_spools(separate) as spool:
-        producer = start_producer(separate)
-        try:
-            trained = peagle("train", separate, "--set", "data.producer_wait_s=300")
-            produced, _ = producer.communicate(timeout=120)
-        finally:
-            producer.kill()
-    assert trained.returncode == 0, trained.output
-    assert "the separate producer extracts from step 0 on" in trained.output, trained.output
-    assert producer.returncode == 0, produced
-    produced = " ".join(produced.split())
-    assert "separate producer: the training finished; its spool is removed" in produced, produced
-    assert "chunk(s) of hidden states extracted beside training" in produced, produced
-
-    assert 0 < spool.peak <= SPOOL_GIB * 2**30 and any(name.startswith("e0001-") for name in spool.chunks)
-    assert not list((run_dir(separate) / "checkpoints" / "peagle").glob("*/spool")), "the spool is gone after"
-    assert_trains_as_stored(metrics(datasets["stored"]), metrics(separate))
-
-
-@pytest.mark.timeout(300)  # a producer's engine and a training's start, then Ctrl-C
-def test_a_stopped_training_stops_its_separate_producer(datasets, tmp_path):
-    """Ctrl-C of `peagle train` (SIGINT to its process group) once its ranks train on what
-    `peagle produce` extracts: the training says where it stopped, and the producer, which would
-    otherwise keep its engine for a training that no longer reads, stops too, removes its spool
-    and says to rerun both."""
-    separate = streamed_dataset_in(tmp_path / "stopped", datasets, data={"producer": "separate",
-                                                                         "producer_wait_s": 300})
-    producer = start_producer(separate)
-    training = subprocess.Popen([sys.executable, "-m", "peagle.cli", "train", str(separate)], cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-    heads = run_dir(separate) / "checkpoints" / "peagle"
+    # 1. the training stopped: its producer stops too
+    producer, training = start_producer(separate), start_training(separate)
     try:
-        deadline = time.monotonic() + 200
-        while not any(p.read_text().strip() for p in heads.glob("*/metrics.jsonl")):
-            assert time.monotonic() < deadline and training.poll() is None, "the training never took a step"
-            time.sleep(0.1)
-        os.killpg(training.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
-        assert training.wait(timeout=60) != 0
+        stop_after_first_step(training, heads)
         produced, _ = producer.communicate(timeout=60)
     finally:
         producer.kill()
@@ -319,6 +307,27 @@ def test_a_stopped_training_stops_its_separate_producer(datasets, tmp_path):
     [failed] = heads.glob("*/training_failed.txt")
     assert "KeyboardInterrupt" in failed.read_text()
     assert not list(heads.glob("*/spool")), "the spool is gone after"
+
+    # 2. both rerun: the training ends, and then its producer
+    assert peagle("train", datasets["stored"]).returncode == 0  # reused when a test above trained it
+    with watching_spools(separate) as spool:
+        producer = start_producer(separate)
+        try:
+            trained = peagle("train", separate)
+            produced, _ = producer.communicate(timeout=120)
+        finally:
+            producer.kill()
+    assert trained.returncode == 0, trained.output
+    # from step 0, or from the checkpoint at step 4 where the stop landed after it
+    assert re.search(r"the separate producer extracts from step [04] on", trained.output), trained.output
+    assert producer.returncode == 0, produced
+    produced = " ".join(produced.split())
+    assert "separate producer: the training finished; its spool is removed" in produced, produced
+    assert "chunk(s) of hidden states extracted beside training" in produced, produced
+
+    assert 0 < spool.peak <= SPOOL_GIB * 2**30 and any(name.startswith("e0001-") for name in spool.chunks)
+    assert not list(heads.glob("*/spool")), "the spool is gone after"
+    assert_trains_as_stored(metrics(datasets["stored"]), metrics(separate))
 
 
 PRODUCE_POOL, PRODUCE_DEPLOYMENT = "peagle-process", "produce"

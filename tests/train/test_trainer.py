@@ -229,3 +229,6 @@ def test_launcher_streams_output_and_reports_a_failing_child(caplog, tmp_path):
     single = training_command(Path("c.json"), Path("data"), "target", Path("out"), tiny_config(world_size=2).train,
                               rank_module="peagle.rank")
     assert single[single.index("--nproc_per_node=2") + 1:][:2] == ["-m", "peagle.rank"]
+    told = training_command(Path("c.json"), Path("data"), "target", Path("out"), tiny_config(world_size=2).train,
+                            head_identity="0576db343df1")
+    assert told[-2:] == ["--head-identity", "0576db343df1"]  # the ranks check a resume against it
