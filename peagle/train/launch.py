@@ -68,12 +68,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from peagle import identity as identities
 from peagle.checkpoint_format import latest_checkpoint, list_checkpoints, read_trainer_state
 from peagle.config import ConfigError, PipelineConfig, TrainConfig, load_config, parse_config, parse_overrides
 from peagle.facts import head_spec_for, load_dataset_facts
 from peagle.fileio import json_digest, write_text_atomic
-from peagle.identity import dataset_manifests
-from peagle.identity import head_identity as identity_of
 from peagle.layout import LAUNCH_CONFIG_FILE, METRICS_FILE, DataLayout, spool_dir
 from peagle.paths import configure_environment
 from peagle.serving.engine import engine_gpus, is_cpu_platform, visible_gpus, with_data_parallel_replicas
@@ -190,7 +189,7 @@ def launch_training(
     write_text_atomic(cfg_json, cfg.model_dump_json(by_alias=True, indent=1))
     (out_dir / RESULT_FILE).unlink(missing_ok=True)
     (out_dir / TRAINING_FAILED_FILE).unlink(missing_ok=True)  # an earlier attempt's
-    identity = head_identity or identity_of(cfg, dataset_manifests(data_dir))
+    identity = head_identity or identities.head_identity(cfg, identities.dataset_manifests(data_dir))
     cmd = training_command(cfg_json, Path(data_dir), target_path, out_dir, cfg.train, rank_module, progress, identity)
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
