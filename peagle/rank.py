@@ -21,5 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     return rank_main(argv, prog=f"python -m {RANK_MODULE}", make_eval_fn=offline_eval_fn)
 
 
+def without_mlflow() -> None:
+    """Mark MLflow absent in this rank's process, as where it is not installed. A rank never logs
+    to MLflow (the launcher's process tracks the run), but ``import deepspeed`` imports MLflow
+    whenever it can, for an autotuner peagle never runs; that import alone costs every rank
+    seconds of start-up on a small CPU (bench/results/rank_startup.md). An MLflow the process
+    already imported is kept."""
+    sys.modules.setdefault("mlflow", None)
+
+
 if __name__ == "__main__":
+    without_mlflow()
     sys.exit(main())

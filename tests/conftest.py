@@ -55,10 +55,50 @@ PIPELINE_PROMPTS = 160  # the shared run's prompt file: the first lines of data/
 SHIPPED_TARGETS = REPO / "tests" / "support" / "targets"  # the embedded target as built (its README says where)
 
 
+_RUN: dict = {}  # this process's pytest config, for the hooks that are not handed it
+
+
 def pytest_configure(config):
     from tests.cores import pin_xdist_worker
 
+    _RUN["config"] = config
     pin_xdist_worker()
+
+
+def pytest_runtest_logreport(report):
+    """Each failure named the moment it happens (with -n, as the worker's report arrives), with its
+    duration and first line: a run cut short by a time limit still says what failed and how."""
+    config = _RUN.get("config")
+    if not report.failed or config is None or hasattr(config, "workerinput"):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "") or str(report.longrepr or "")
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
+    where = ", ".join(filter(None, [report.when, f"{report.duration:.0f} s", worker]))
+    if reporter is not None:
+        reporter.write("\n")  # the progress dots of xdist's reports end no line of their own
+        reporter.write_line(f"{'FAILED' if report.when == 'call' else 'ERROR'} {report.nodeid} ({where}): "
+                            f"{crash.splitlines()[0][:300] if crash else ''}")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _RUN.setdefault("running", {})[nodeid] = time.monotonic()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _RUN.setdefault("running", {}).pop(nodeid, None)
+
+
+def pytest_keyboard_interrupt(excinfo):
+    """A run stopped (Ctrl-C, or CI's time limit sending it) names the tests it stopped in."""
+    config = _RUN.get("config")
+    reporter = config and config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or hasattr(config, "workerinput"):
+        return
+    now = time.monotonic()
+    reporter.write("\n")
+    for nodeid, started in _RUN.get("running", {}).items():
+        reporter.write_line(f"STOPPED in {nodeid} after {now - started:.0f} s")
 
 
 @pytest.fixture(autouse=True)

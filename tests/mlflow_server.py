@@ -25,6 +25,9 @@ def mlflow_server(root: Path, timeout_s: float = 180):
            "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--artifacts-destination", str(root / "artifacts")]
     log = root / "server.log"
     uri = f"http://127.0.0.1:{port}"
-    with process_group(cmd, log, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}) as proc:
+    # No job runner: it serves MLflow's GenAI jobs, which peagle never submits, with eight
+    # processes of their own polling beside the server for as long as it runs.
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with process_group(cmd, log, env=env) as proc:
         wait_http_ok(f"{uri}/health", proc, log, timeout_s, what="mlflow server")
         yield uri

@@ -464,46 +464,6 @@ def tree_bytes(root) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # three data stages (~130 s)
-def test_force_never_destroys_a_dataset_before_its_replacement_is_complete(tmp_path):
-    """--force with a typo in a prompt path: refused while loading the prompts, the built dataset
-    byte for byte as it was, and the next correct run needs no --force. A real --force rebuild
-    (another data.storage_dtype) reuses every regenerated response and replaces the dataset whole."""
-    config, run = tiny_data_config(tmp_path)
-    built = peagle("data", config)
-    assert built.returncode == 0, built.stdout
-    before = tree_bytes(run.data.root)
-    responses = {d["id"]: d["messages"] for d in map(json.loads, run.data.samples.read_text().splitlines())}
-
-    typo = peagle("data", config, "--force", "--set",
-                  f'data.sources=[{{kind: jsonl, path: "{tmp_path / "promts.jsonl"}"}}]')
-    assert typo.returncode != 0 and "promts.jsonl" in typo.stdout, typo.stdout
-    assert "starting vLLM" not in typo.stdout
-    assert tree_bytes(run.data.root) == before
-    assert not run.data_rebuilds()
-
-    again = peagle("data", config)  # the run as it was: nothing to do, no --force asked
-    assert again.returncode == 0 and "starting vLLM" not in again.stdout, again.stdout
-    assert tree_bytes(run.data.root) == before
-
-    refused = peagle("data", config, "--set", "data.storage_dtype=float32")
-    assert refused.returncode == 2 and "--force" in refused.stdout, refused.stdout
-    assert tree_bytes(run.data.root) == before
-
-    rebuilt = peagle("data", config, "--set", "data.storage_dtype=float32", "--force")
-    assert rebuilt.returncode == 0, rebuilt.stdout
-    assert f"{len(responses)} regenerated responses restored" in rebuilt.stdout
-    assert "regenerate:" not in rebuilt.stdout  # no response written again
-    assert {d["id"]: d["messages"] for d in map(json.loads, run.data.samples.read_text().splitlines())} == responses
-    manifest = json.loads(run.data.manifest("train").read_text())
-    assert json.loads(run.data.build.read_text())["config_hash"] == manifest["config_hash"] != json.loads(
-        before["build.json"])["config_hash"]
-    assert manifest["storage_dtype"] == "float32" and not run.data_rebuilds()
-    assert len(ShardReader(run.data.train, verify="full")) == json.loads(before["splits/train/manifest.json"])[
-        "num_samples"]
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(400)  # two data stages on a small disk (~100 s)
 def test_a_full_disk_stops_the_stage_at_once_and_a_rerun_resumes(tmp_path, small_disk):
     """The disk fills up during extraction: the command stops (no wait on a file vLLM could not
@@ -540,8 +500,13 @@ def test_a_full_disk_stops_the_stage_at_once_and_a_rerun_resumes(tmp_path, small
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)  # a data stage interrupted, then a whole one (~110 s alone, more beside another worker)
-def test_ctrl_c_stops_the_data_stage_promptly_and_a_rerun_resumes(tmp_path):
+@pytest.mark.timeout(600)  # a data stage interrupted, resumed, then refused twice and rebuilt (~150 s)
+def test_ctrl_c_stops_the_data_stage_a_rerun_resumes_and_force_never_destroys_what_it_built(tmp_path):
+    """One run directory as a user lives with it. Ctrl-C during regeneration stops the stage within
+    seconds, saying what is kept; the same command resumes it to a whole dataset. Then --force with
+    a typo in a prompt path is refused while loading the prompts, the dataset byte for byte as it
+    was, and the next correct run needs no --force. A changed data.storage_dtype is refused without
+    --force; with it, the rebuild reuses every regenerated response and replaces the dataset whole."""
     import os
     import signal
     import subprocess
@@ -570,6 +535,35 @@ def test_ctrl_c_stops_the_data_stage_promptly_and_a_rerun_resumes(tmp_path):
     assert seconds < 10, f"{seconds:.1f} s after Ctrl-C"
     assert "data: interrupted. Kept in" in text and "Rerun the same command" in text, text
 
-    again = peagle("data", config)
-    assert again.returncode == 0, again.stdout
+    built = peagle("data", config)
+    assert built.returncode == 0, built.stdout
     assert len(ShardReader(run.data.train, verify="full")) > 0 and run.data.build.exists()
+    before = tree_bytes(run.data.root)
+    responses = {d["id"]: d["messages"] for d in map(json.loads, run.data.samples.read_text().splitlines())}
+
+    typo = peagle("data", config, "--force", "--set",
+                  f'data.sources=[{{kind: jsonl, path: "{tmp_path / "promts.jsonl"}"}}]')
+    assert typo.returncode != 0 and "promts.jsonl" in typo.stdout, typo.stdout
+    assert "starting vLLM" not in typo.stdout
+    assert tree_bytes(run.data.root) == before
+    assert not run.data_rebuilds()
+
+    again = peagle("data", config)  # the run as it was: nothing to do, no --force asked
+    assert again.returncode == 0 and "starting vLLM" not in again.stdout, again.stdout
+    assert tree_bytes(run.data.root) == before
+
+    refused = peagle("data", config, "--set", "data.storage_dtype=float32")
+    assert refused.returncode == 2 and "--force" in refused.stdout, refused.stdout
+    assert tree_bytes(run.data.root) == before
+
+    rebuilt = peagle("data", config, "--set", "data.storage_dtype=float32", "--force")
+    assert rebuilt.returncode == 0, rebuilt.stdout
+    assert f"{len(responses)} regenerated responses restored" in rebuilt.stdout
+    assert "regenerate:" not in rebuilt.stdout  # no response written again
+    assert {d["id"]: d["messages"] for d in map(json.loads, run.data.samples.read_text().splitlines())} == responses
+    manifest = json.loads(run.data.manifest("train").read_text())
+    assert json.loads(run.data.build.read_text())["config_hash"] == manifest["config_hash"] != json.loads(
+        before["build.json"])["config_hash"]
+    assert manifest["storage_dtype"] == "float32" and not run.data_rebuilds()
+    assert len(ShardReader(run.data.train, verify="full")) == json.loads(before["splits/train/manifest.json"])[
+        "num_samples"]
