@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from peagle.train.launch import TrainingProgress, format_duration, run_streaming
 
 # A stand-in for rank 0: appends one metrics record per step (as MetricsLog does), slowly,
@@ -79,6 +81,31 @@ def test_a_rank_flushes_subnormal_floats_on_its_threads():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "0.0", "0.0"], out
+
+
+@pytest.mark.slow
+def test_a_rank_imports_deepspeed_without_mlflow_and_the_launcher_keeps_it():
+    """A rank's process (``python -m peagle.rank``) marks MLflow absent before anything imports
+    DeepSpeed, which then starts without it; a process that only imports peagle.rank (the
+    launcher's, which tracks the run) still imports MLflow."""
+    import subprocess
+
+    rank = textwrap.dedent("""
+        import sys
+        import peagle.rank
+        peagle.rank.without_mlflow()
+        import deepspeed
+        from deepspeed.autotuning import autotuner
+        print(sys.modules.get("mlflow") is None, autotuner.has_mlflow)
+    """)
+    launcher = "import peagle.rank, mlflow; print(mlflow.__name__)"
+    assert subprocess.run([sys.executable, "-c", rank], capture_output=True, text=True, check=True).stdout.split() == [
+        "True", "False"]
+    assert subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, check=True).stdout.split() == [
+        "mlflow"]
+    source = Path(__file__).resolve().parents[2] / "peagle" / "rank.py"
+    main_block = source.read_text().split('if __name__ == "__main__":')[1]
+    assert main_block.index("without_mlflow()") < main_block.index("main()"), "marked before the rank runs"
 
 
 def test_muon_on_a_cpu_without_a_compiler_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
