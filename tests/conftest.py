@@ -55,7 +55,7 @@ PIPELINE_PROMPTS = 160  # the shared run's prompt file: the first lines of data/
 SHIPPED_TARGETS = REPO / "tests" / "support" / "targets"  # the embedded target as built (its README says where)
 
 
-_RUN: dict = {}  # this process's pytest config, for the hooks that are not handed it
+_RUN: dict = {"running": {}}  # this process's pytest config and the tests under way, for the hooks
 
 
 def pytest_configure(config):
@@ -82,11 +82,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_runtest_logstart(nodeid, location):
-    _RUN.setdefault("running", {})[nodeid] = time.monotonic()
+    _RUN["running"][nodeid] = time.monotonic()
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    _RUN.setdefault("running", {}).pop(nodeid, None)
+    _RUN["running"].pop(nodeid, None)
 
 
 def pytest_keyboard_interrupt(excinfo):
@@ -97,7 +97,7 @@ def pytest_keyboard_interrupt(excinfo):
         return
     now = time.monotonic()
     reporter.write("\n")
-    for nodeid, started in _RUN.get("running", {}).items():
+    for nodeid, started in _RUN["running"].items():
         reporter.write_line(f"STOPPED in {nodeid} after {now - started:.0f} s")
 
 
