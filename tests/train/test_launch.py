@@ -113,7 +113,6 @@ def test_a_rank_imports_deepspeed_without_mlflow_and_the_launcher_keeps_it():
 
 def test_muon_on_a_cpu_without_a_compiler_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
     """torch.compile (Muon's update) needs a C++ compiler on a CPU: say so, and how to fix it."""
-    import pytest
     import torch
 
     from peagle.config import ConfigError
@@ -147,8 +146,6 @@ def _tiny_run(tmp_path):
 
 def test_a_corrupt_shard_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
     """16 bytes flipped in one shard: no rank starts; the message names the shard and the fix."""
-    import pytest
-
     from peagle.data.errors import CorruptShardError
     from peagle.train.launch import launch_training
 
@@ -168,8 +165,6 @@ def test_a_corrupt_shard_is_refused_before_any_rank_starts(tmp_path, monkeypatch
 
 
 def test_no_dataset_is_refused_before_any_rank_starts(tmp_path):
-    import pytest
-
     from peagle.data.errors import MissingDatasetError
     from peagle.train.launch import launch_training
 
@@ -183,8 +178,6 @@ def test_no_dataset_is_refused_before_any_rank_starts(tmp_path):
 
 
 def test_too_little_disk_for_the_checkpoints_is_refused_before_any_rank_starts(tmp_path, small_disk):
-    import pytest
-
     from peagle.data.errors import DiskSpaceError
     from peagle.train.launch import checkpoint_space_needed, launch_training
 
