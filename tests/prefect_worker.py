@@ -126,14 +126,19 @@ def logs_of_finished_runs(client, flow_run_ids: list, wait_s: float = 120) -> li
     state ...", Prefect's own) is stored: a run's process ships its log batches in the
     background, so they can reach the API after its final state does (the UI lags the same).
     The flow run's own line, not a task's: a task run's records carry its flow run's id too,
-    and its "Finished in state" can be stored before the flow logs what it decided next."""
+    and its "Finished in state" can be stored before the flow logs what it decided next. Read
+    them before stopping the worker that ran them: its run's process may still be shipping them."""
     deadline = time.monotonic() + wait_s
     while True:
         logs = read_all_logs(client, flow_run_ids)
         finished = {r.flow_run_id for r in logs
                     if r.task_run_id is None and r.message.startswith("Finished in state")}
-        if finished >= set(flow_run_ids) or time.monotonic() > deadline:
+        if finished >= set(flow_run_ids):
             return logs
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"flow run(s) {sorted(map(str, set(flow_run_ids) - finished))} stored no "
+                               f"'Finished in state' line within {wait_s:.0f} s: was the process that ran them "
+                               "(a worker's) stopped before it shipped its last log lines?")
         time.sleep(2)
 
 

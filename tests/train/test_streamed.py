@@ -397,10 +397,10 @@ def test_the_train_flow_runs_its_producer_on_a_worker_of_the_produce_deployment(
                 trained = train_flow(str(separate), export=False)
             _, produced = produce_runs()
             produced = wait_for_flow_run(produced.id, timeout_s=60, poll_s=1, worker=worker)
+            with get_client(sync_client=True) as client:  # while the worker runs: its run ships the last lines
+                said = " ".join(r.message for r in logs_of_finished_runs(client, [produced.id]))
     assert produced.state.is_completed(), produced.state
     assert produced.name.startswith("produce-peagle streamed-streamed ("), produced.name
-    with get_client(sync_client=True) as client:
-        said = " ".join(r.message for r in logs_of_finished_runs(client, [produced.id]))
     assert "chunk(s) of hidden states extracted beside training" in said, said
     assert "separate producer: the training finished; its spool is removed" in said, said
     assert 0 < spool.peak <= SPOOL_GIB * 2**30
