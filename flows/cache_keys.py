@@ -13,9 +13,9 @@ from pathlib import Path
 
 from peagle.data.served import served_key
 from peagle.fileio import json_digest, sha256_file
-from peagle.identity import dataset_manifests, head_identity
 from peagle.layout import LINEAGE_FILE
 from peagle.lineage import dataset_inputs, revision_of
+from peagle.stages import HeadPlan
 
 
 def _digest_parts(*parts) -> str:
@@ -40,9 +40,10 @@ def dataset_key(cfg, target) -> str:
                                    values["target_revision"], served_key(cfg))
 
 
-def training_key(cfg, data_dir, method: str) -> str:
-    """A trained head: its identity (the dataset actually built, the weight-changing fields, the method)."""
-    return "train-" + head_identity(cfg, dataset_manifests(data_dir), method)
+def training_key(plan: HeadPlan) -> str:
+    """A trained head: its plan's identity (the dataset actually built, the weight-changing fields,
+    the method), worked out once by ``peagle.stages.plan_head``."""
+    return "train-" + plan.identity
 
 
 def evaluation_key(cfg, target, heads: Mapping[str, str], head_key: str | None = None, champion=None) -> str:

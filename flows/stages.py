@@ -304,7 +304,7 @@ def train_flow(config: str, data_dir: str | None = None, overrides: dict | None 
         target = target or resolve_target(cfg)
         ckpt_dir = plan.checkpoint_dir
         refresh = not (ckpt_dir / BEST).exists()
-        key = training_key(plan.config, plan.data_dir, method)
+        key = training_key(plan)
         producer = None
         if cfg.data.producer == "separate":
             check_producer(cfg)

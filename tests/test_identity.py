@@ -14,7 +14,7 @@ from test_deepspeed import one_thread, tiny_config, tiny_facts, tiny_run, tiny_s
 
 from peagle.identity import BOOKKEEPING, head_identity, training_fields, training_hash  # noqa: E402
 from peagle.lineage import changes_since, lineage  # noqa: E402
-from peagle.stages import TargetInfo, with_train  # noqa: E402
+from peagle.stages import HeadPlan, TargetInfo, identity_of, with_train  # noqa: E402
 
 BOOKKEEPING_CHANGES = {"keep_last": 7, "save_every": 3, "eval_every": 5, "eagle3_baseline": True,
                        "eagle3_baseline_budget": "same_time", "init_from": "/heads/champion-v3", "attention": "dense"}
@@ -36,11 +36,13 @@ def inputs(tmp_path):
 
 
 def key_of(cfg, target):
-    """Every definition of a head's identity, side by side."""
+    """Every definition of a head's identity, side by side: the Prefect key is the head plan's."""
     from flows.cache_keys import training_key
 
+    data = Path("/nonexistent-data")
+    plan = HeadPlan(cfg.train.method, cfg, data, identity_of(cfg, data), data / "unused")
     return {"identity": head_identity(cfg, DATASET), "lineage": lineage(cfg, target)["train_config_hash"],
-            "prefect": training_key(cfg, Path("/nonexistent-data"), cfg.train.method)}
+            "prefect": training_key(plan)}
 
 
 def test_bookkeeping_is_documented_and_never_counts(inputs):
