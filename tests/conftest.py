@@ -231,9 +231,10 @@ def refuse_shared_run_readers_outside_its_group(items) -> None:
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run where torch sees a CUDA device; elsewhere each is skipped with the
     reason, so the summary counts what this machine could not check. A test using a fixture of
-    ``LONG_SETUPS_S`` gets that fixture's budget on top of its time limit. The heaviest worker
-    groups come first."""
+    ``LONG_SETUPS_S`` gets that fixture's budget on top of its time limit (where tests have time
+    limits: `make coverage` runs without them). The heaviest worker groups come first."""
     refuse_shared_run_readers_outside_its_group(items)
+    timed = config.pluginmanager.has_plugin("timeout")  # not under `make coverage` (-p no:timeout)
     items[:] = heaviest_groups_first(items)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(
         reason="needs a CUDA device (marked gpu); torch sees none here")
@@ -241,7 +242,7 @@ def pytest_collection_modifyitems(config, items):
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
         setup_s = sum(LONG_SETUPS_S.get(name, 0) for name in getattr(item, "fixturenames", ()))
-        if setup_s:
+        if setup_s and timed:
             own = item.get_closest_marker("timeout")
             limit = own.args[0] if own and own.args else float(config.getini("timeout") or 0)
             if limit:
