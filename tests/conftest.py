@@ -55,7 +55,9 @@ PIPELINE_PROMPTS = 160  # the shared run's prompt file: the first lines of data/
 SHIPPED_TARGETS = REPO / "tests" / "support" / "targets"  # the embedded target as built (its README says where)
 
 
-_RUN: dict = {"running": {}}  # this process's pytest config and the tests under way, for the hooks
+# This process's pytest config, the tests under way, and the seconds each worker and each worker
+# group spent in tests (set-up, call and teardown), for the hooks.
+_RUN: dict = {"running": {}, "worker_s": {}, "group_s": {}}
 
 
 def pytest_configure(config):
@@ -67,13 +69,18 @@ def pytest_configure(config):
 
 def pytest_runtest_logreport(report):
     """Each failure named the moment it happens (with -n, as the worker's report arrives), with its
-    duration and first line: a run cut short by a time limit still says what failed and how."""
+    duration and first line: a run cut short by a time limit still says what failed and how. Every
+    report's seconds count for its worker and its worker group (``pytest_terminal_summary``)."""
     config = _RUN.get("config")
-    if not report.failed or config is None or hasattr(config, "workerinput"):
+    if config is None or hasattr(config, "workerinput"):
+        return
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
+    for totals, key in ((_RUN["worker_s"], worker or "this process"), (_RUN["group_s"], worker_group(report.nodeid))):
+        totals[key] = totals.get(key, 0.0) + report.duration
+    if not report.failed:
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", "") or str(report.longrepr or "")
-    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
     where = ", ".join(filter(None, [report.when, f"{report.duration:.0f} s", worker]))
     if reporter is not None:
         reporter.write("\n")  # the progress dots of xdist's reports end no line of their own
@@ -99,6 +106,17 @@ def pytest_keyboard_interrupt(excinfo):
     reporter.write("\n")
     for nodeid, started in _RUN["running"].items():
         reporter.write_line(f"STOPPED in {nodeid} after {now - started:.0f} s")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each worker's seconds in tests and the heaviest worker groups: the suite lasts as long as its
+    busiest worker, so this says whether the scheduler (``heaviest_groups_first``) balanced them."""
+    if hasattr(terminalreporter.config, "workerinput") or not _RUN["worker_s"]:
+        return
+    terminalreporter.write_sep("=", "time in tests by worker and by worker group")
+    terminalreporter.write_line("workers: " + ", ".join(f"{w} {s:.0f} s" for w, s in sorted(_RUN["worker_s"].items())))
+    heaviest = sorted(_RUN["group_s"].items(), key=lambda kv: -kv[1])[:12]
+    terminalreporter.write_line("heaviest groups: " + ", ".join(f"{g} {s:.0f} s" for g, s in heaviest))
 
 
 @pytest.fixture(autouse=True)
