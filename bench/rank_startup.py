@@ -2,13 +2,15 @@
 
 Every ``peagle train`` starts its ranks as fresh processes (``python -m peagle.rank`` under
 torchrun), and each imports torch, transformers, DeepSpeed and peagle's trainer. DeepSpeed
-imports MLflow wherever it is installed (for an autotuner peagle never runs), so a rank marks
-MLflow absent before it starts (``peagle.rank.without_mlflow``). This times a process that
-imports what a rank imports, both ways, in turn within each round (the order alternating):
-- as ranks run: MLflow marked absent, then ``peagle.rank`` and ``deepspeed``;
-- MLflow importable: the same imports, DeepSpeed importing MLflow.
+imports MLflow wherever it is installed (for an autotuner peagle never runs), and transformers
+imports scikit-learn with any model class (for assisted generation, which a rank never runs),
+so a rank's process marks both absent before its imports (``peagle.rank.ABSENT_IN_A_RANK``).
+This times a process that imports what a rank imports, both ways, in turn within each round
+(the order alternating):
+- as ranks run: ``peagle.rank`` run as its own program (to its argument parsing), then ``deepspeed``;
+- both importable: ``peagle.rank`` imported as a library (as the launcher's process does), then ``deepspeed``.
 Reported per process: wall seconds and CPU seconds (user + system, from the OS's accounting of
-the finished child), whether MLflow was imported; then the first over the second per round.
+the finished child), and which of the two it imported; then the first over the second per round.
 
     .venv/bin/python bench/rank_startup.py [--rounds 5]
     .venv/bin/python bench/rank_startup.py --render-only
@@ -32,10 +34,13 @@ from data_common import render_saved, report, started  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "rank_startup"
-IMPORTS = "import peagle.rank, deepspeed, sys; print(sys.modules.get('mlflow') is not None)"
+IMPORTED = "import deepspeed, sys; print(*(sys.modules.get(m) is not None for m in ('mlflow', 'sklearn')))"
+AS_A_RANK = ("import runpy, sys; sys.argv = ['peagle.rank', '--help']\n"
+             "try: runpy.run_module('peagle.rank', run_name='__main__', alter_sys=True)\n"
+             "except SystemExit: pass\n")
 WAYS = {
-    "as ranks run (MLflow absent)": f"from peagle.rank import without_mlflow; without_mlflow(); {IMPORTS}",
-    "MLflow importable": IMPORTS,
+    "as ranks run (MLflow, scikit-learn absent)": AS_A_RANK + IMPORTED,
+    "both importable": "import peagle.rank\n" + IMPORTED,
 }
 
 
@@ -45,18 +50,20 @@ def children_cpu_s() -> float:
 
 
 def timed_process(code: str) -> dict:
-    """One fresh interpreter running ``code``: its wall and CPU seconds, and whether it imported MLflow."""
+    """One fresh interpreter running ``code``: its wall and CPU seconds, and whether it imported
+    MLflow and scikit-learn."""
     cpu, start = children_cpu_s(), time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
+    mlflow, sklearn = (word == "True" for word in done.stdout.strip().splitlines()[-1].split())
     return {"wall_s": round(wall, 2), "cpu_s": round(children_cpu_s() - cpu, 2),
-            "imports_mlflow": done.stdout.strip().splitlines()[-1] == "True"}
+            "imports_mlflow": mlflow, "imports_sklearn": sklearn}
 
 
 def tables(result: dict):
     runs = result["runs"]
-    rows = [[str(r["round"]), r["way"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", "yes" if r["imports_mlflow"] else "no"]
-            for r in runs]
+    rows = [[str(r["round"]), r["way"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
+             "yes" if r["imports_mlflow"] else "no", "yes" if r["imports_sklearn"] else "no"] for r in runs]
     first, second = WAYS
     ratios = []
     for rnd in sorted({r["round"] for r in runs}):
@@ -69,7 +76,7 @@ def tables(result: dict):
         ratios.append(["median", f"{median(wall):.2f}x", f"{median(cpu):.2f}x", f"{median(saved):.1f}"])
     return [
         ("A training rank's imports in a fresh process",
-         ["round", "imports", "wall s", "CPU s", "imports MLflow"], rows),
+         ["round", "imports", "wall s", "CPU s", "imports MLflow", "imports scikit-learn"], rows),
         (f"{first} over {second}", ["round", "wall", "CPU", "CPU s saved"], ratios),
     ]
 
@@ -87,7 +94,7 @@ def main() -> None:
     if args.render_only:
         return render_saved(NAME, tables, notes)
     result = started() | {"runs": []}
-    timed_process(IMPORTS)  # the files in the page cache before either is timed
+    timed_process(WAYS["both importable"])  # the files in the page cache before either is timed
     for rnd in range(args.rounds):
         for way in (list(WAYS) if rnd % 2 == 0 else list(WAYS)[::-1]):
             run = timed_process(WAYS[way]) | {"way": way, "round": rnd}

@@ -19,7 +19,7 @@ from peagle.data.parts import Part
 from peagle.interrupt import interrupted, record_interrupts
 from peagle.layout import RunLayout
 from peagle.logs import ROOT, run_library_output, show_on_console
-from peagle.paths import configure_environment, library_homes
+from peagle.paths import configure_environment, library_homes, mark_absent
 from peagle.services import EXIT_UNAVAILABLE, ServiceUnavailable
 from peagle.serving.engine import EngineStartError, require_vllm
 from peagle.stages import check_config, summary_json
@@ -499,6 +499,7 @@ def print_summary(result) -> None:
 
 def main() -> None:
     configure_environment()  # once, before any library the commands import reads its settings
+    mark_absent("sklearn")  # transformers would import it with any model class; no command uses it
     record_interrupts()
 
     show_on_console()  # peagle's own progress lines; libraries' output goes to the run's log file

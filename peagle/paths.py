@@ -10,6 +10,7 @@ target or a configured Prefect API is found as the user left it.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,18 @@ def configure_environment() -> None:
     """
     for key, value in QUIET_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def mark_absent(*modules: str) -> None:
+    """Mark ``modules`` absent in this process, as where they are not installed: importing one
+    raises ImportError, and a library that probes for it (``importlib.util.find_spec``) goes on
+    without it. For libraries a peagle process never calls that others import whenever they
+    are installed, at seconds of start-up each: transformers imports scikit-learn as it loads any
+    model class (for assisted generation, which peagle does not run), DeepSpeed imports MLflow
+    (for an autotuner peagle does not run). Entry points only: a program that imports peagle as a
+    library keeps its own modules. One this process already imported is kept."""
+    for name in modules:
+        sys.modules.setdefault(name, None)
 
 
 def library_homes() -> dict:

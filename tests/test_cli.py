@@ -80,3 +80,25 @@ def test_produce_is_refused_where_the_launcher_extracts():
     result = runner.invoke(app, ["produce", str(REPO / "configs" / "tiny.yaml"), "--set", "data.hidden_states=streamed"])
     assert result.exit_code == 2
     assert "data.producer is launcher" in " ".join(result.output.split()) and "separate" in result.output
+
+
+def test_the_peagle_command_loads_models_without_scikit_learn():
+    """transformers imports scikit-learn with any model class where it is installed (MLflow
+    installs it); no command uses it, so ``peagle`` marks it absent before a command runs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        from peagle.cli import main
+        sys.argv = ["peagle", "--help"]
+        try:
+            main()
+        except SystemExit as done:
+            assert done.code == 0, done.code
+        from transformers import LlamaForCausalLM
+        print(sys.modules["sklearn"] is None)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "True", done.stdout[-2000:]

@@ -83,32 +83,34 @@ def test_a_rank_flushes_subnormal_floats_on_its_threads():
     assert out.split() == ["True", "True", "0.0", "0.0"], out
 
 
-@pytest.mark.slow
-def test_a_rank_imports_deepspeed_without_mlflow_and_the_launcher_keeps_it():
-    """A rank's process (``python -m peagle.rank``) marks MLflow absent before anything imports
-    DeepSpeed, which then starts without it; a process that only imports peagle.rank (the
-    launcher's, which tracks the run) still imports MLflow."""
+def last_line_of(code: str) -> list[str]:
+    """The words of the last line ``python -c CODE`` prints (DeepSpeed and argparse print above it)."""
     import subprocess
 
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()[-1].split()
+
+
+@pytest.mark.slow
+def test_a_rank_starts_without_mlflow_and_scikit_learn_and_the_launcher_keeps_them():
+    """A rank's process (``python -m peagle.rank``, run here as torchrun runs it, to its argument
+    parsing) marks MLflow and scikit-learn absent before its imports: DeepSpeed then starts
+    without MLflow and transformers loads model classes without scikit-learn. A process that
+    imports peagle.rank as a library (the launcher's, which tracks the run) keeps both."""
     rank = textwrap.dedent("""
-        import sys
-        import peagle.rank
-        peagle.rank.without_mlflow()
-        import deepspeed
+        import runpy, sys
+        sys.argv = ["peagle.rank", "--help"]
+        try:
+            runpy.run_module("peagle.rank", run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            assert done.code == 0, done.code
         from deepspeed.autotuning import autotuner
-        print(sys.modules.get("mlflow") is None, autotuner.has_mlflow)
+        from transformers import LlamaForCausalLM
+        print(sys.modules["mlflow"] is None, sys.modules["sklearn"] is None, autotuner.has_mlflow)
     """)
-    launcher = "import peagle.rank, mlflow; print(mlflow.__name__)"
-
-    def last_line(code: str) -> list[str]:  # DeepSpeed prints its accelerator above it
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()[
-            -1].split()
-
-    assert last_line(rank) == ["True", "False"]
-    assert last_line(launcher) == ["mlflow"]
-    source = Path(__file__).resolve().parents[2] / "peagle" / "rank.py"
-    main_block = source.read_text().split('if __name__ == "__main__":')[1]
-    assert main_block.index("without_mlflow()") < main_block.index("main()"), "marked before the rank runs"
+    assert last_line_of(rank) == ["True", "True", "False"]
+    assert last_line_of("import peagle.rank, mlflow, sklearn; print(mlflow.__name__, sklearn.__name__)") == [
+        "mlflow", "sklearn"]
 
 
 def test_muon_on_a_cpu_without_a_compiler_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
