@@ -117,6 +117,8 @@ def test_two_workers_build_the_parts_at_once_into_one_store_with_each_sample_onc
             start = time.perf_counter()
             info = data_flow(str(config))
             print(f"\ndata flow over two workers: {time.perf_counter() - start:.0f} s")
+            # read while the workers run: a part run's process ships its last lines after its final state
+            first_part = " ".join(r.message for r in flow_run_logs("data-part-0/2 parts (embedded)"))
 
     # The two parts: completed, one on each worker, at the same time.
     runs = part_runs("parts")
@@ -139,7 +141,6 @@ def test_two_workers_build_the_parts_at_once_into_one_store_with_each_sample_onc
     assert f"{info.num_train + info.num_eval} samples taken in from 2 parts built apart" in said, said
     # The served split built by part 0's engine and taken in: the data flow's build starts none.
     assert "data: served split taken in from" in said and "data: starting vLLM for" not in said, said
-    first_part = " ".join(r.message for r in flow_run_logs("data-part-0/2 parts (embedded)"))
     assert "data: served split: 4 eval prompts" in first_part, first_part
 
     # One store: every record's sample once, in the records' order; the parts are gone.
