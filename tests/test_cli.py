@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from peagle.cli import app
@@ -82,6 +83,7 @@ def test_produce_is_refused_where_the_launcher_extracts():
     assert "data.producer is launcher" in " ".join(result.output.split()) and "separate" in result.output
 
 
+@pytest.mark.slow  # a fresh process that loads transformers
 def test_the_peagle_command_loads_models_without_scikit_learn():
     """transformers imports scikit-learn with any model class where it is installed (MLflow
     installs it); no command uses it, so ``peagle`` marks it absent before a command runs."""
