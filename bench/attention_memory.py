@@ -1,7 +1,7 @@
 """Time and peak memory of the drafter's attention per step, dense mask against flex attention's block mask.
 
 The drafter evaluates P-EAGLE's attention rule either as a dense [B, N, N] mask with SDPA
-(``train.attention: dense``) or as flex attention's block-sparse mask built from the
+(``train.launch.attention: dense``) or as flex attention's block-sparse mask built from the
 elements' anchor, depth and document (``flex``; ``peagle.objective.masks.ElementAttention``).
 Each cell is one step at a scaled shape (H=256, 4 query heads sharing 1 KV head, K_train 8,
 COD 0.8, batch 1) in a FRESH subprocess, through ``peagle_loss`` as the trainer and offline
@@ -240,7 +240,7 @@ def render(run: Run) -> None:
           cell_text(runs(length, "dense fwd+bwd"), "step_s"), cell_text(runs(length, "dense fwd+bwd"), "peak_gib"),
           len(runs(length, "flex fwd"))] for length in lengths],
         note="flex fwd+bwd is not on this table: torch 2.13 has no flex-attention backward on CPU (the trainer's "
-             "train.attention: auto takes flex on CUDA and dense here).",
+             "train.launch.attention: auto takes flex on CUDA and dense here).",
     )
     run.add_table(
         "The rule's two forms for one example, and what a fresh process pays before its first step",

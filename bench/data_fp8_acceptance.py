@@ -118,7 +118,7 @@ def main() -> None:
     if json.loads(DataLayout(bf16_data).manifest("train").read_text())["storage_dtype"] != "bfloat16":
         raise ValueError(f"{bf16_data} is not a bfloat16 dataset; point --data-dir at one")
     work = peagle_home() / "bench" / "data_fp8_acceptance"
-    ks = list(range(1, base.train.k_train + 1))
+    ks = list(range(1, base.train.peagle.k_train + 1))
     overrides = {"eval.ks": ks, **epochs_override(args.epochs)}
     cfgs = {d: load_config(args.config, {**overrides, "workdir": str(work / d)}) for d in ("bfloat16", "float8")}
     target = target_info(bench_target(base.target), bf16_data)

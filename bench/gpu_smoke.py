@@ -109,7 +109,8 @@ def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bo
                 cell = {"status": "skipped (out of memory at a shorter length)"}
             else:
                 engine.set_train_batch_size(s)  # one optimizer step a micro-batch: S DeepSpeed micro-steps
-                cell = _train_cell(engine, train.model_copy(update={"segments": s}), spec, head, length)
+                recipe = train.recipe.model_copy(update={"segments": s})
+                cell = _train_cell(engine, train.model_copy(update={"recipe": recipe}), spec, head, length)
                 if cell["status"] != "ok":
                     failed.add(s)
             cell.update(backend=backend, length=length, segments=s)
@@ -117,7 +118,7 @@ def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bo
 
 
 def _train_cell(engine, train, spec, head, length: int) -> dict:
-    """One warm-up step, then one timed step, of ``length`` tokens at ``train.segments``."""
+    """One warm-up step, then one timed step, of ``length`` tokens at ``train.recipe.segments``."""
     objective = make_objective(train, spec, head)
     cuda = engine.device.type == "cuda"
 
@@ -126,7 +127,7 @@ def _train_cell(engine, train, spec, head, length: int) -> dict:
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        run_micro_batch(engine, objective, [example], train.segments, 1, StepStats(objective.depths, engine.device))
+        run_micro_batch(engine, objective, [example], train.recipe.segments, 1, StepStats(objective.depths, engine.device))
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -139,7 +140,7 @@ def _train_cell(engine, train, spec, head, length: int) -> dict:
         steps = engine.global_steps
         seconds = step(2)
         if engine.global_steps != steps + 1:
-            raise RuntimeError(f"one micro-batch of {train.segments} segments made {engine.global_steps - steps} "
+            raise RuntimeError(f"one micro-batch of {train.recipe.segments} segments made {engine.global_steps - steps} "
                                "optimizer steps, not 1: DeepSpeed's accumulation is off")
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     except torch.OutOfMemoryError:

@@ -10,7 +10,7 @@ acceptance and output tokens/s, next to the offline (simulated) acceptance of th
 
 Writes bench/results/online_eval.{json,md,png}. P-EAGLE is served with parallel drafting,
 EAGLE-3 without (its ``mask_hidden`` is untrained). Offline P-EAGLE acceptance exists only
-for K <= train.k_train (the trained depths).
+for K <= train.peagle.k_train (the trained depths).
 """
 
 from __future__ import annotations
@@ -78,18 +78,19 @@ def eagle3_config(cfg, epochs: int | None, ttt_steps: int | None, max_steps: int
     """The demo config with a smaller EAGLE-3 training budget (TTT costs ~ttt_steps passes per step)."""
     from peagle.stages import with_train
 
-    train = {k: v for k, v in (("epochs", epochs), ("eagle3_ttt_steps", ttt_steps), ("max_steps", max_steps))
+    train = {k: v for k, v in (("recipe.epochs", epochs), ("eagle3.ttt_steps", ttt_steps), ("recipe.max_steps", max_steps))
              if v is not None}
-    return with_train(cfg, **train) if train else cfg
+    return with_train(cfg, train) if train else cfg
 
 
 def training_budget(checkpoint: Path, method: str) -> dict:
     """What the checkpoint was really trained with (from its training directory's launch config)."""
     launched = json.loads((checkpoint.parent / LAUNCH_CONFIG_FILE).read_text())["train"]
-    keys = ("epochs", "max_steps", *sorted(describe(method).own_train_fields))
     trained = json.loads((checkpoint.parent / TRAIN_RESULT_FILE).read_text())
     steps = max((int(m["step"]) for m in trained["metrics_history"] if "step" in m), default=0)
-    return {**{k: launched[k] for k in keys}, "steps_run": steps}
+    recipe = launched["recipe"]
+    return {"epochs": recipe["epochs"], "max_steps": recipe["max_steps"], **launched[describe(method).name],
+            "steps_run": steps}
 
 
 def trained_checkpoint(cfg, target, data_dir: Path, method) -> Path:
@@ -180,7 +181,7 @@ def markdown(online, offline: dict, ks: list[int], meta: dict) -> str:
         cells = [f"{off[k]:.2f}" if k in off else "n/a" for k in ks]
         cells = [c for k, o in zip(ks, cells) for c in (o, f"{on[k]:.2f}" if k in on else "-")]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "n/a: P-EAGLE offline acceptance is computed only for K <= train.k_train "
+    lines += ["", "n/a: P-EAGLE offline acceptance is computed only for K <= train.peagle.k_train "
               f"({meta['k_train']}); online it is served at every K.", ""]
     return "\n".join(lines)
 
@@ -246,7 +247,7 @@ def main() -> None:
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "target": target.path,
             "cpu": cpu_line(), "commit": git_commit(),
-            "num_prompts": args.num_prompts, "k_train": cfg.train.k_train, "heads": {k: str(v) for k, v in heads.items()},
+            "num_prompts": args.num_prompts, "k_train": cfg.train.peagle.k_train, "heads": {k: str(v) for k, v in heads.items()},
             "setup_s": round(setup_s, 1),
             "training": {label: training_budget(checkpoints[label], methods[label]) for label in checkpoints},
             "total_s": round(time.perf_counter() - started, 1)}

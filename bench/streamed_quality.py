@@ -8,7 +8,7 @@ of ``--spool-gib``, the whole of it data included inside ``--hours``:
 
 1. ``peagle data`` (Magpie requests, regeneration by the target, the held-out and served splits'
    hidden states; the train split keeps only tokens), timed;
-2. ``peagle train`` for the time left (``train.max_train_seconds``: the budget less the data
+2. ``peagle train`` for the time left (``train.recipe.max_train_seconds``: the budget less the data
    stage, ``--eval-reserve-s`` for steps 3-4 and ``--train-overhead-s`` for what the training
    clock does not count: engine and rank start-up, checkpoints, the offline evaluations every
    ``--eval-every`` steps), as many epochs as fit, extraction running beside the ranks;
@@ -66,8 +66,10 @@ def bench_config(args) -> Path:
             source["path"] = str(args.workdir / "magpie.jsonl")
             source["max_samples"] = magpie
     cfg["data"] |= {"max_samples": total, "hidden_states": "streamed", "spool_gib": args.spool_gib}
-    cfg["train"] |= {"eagle3_baseline": False, "epochs": args.epochs, "eval_every": args.eval_every,
-                     "save_every": args.eval_every}
+    train = cfg["train"]
+    train["baseline"] = {**train.get("baseline", {}), "eagle3": False}
+    train["recipe"] = {**train.get("recipe", {}), "epochs": args.epochs}
+    train["checkpoints"] = {**train.get("checkpoints", {}), "eval_every": args.eval_every, "save_every": args.eval_every}
     cfg["eval"] |= {"num_prompts": args.num_prompts}
     cfg["tracking"] = {**cfg.get("tracking", {}), "registered_model": f"peagle-bench-{NAME}"}
     path = args.workdir / "config.yaml"
@@ -168,7 +170,7 @@ def notes(result: dict) -> list[str]:
     return [
         f"config: {result['config_source']} grown to {result['answers']} training answers (half code requests, "
         f"half Magpie requests the target writes), data.hidden_states streamed through a {result['spool_gib']} GiB "
-        f"spool, train.max_train_seconds {result['train_budget_s']:.0f} (the {result['hours']} h less the data stage "
+        f"spool, train.recipe.max_train_seconds {result['train_budget_s']:.0f} (the {result['hours']} h less the data stage "
         f"and {result['eval_reserve_s']:.0f} s for export and evaluation, {result['train_overhead_s']:.0f} s for start-up "
         "and evaluations)",
         "per position: vLLM's acceptance rate at draft positions 1..K on the prompt set; the bounds are speculators' "
@@ -215,7 +217,7 @@ def main() -> None:
     if budget < 600:
         raise SystemExit(f"the data stage took {result['seconds']['data']:.0f} s: {budget:.0f} s are left to train")
     result["train_budget_s"] = budget
-    budget_set = ("--set", f"train.max_train_seconds={budget:.0f}")  # part of the head's identity: every step names it
+    budget_set = ("--set", f"train.recipe.max_train_seconds={budget:.0f}")  # part of the head's identity: every step names it
     step("train", "train", config, *budget_set)
     step("export", "export", config, *budget_set)
     step("evaluate", "evaluate", config, *budget_set)

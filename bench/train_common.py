@@ -191,7 +191,7 @@ def head_parser(doc: str):
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     parser.add_argument("--data-dir", default=None, help="a built dataset (default: the config's run dir / data)")
-    parser.add_argument("--epochs", type=int, default=None, help="override train.epochs (default: the config's)")
+    parser.add_argument("--epochs", type=int, default=None, help="override train.recipe.epochs (default: the config's)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads here and OMP_NUM_THREADS of the training processes "
                              "(1: fastest on shared, busy cores)")
@@ -200,8 +200,8 @@ def head_parser(doc: str):
 
 def epochs_override(epochs: int | None) -> dict:
     """``--epochs N``: N whole epochs instead of the config's training length, a clock included
-    (the demo's config trains for ``train.max_train_seconds``)."""
-    return {"train.epochs": epochs, "train.max_train_seconds": None} if epochs else {}
+    (the demo's config trains for ``train.recipe.max_train_seconds``)."""
+    return {"train.recipe.epochs": epochs, "train.recipe.max_train_seconds": None} if epochs else {}
 
 
 def setup_head_bench(threads: int) -> None:
@@ -248,8 +248,8 @@ def offline_acceptance(cfg, target, data_dir: Path, checkpoint: Path) -> dict:
 
 def train_settings(train, threads: int) -> dict:
     """What a head-training result records about its training budget."""
-    return {"threads": threads, "epochs": train.epochs, "max_steps": train.max_steps, "seed": train.seed,
-            "k_train": train.k_train, "lr": train.learning_rate, "micro_batch_size": train.micro_batch_size,
+    return {"threads": threads, "epochs": train.recipe.epochs, "max_steps": train.recipe.max_steps, "seed": train.recipe.seed,
+            "k_train": train.peagle.k_train, "lr": train.recipe.learning_rate, "micro_batch_size": train.recipe.micro_batch_size,
             "grad_accum": train.grad_accum}
 
 

@@ -1,4 +1,4 @@
-"""Per-depth loss weighting: "uniform" vs "per_depth_mean" (``train.loss_depth_weighting``).
+"""Per-depth loss weighting: "uniform" vs "per_depth_mean" (``train.recipe.loss_depth_weighting``).
 
 "uniform" divides the KL sum by the number of supervised elements, so deep depths (fewer
 elements after COD subsampling) weigh less; "per_depth_mean" averages each depth's mean
@@ -39,8 +39,8 @@ from train_common import (  # noqa: E402
 NAME = "train_loss_weighting"
 WEIGHTINGS = ("uniform", "per_depth_mean")
 # --quick: a budget that trains something in seconds on the tiny dataset.
-QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.k_train": 3, "train.max_len": 64, **epochs_override(2),
-                   "train.learning_rate": 3e-3, "train.warmup_ratio": 0.1, "eval.ks": [1, 3]}
+QUICK_OVERRIDES = {"drafter.num_layers": 1, "train.peagle.k_train": 3, "train.recipe.max_len": 64, **epochs_override(2),
+                   "train.recipe.learning_rate": 3e-3, "train.recipe.warmup_ratio": 0.1, "eval.ks": [1, 3]}
 
 
 def last_epoch_depth_acc(history: list[dict], k: int) -> dict:
@@ -59,12 +59,12 @@ def measure(cfg, target, data_dir: Path) -> dict:
     trained, seconds = train_fresh(cfg, target, data_dir)
     steps = [r for r in trained.metrics_history if "loss" in r]
     return {
-        "weighting": cfg.train.loss_depth_weighting,
-        "seed": cfg.train.seed,
+        "weighting": cfg.train.recipe.loss_depth_weighting,
+        "seed": cfg.train.recipe.seed,
         "train_seconds": seconds,
         "steps": len(steps),
         "final_loss": steps[-1]["loss"],
-        "train_acc_last_epoch": last_epoch_depth_acc(trained.metrics_history, cfg.train.k_train),
+        "train_acc_last_epoch": last_epoch_depth_acc(trained.metrics_history, cfg.train.peagle.k_train),
         **offline_acceptance(cfg, target, data_dir, trained.last_checkpoint),
     }
 
@@ -131,7 +131,7 @@ def notes(meta: dict) -> list[str]:
 
 def main() -> None:
     parser = head_parser(__doc__)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="train.seed values (one pair per seed)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="train.recipe.seed values (one pair per seed)")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny random target and dataset built in a temporary directory, one seed")
     parser.add_argument("--render-only", action="store_true", help=f"re-print results/{NAME}.json")
@@ -160,19 +160,19 @@ def main() -> None:
             data_dir = Path(args.data_dir) if args.data_dir else RunLayout(base.run_dir).data.root
             target_dir, seeds, work = bench_target(base.target), args.seeds, peagle_home() / "bench" / NAME
         train = load_config(args.config, overrides).train
-        ks = list(range(1, train.k_train + 1))
+        ks = list(range(1, train.peagle.k_train + 1))
         target = target_info(target_dir, data_dir)
         runs = []
         for seed in seeds:  # the pair back to back, so both see about the same machine load
             for weighting in WEIGHTINGS:
-                cfg = load_config(args.config, {**overrides, "eval.ks": ks, "train.seed": seed,
-                                                "train.loss_depth_weighting": weighting,
-                                                "train.depth0_loss_share": None,  # plain "uniform", not the recipe's share
+                cfg = load_config(args.config, {**overrides, "eval.ks": ks, "train.recipe.seed": seed,
+                                                "train.recipe.loss_depth_weighting": weighting,
+                                                "train.peagle.depth0_loss_share": None,  # plain "uniform", not the recipe's share
                                                 "workdir": str(work / f"{weighting}-seed{seed}")})
                 runs.append(measure(cfg, target, data_dir))
     run.meta.update({"data_dir": str(data_dir), "ks": ks, "runs": runs, "summary": summarize(runs, ks),
-                     "train": {**train_settings(train, args.threads), "cod_ratio": train.cod_ratio,
-                               "cod_floor": train.cod_floor}})
+                     "train": {**train_settings(train, args.threads), "cod_ratio": train.peagle.cod_ratio,
+                               "cod_floor": train.peagle.cod_floor}})
     add_tables(run, run.meta)
     run.finish(notes(run.meta))
 

@@ -73,7 +73,7 @@ class OurStep:
                                                                                        inputs.draft_ids))
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.recipe.learning_rate)
 
     def __call__(self, sample, seed: int) -> tuple[dict, int]:
         times, t = {}, time.perf_counter()
@@ -110,20 +110,20 @@ class PeerStep:
         draft_ids = torch.as_tensor(inputs.draft_ids, dtype=torch.long)
         t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
         t2d[draft_ids] = True
-        torch.manual_seed(train.seed)
+        torch.manual_seed(train.recipe.seed)
         self.model = PEagleDraftModel.from_training_args(
             layer, t2d=t2d, d2t=draft_ids - torch.arange(len(draft_ids)), verifier_name_or_path=target_path,
             draft_vocab_size=spec.draft_vocab_size, mask_token_id=spec.mask_token_id,
-            target_layer_ids=list(spec.aux_layer_ids), num_depths=train.k_train,
+            target_layer_ids=list(spec.aux_layer_ids), num_depths=train.peagle.k_train,
             draft_attn_impl="sdpa")  # its default, flex attention, has no backward on the CPU
         self.model.train()
-        self.kwargs = {"loss_config": resolve_loss_config("kl_div", "eager"), "num_depths": train.k_train,
-                       "down_sample_ratio": train.cod_ratio, "down_sample_ratio_min": train.cod_floor,
-                       "max_anchors": train.max_len}
+        self.kwargs = {"loss_config": resolve_loss_config("kl_div", "eager"), "num_depths": train.peagle.k_train,
+                       "down_sample_ratio": train.peagle.cod_ratio, "down_sample_ratio_min": train.peagle.cod_floor,
+                       "max_anchors": train.recipe.max_len}
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
-        self.optimizer = torch.optim.AdamW(params, lr=train.learning_rate)
-        self.max_len = train.max_len
+        self.optimizer = torch.optim.AdamW(params, lr=train.recipe.learning_rate)
+        self.max_len = train.recipe.max_len
         self._sampled, self._cod_s = 0, 0.0
         cod = peer_core.generate_cod_sample_indices
 
@@ -222,7 +222,7 @@ def compare(args, version: str, tmp: Path) -> Run:
 
     overrides = {"train.method": "peagle", **epochs_override(args.epochs)}
     if args.quick:  # the tiny target's positions
-        overrides.update({"train.max_len": 64, "train.k_train": 3, "drafter.num_layers": 1, "eval.ks": [1, 3]})
+        overrides.update({"train.recipe.max_len": 64, "train.peagle.k_train": 3, "drafter.num_layers": 1, "eval.ks": [1, 3]})
     cfg = load_config(args.config, overrides)
     if args.quick:
         data_dir, target_dir = tiny_head_dataset(tmp)
@@ -232,7 +232,7 @@ def compare(args, version: str, tmp: Path) -> Run:
     target_path = str(target_dir)
     inputs = load_training_inputs(data_dir, cfg)
     samples = [inputs.samples[i] for i in range(min(args.samples, len(inputs.samples)))]
-    tokens = sum(min(len(s.token_ids), cfg.train.max_len) for s in samples)
+    tokens = sum(min(len(s.token_ids), cfg.train.recipe.max_len) for s in samples)
     stem = "tiny random target" if args.quick else Path(args.config).stem
     run = Run(NAME if args.quick else per_target_name(NAME, args.config), {**vars(args), "peer_version": version})
 
@@ -245,8 +245,8 @@ def compare(args, version: str, tmp: Path) -> Run:
                      *[f"{1000 * r['phases_s'][p] / len(samples):.1f}" for p in PHASES],
                      f"{tokens / r['step_s']:.0f}", f"{peer['step_s'] / r['step_s']:.2f}x"])
     if not args.no_trainer:
-        trainer_cfg = load_config(args.config, {**overrides, "train.max_steps": args.samples + 1, "train.epochs": 1,
-                                                "train.method": "peagle", "train.eagle3_baseline": False,
+        trainer_cfg = load_config(args.config, {**overrides, "train.recipe.max_steps": args.samples + 1, "train.recipe.epochs": 1,
+                                                "train.method": "peagle", "train.baseline.eagle3": False,
                                                 "workdir": str(tmp / "trainer")})  # never the config's own runs
         seconds, tokens_per_s = trainer_throughput(trainer_cfg, target_info(target_path, data_dir), data_dir)
         rows.append(["peagle trainer (DeepSpeed)", f"{ours['trainable'] / 1e6:.2f}", "", f"{1000 * seconds:.1f}",
@@ -254,8 +254,8 @@ def compare(args, version: str, tmp: Path) -> Run:
     spec = inputs.spec
     run.add_table(
         f"Training step, one sample, fp32, {torch.get_num_threads()} thread(s): {stem} "
-        f"(H {spec.hidden_size}, {spec.num_layers} layers, Vd {spec.draft_vocab_size}, K {cfg.train.k_train}, "
-        f"COD {cfg.train.cod_ratio}/{cfg.train.cod_floor})",
+        f"(H {spec.hidden_size}, {spec.num_layers} layers, Vd {spec.draft_vocab_size}, K {cfg.train.peagle.k_train}, "
+        f"COD {cfg.train.peagle.cod_ratio}/{cfg.train.peagle.cod_floor})",
         ["trainer", "trainable M", "elements", "ms/step", *[f"{p} ms" for p in PHASES], "tokens/s",
          f"speed vs {PEER}"], rows,
         note=f"{len(samples)} samples ({tokens} tokens), best of {args.reps} steps each after {args.warmup} "

@@ -161,12 +161,12 @@ def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:
     if d.entrypoint in DATA_ONLY_FLOWS:
         needed, starts, needs = vllm_gpus, engines, engines
     else:
-        ranks = cfg.train.ranks_per_node  # a multi-node run's deployment runs on every node: one node's share
+        ranks = cfg.train.launch.ranks_per_node  # a multi-node run's deployment runs on every node: one node's share
         needed = max(ranks, vllm_gpus)
-        spread = f" over train.nodes {cfg.train.nodes}" if cfg.train.nodes > 1 else ""
-        starts = (f"train.world_size {cfg.train.world_size}{spread}: {ranks} ranks per node" if spread
-                  else f"train.world_size {cfg.train.world_size} ranks")
-        needs = f"train.world_size {cfg.train.world_size}{spread}, {engines}"
+        spread = f" over train.launch.nodes {cfg.train.launch.nodes}" if cfg.train.launch.nodes > 1 else ""
+        starts = (f"train.launch.world_size {cfg.train.launch.world_size}{spread}: {ranks} ranks per node" if spread
+                  else f"train.launch.world_size {cfg.train.launch.world_size} ranks")
+        needs = f"train.launch.world_size {cfg.train.launch.world_size}{spread}, {engines}"
     requested = requested_gpus(pool.type, {**pool.defaults(), **d.job_variables})
     if requested is None:
         where = "the worker host's devices" if pool.type == "process" else "every GPU of the host (count -1)"
@@ -180,7 +180,7 @@ def check_gpus(d: Deployment, pool: WorkPoolTemplate, cfg) -> GpuCheck:
                     f"{d.name}: requests {requested} GPU{'s' if requested != 1 else ''} ({pool.name} "
                     f"{GPU_VARIABLE[pool.type]}) but its config starts {starts} "
                     f"(needs {needed} GPUs: {needs}); fix: {fix}, or lower "
-                    f"{'vllm.data_parallel_size' if d.entrypoint in DATA_ONLY_FLOWS else 'train.world_size'} in its "
+                    f"{'vllm.data_parallel_size' if d.entrypoint in DATA_ONLY_FLOWS else 'train.launch.world_size'} in its "
                     "`overrides`")
 
 

@@ -368,7 +368,7 @@ def evaluate_flow(config: str, head_dir: str | None = None, overrides: dict | No
 
     ``head_dir``: the ``train.method`` head (default the run's ``heads/<method>``);
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data, served alongside as its
-    method drafts (default the run's ``heads/eagle3`` when ``train.eagle3_baseline``).
+    method drafts (default the run's ``heads/eagle3`` when ``train.baseline.eagle3``).
     Heads are keyed by method name; each is served as its method says (parallel or not).
     """
     cfg = load_config(config, overrides)

@@ -39,6 +39,9 @@ class TrainerState:
     micro_batch_size: int
     grad_accum: int
     total_steps: int
+    # The ZeRO stage that partitioned it (None: not recorded): a resume at another stage, as at
+    # another world size, rebuilds from the consolidated state (train.launch is never what a head is).
+    zero_stage: int | None = None
     head_identity: str = ""  # peagle.identity.head_identity of the head it trains
     train_seconds: float = 0.0  # summed optimizer-step seconds so far (a time budget's clock)
     counted_steps: int | None = None  # of the steps, those train_seconds counts (None: written before the rule)

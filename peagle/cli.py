@@ -40,7 +40,7 @@ def print_result(result) -> None:
 
 
 ConfigArg = typer.Argument(..., help="A pipeline config YAML, e.g. configs/demo.yaml")
-SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.epochs=3 (YAML value)")
+SetOpt = typer.Option(None, "--set", help="Override a config key: --set train.recipe.epochs=3 (YAML value)")
 
 
 def _load(config: Path, overrides: list[str] | None = None):
@@ -76,7 +76,7 @@ def config_check(config: Path = ConfigArg, set_: list[str] = SetOpt):
     and combinations; the target (its tokenizer and the mask token); every prompt source and
     evaluation set; the counts; the run directory. Then its plan: samples, tokens and disk, stored
     or streamed (data.hidden_states), against the free disk (a dataset that cannot fit is
-    refused), and for a GPU config (train.precision bf16) training's GPU hours."""
+    refused), and for a GPU config (train.recipe.precision bf16) training's GPU hours."""
     cfg = _load(config, set_)  # a config that does not parse is refused before the checks' libraries load
 
     try:
@@ -428,7 +428,7 @@ def deploy_cmd(
     prefect_file: Path = typer.Option(None, help="The Prefect deployments file (default: the checkout's prefect.yaml)"),
     name: list[str] = typer.Option(None, "--name", help="Only these deployments (repeatable); default: all"),
     check: bool = typer.Option(False, "--check", help="Only check the deployments (flows, parameters, configs, "
-                                                      "GPUs vs train.world_size); deploy nothing"),
+                                                      "GPUs vs train.launch.world_size); deploy nothing"),
 ):
     """Check prefect.yaml, create its missing work pools, then `prefect deploy` it (Prefect's own CLI)."""
     from flows.deploy import PREFECT_FILE, DeployError, check_deployments, deploy

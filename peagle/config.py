@@ -318,49 +318,34 @@ INIT_FROM_CHAMPION = "champion"
 AttentionBackend = Literal["auto", "flex", "dense"]
 
 
-class TrainConfig(Strict):
-    method: str = DEFAULT_METHOD  # a drafting method of peagle.catalogue (peagle, eagle3)
-    k_train: int = Field(8, ge=1)
-    cod_ratio: float = Field(0.8, gt=0, le=1)
-    cod_floor: float = Field(0.2, ge=0, le=1)
-    loss_depth_weighting: Literal["uniform", "per_depth_mean"] = "uniform"
-    # "kl": forward KL to the target's whole distribution over the draft vocabulary;
-    # "cross_entropy": the target's greedy token only (what greedy verification accepts).
-    loss: Literal["kl", "cross_entropy"] = "kl"
-    # What P-EAGLE's mask slots read: "mask" (the mask token, as vLLM drafts) or, as a measurement
-    # only, "true_previous" (each slot the real token before its target, as an EAGLE-3 step has
-    # it): the upper bound of one-pass drafting on the same data. Such a head cannot be served.
-    mask_slot_inputs: Literal["mask", "true_previous"] = "mask"
-    # Train on the first N answers of the train split only (None: all): a data-size curve, a trial.
-    max_samples: int | None = Field(None, ge=1)
-    # P-EAGLE's recipe (peagle.methods.peagle owns these; bench/quality.py measures them):
-    # keep the target's lm_head (the far depths' gradients otherwise dominate it), train only
-    # the mask token's embedding row, and the scale mask_hidden (h_shared) starts at.
-    freeze_lm_head: bool = True
-    train_embeddings: Literal["all", "mask_row"] = "mask_row"
-    mask_hidden_init_std: float = Field(1.0, gt=0, le=10)
-    # With loss_depth_weighting "uniform": the next-token depth's share of the loss, the parallel
-    # depths' mean the rest (None: plain uniform, where depth 0 is only ~27% at K_train 6, COD 0.8).
-    depth0_loss_share: float | None = Field(0.5, gt=0, lt=1)
-    # The loss weight of a draft that greedy verification never reads: a shallower draft of the
-    # same anchor misses the target's token (1: every element alike). 0 trains each depth for
-    # the drafts that are checked.
-    unaccepted_weight: float = Field(0.0, ge=0, le=1)
+class TrainRecipe(Strict):
+    """What a head is trained on and how: with the drafter, the method's own block and the data,
+    the whole of a head's identity (``peagle.identity``). Every field here changes the weights."""
+
     max_len: int = Field(768, ge=16)
     segments: int = Field(1, ge=1)
-    # How attention runs, not what it computes (no part of a head's identity): "flex" evaluates
-    # the rule as flex attention's block-sparse mask (no [N, N] tensor; trains on CUDA only),
-    # "dense" as a [B, N, N] mask with SDPA (memory quadratic in the elements), "auto" flex on
-    # CUDA and dense on CPU (peagle.model.drafter says why; bench/results/attention_memory.md).
-    attention: AttentionBackend = "auto"
+    # Train on the first N answers of the train split only (None: all): a data-size curve, a trial.
+    max_samples: int | None = Field(None, ge=1)
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     # Train for this many seconds of optimizer steps instead (as many epochs as it takes; still
     # at most max_steps when set); warmup and decay run over the time, or over the steps where
     # the run is further through those (peagle.train.budget).
     max_train_seconds: float | None = Field(None, gt=0)
+    # Sequences in one forward pass of a rank, and in one optimizer step over all ranks: each
+    # rank accumulates batch_size / (micro_batch_size x train.launch.world_size) micro-batches,
+    # and step s trains the same samples however the batch splits (peagle.train.data), so a head
+    # trained on 2 ranks resumes on 1 (peagle.train.checkpoint).
     micro_batch_size: int = Field(1, ge=1)
-    grad_accum: int = Field(1, ge=1)
+    batch_size: int = Field(1, ge=1)
+    # "kl": forward KL to the target's whole distribution over the draft vocabulary;
+    # "cross_entropy": the target's greedy token only (what greedy verification accepts).
+    loss: Literal["kl", "cross_entropy"] = "kl"
+    loss_depth_weighting: Literal["uniform", "per_depth_mean"] = "uniform"
+    # The loss weight of a draft that greedy verification never reads: a shallower draft of the
+    # same anchor misses the target's token (1: every element alike). 0 trains each depth for
+    # the drafts that are checked.
+    unaccepted_weight: float = Field(0.0, ge=0, le=1)
     # AdamW's learning rate (with Muon: on the norms, mask row and mask_hidden). Muon with 3e-3
     # here accepted the most on the real embedded target, at equal steps and at equal training
     # time, ahead of AdamW at 3e-3 and of the paper's AdamW at 1e-4 (bench/results/quality.md);
@@ -374,14 +359,63 @@ class TrainConfig(Strict):
     warmup_ratio: float = Field(0.0025, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    zero_stage: Literal[0, 1, 2, 3] = 2
     precision: Literal["fp32", "bf16"] = "fp32"
-    offload_optimizer: bool = False
-    # --- where the ranks run (peagle.train.launch); never part of a head's identity except
-    # world_size, whose product with grad_accum sets the global batch. One node: torchrun
-    # --standalone. Several: either every node starts the same command and its launcher joins
-    # the c10d rendezvous at rdzv_endpoint, or this host starts all of them over ssh with
-    # DeepSpeed's launcher (hostfile). ---
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _segments_fit(self):
+        if self.segments > self.max_len:
+            raise ValueError("train.recipe.segments cannot exceed train.recipe.max_len")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.recipe.batch_size ({self.batch_size}) must be a multiple of train.recipe.micro_batch_size "
+                f"({self.micro_batch_size}): an optimizer step sums whole micro-batches"
+            )
+        return self
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches in one optimizer step over all ranks."""
+        return self.batch_size // self.micro_batch_size
+
+
+class PeagleTraining(Strict):
+    """P-EAGLE's own knobs (``peagle.methods.peagle`` reads them; bench/quality.py measures them)."""
+
+    k_train: int = Field(8, ge=1)  # draft positions trained: the largest K a head is evaluated at
+    cod_ratio: float = Field(0.8, gt=0, le=1)
+    cod_floor: float = Field(0.2, ge=0, le=1)
+    # With recipe.loss_depth_weighting "uniform": the next-token depth's share of the loss, the
+    # parallel depths' mean the rest (None: plain uniform, where depth 0 is only ~27% at K_train 6,
+    # COD 0.8).
+    depth0_loss_share: float | None = Field(0.5, gt=0, lt=1)
+    # What the mask slots read: "mask" (the mask token, as vLLM drafts) or, as a measurement
+    # only, "true_previous" (each slot the real token before its target, as an EAGLE-3 step has
+    # it): the upper bound of one-pass drafting on the same data. Such a head cannot be served.
+    mask_slot_inputs: Literal["mask", "true_previous"] = "mask"
+    # Keep the target's lm_head (the far depths' gradients otherwise dominate it), train only
+    # the mask token's embedding row, and the scale mask_hidden (h_shared) starts at.
+    freeze_lm_head: bool = True
+    train_embeddings: Literal["all", "mask_row"] = "mask_row"
+    mask_hidden_init_std: float = Field(1.0, gt=0, le=10)
+
+
+class Eagle3Training(Strict):
+    """EAGLE-3's own knobs (``peagle.methods.eagle3`` reads them)."""
+
+    ttt_steps: int = Field(7, ge=1)  # training-time-test steps: the drafts one example chains
+    # Decoder layers (None: drafter.num_layers). Each method at its best depth for the same
+    # training time: P-EAGLE's parallel slots predict further ahead from the same context and
+    # want more layers; an EAGLE-3 step runs the drafter once per TTT step.
+    num_layers: int | None = Field(None, ge=1)
+
+
+class TrainLaunch(Strict):
+    """Where and how the ranks run (``peagle.train.launch``), never what they compute: a head
+    trained one way resumes another. One node: torchrun --standalone. Several: either every node
+    starts the same command and its launcher joins the c10d rendezvous at rdzv_endpoint, or this
+    host starts all of them over ssh with DeepSpeed's launcher (hostfile)."""
+
     world_size: int = Field(1, ge=1)  # ranks over all nodes
     devices: list[str] | None = Field(None, min_length=1)  # GPUs (CUDA ids) this node's ranks use; None: the first visible
     nodes: int = Field(1, ge=1)  # hosts taking part; each runs world_size // nodes ranks
@@ -389,24 +423,108 @@ class TrainConfig(Strict):
     rdzv_id: str | None = None  # the job's rendezvous id, the same on every node; default: from the checkpoint dir
     rdzv_timeout_s: int = Field(900, ge=1)  # how long a launcher waits for the other nodes to join
     hostfile: str | None = None  # DeepSpeed launcher instead: "HOST slots=N" lines, ssh from this host
-    eval_every: int | None = Field(None, ge=1)
-    save_every: int | None = Field(None, ge=1)
-    keep_last: int = Field(2, ge=1)
-    seed: int = 0
-    # Start from an exported head instead of the target's weights: a head directory, or
-    # "champion" (the registry champion for this target, downloaded into the run dir).
-    init_from: str | None = None
-    # EAGLE-3 baseline trained on the same data (training-time-test steps).
-    eagle3_baseline: bool = False
-    # How long the baseline trains: "same_steps" as the head, or "same_time" (the seconds the
-    # head's optimizer steps took, read from its checkpoint directory, with no step cap): a fair
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: bool = False
+    # How attention runs, not what it computes: "flex" evaluates the rule as flex attention's
+    # block-sparse mask (no [N, N] tensor; trains on CUDA only), "dense" as a [B, N, N] mask with
+    # SDPA (memory quadratic in the elements), "auto" flex on CUDA and dense on CPU (both give the
+    # same outputs and gradients: tests/model/test_flex_attention.py; peagle.model.drafter says
+    # why; bench/results/attention_memory.md).
+    attention: AttentionBackend = "auto"
+
+    @model_validator(mode="after")
+    def _launch_fits(self):
+        if self.world_size % self.nodes:
+            raise ValueError(
+                f"train.launch.world_size ({self.world_size}) must be a multiple of train.launch.nodes "
+                f"({self.nodes}): every node runs the same number of ranks"
+            )
+        if self.hostfile is not None and (self.nodes > 1 or self.rdzv_endpoint is not None):
+            raise ValueError(
+                "train.launch.hostfile (DeepSpeed's launcher starts every node over ssh) and train.launch.nodes/"
+                "train.launch.rdzv_endpoint (each node starts its own launcher) are two ways to launch: set one"
+            )
+        if self.nodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(
+                f"train.launch.nodes={self.nodes} needs train.launch.rdzv_endpoint: 'HOST:PORT' of one node that "
+                "every node reaches (e.g. the first node's address and a free port, 29400)"
+            )
+        if self.rdzv_endpoint is not None:
+            host, sep, port = self.rdzv_endpoint.rpartition(":")
+            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ValueError(
+                    f"train.launch.rdzv_endpoint {self.rdzv_endpoint!r} is not 'HOST:PORT' (e.g. 10.0.0.1:29400)")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+
+class TrainCheckpoints(Strict):
+    """When checkpoints are written, scored and pruned: which of them is "best", never what any holds."""
+
+    eval_every: int | None = Field(None, ge=1)  # steps between offline scores (None: at the end)
+    save_every: int | None = Field(None, ge=1)  # steps between checkpoints (None: at the end)
+    keep_last: int = Field(2, ge=1)  # checkpoints kept on disk
+
+
+class TrainBaseline(Strict):
+    """A second head trained on the same data beside this one, for comparison."""
+
+    eagle3: bool = False  # an EAGLE-3 head (training-time-test steps)
+    # How long it trains: "same_steps" as the head, or "same_time" (the seconds the head's
+    # optimizer steps took, read from its checkpoint directory, with no step cap): a fair
     # comparison of two methods whose steps cost differently.
-    eagle3_baseline_budget: Literal["same_steps", "same_time"] = "same_steps"
-    eagle3_ttt_steps: int = Field(7, ge=1)
-    # EAGLE-3 heads' decoder layers (None: drafter.num_layers). Each method at its best depth for
-    # the same training time: P-EAGLE's parallel slots predict further ahead from the same
-    # context and want more layers; an EAGLE-3 step runs the drafter once per TTT step.
-    eagle3_num_layers: int | None = Field(None, ge=1)
+    budget: Literal["same_steps", "same_time"] = "same_steps"
+
+
+# Each part's field by its own name: a config naming one directly under train is refused with
+# its place (train.k_train belongs at train.peagle.k_train), not with "extra inputs are not permitted".
+_MOVED_TRAIN_FIELDS = {
+    **{f: f"recipe.{f}" for f in TrainRecipe.model_fields},
+    **{f: f"peagle.{f}" for f in PeagleTraining.model_fields},
+    "eagle3_ttt_steps": "eagle3.ttt_steps", "eagle3_num_layers": "eagle3.num_layers",
+    **{f: f"launch.{f}" for f in TrainLaunch.model_fields},
+    **{f: f"checkpoints.{f}" for f in TrainCheckpoints.model_fields},
+    "eagle3_baseline": "baseline.eagle3", "eagle3_baseline_budget": "baseline.budget",
+}
+
+
+class TrainConfig(Strict):
+    """How a head trains, in parts: ``recipe`` (what every head is trained on and how), one block
+    per drafting method (``peagle``, ``eagle3``: what only that method reads), ``launch`` (where
+    the ranks run), ``checkpoints`` (when they are written and scored), ``baseline`` (a second
+    head beside this one) and ``init_from`` (where training starts). A head's identity is the
+    recipe, its method's block, the drafter and the data (``peagle.identity``); nothing else."""
+
+    method: str = DEFAULT_METHOD  # a drafting method of peagle.catalogue (peagle, eagle3)
+    recipe: TrainRecipe = TrainRecipe()
+    peagle: PeagleTraining = PeagleTraining()
+    eagle3: Eagle3Training = Eagle3Training()
+    launch: TrainLaunch = TrainLaunch()
+    checkpoints: TrainCheckpoints = TrainCheckpoints()
+    baseline: TrainBaseline = TrainBaseline()
+    # Start from an exported head instead of the target's weights: a head directory, or
+    # "champion" (the registry champion for this target, downloaded into the run dir). Where
+    # training starts, not what it learns from: a warm start reaches a head for the same inputs.
+    init_from: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys_moved(cls, data):
+        if not isinstance(data, Mapping):
+            return data
+        moved = [f"train.{key} belongs at train.{_MOVED_TRAIN_FIELDS[key]}" for key in data if key in _MOVED_TRAIN_FIELDS]
+        if "grad_accum" in data:
+            moved.append("train.grad_accum: set train.recipe.batch_size instead (sequences per optimizer step over all "
+                         "ranks: micro_batch_size x grad_accum x world_size)")
+        if moved:
+            raise ValueError(
+                "the train section is in parts (recipe, peagle, eagle3, launch, checkpoints, baseline): "
+                + "; ".join(moved)
+            )
+        return data
 
     @field_validator("method")
     @classmethod
@@ -414,44 +532,20 @@ class TrainConfig(Strict):
         return describe(v).name
 
     @model_validator(mode="after")
-    def _segments_fit(self):
-        if self.segments > self.max_len:
-            raise ValueError("train.segments cannot exceed train.max_len")
-        return self
-
-    @model_validator(mode="after")
-    def _launch_fits(self):
-        if self.world_size % self.nodes:
+    def _batch_splits_into_ranks(self):
+        per_rank = self.recipe.micro_batch_size * self.launch.world_size
+        if self.recipe.batch_size % per_rank:
             raise ValueError(
-                f"train.world_size ({self.world_size}) must be a multiple of train.nodes ({self.nodes}): "
-                "every node runs the same number of ranks"
+                f"train.recipe.batch_size ({self.recipe.batch_size}) must be a multiple of train.recipe."
+                f"micro_batch_size x train.launch.world_size ({per_rank}): every rank accumulates the same "
+                "number of micro-batches"
             )
-        if self.hostfile is not None and (self.nodes > 1 or self.rdzv_endpoint is not None):
-            raise ValueError(
-                "train.hostfile (DeepSpeed's launcher starts every node over ssh) and train.nodes/"
-                "train.rdzv_endpoint (each node starts its own launcher) are two ways to launch: set one"
-            )
-        if self.nodes > 1 and self.rdzv_endpoint is None:
-            raise ValueError(
-                f"train.nodes={self.nodes} needs train.rdzv_endpoint: 'HOST:PORT' of one node that every "
-                "node reaches (e.g. the first node's address and a free port, 29400)"
-            )
-        if self.rdzv_endpoint is not None:
-            host, sep, port = self.rdzv_endpoint.rpartition(":")
-            if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-                raise ValueError(f"train.rdzv_endpoint {self.rdzv_endpoint!r} is not 'HOST:PORT' (e.g. 10.0.0.1:29400)")
         return self
 
     @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nodes
-
-    @property
-    def micro_batches_per_step(self) -> int:
-        """Micro-batches in one optimizer step over all ranks: with micro_batch_size, the
-        global batch; the same whichever way it splits into world_size x grad_accum."""
-        return self.world_size * self.grad_accum
-
+    def grad_accum(self) -> int:
+        """Micro-batches each rank accumulates per optimizer step."""
+        return self.recipe.batch_size // (self.recipe.micro_batch_size * self.launch.world_size)
 
 
 class EvalConfig(Strict):
@@ -586,9 +680,9 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.train.max_len > self.data.max_seq_len:
+        if self.train.recipe.max_len > self.data.max_seq_len:
             raise ValueError(
-                f"train.max_len ({self.train.max_len}) exceeds data.max_seq_len "
+                f"train.recipe.max_len ({self.train.recipe.max_len}) exceeds data.max_seq_len "
                 f"({self.data.max_seq_len}): the dataset has no sequences that long"
             )
         if self.data.max_seq_len >= self.vllm.max_model_len:
@@ -602,33 +696,33 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _mask_slot_inputs_measured_only(self):
-        """``train.mask_slot_inputs: true_previous`` is an offline measurement of one parallel head:
+        """``train.peagle.mask_slot_inputs: true_previous`` is an offline measurement of one parallel head:
         nothing serves it, so no baseline or online comparison may be asked of the same run."""
-        if self.train.mask_slot_inputs == "mask":
+        if self.train.peagle.mask_slot_inputs == "mask":
             return self
-        if not describe(self.train.method).parallel_drafting or self.train.eagle3_baseline:
+        if not describe(self.train.method).parallel_drafting or self.train.baseline.eagle3:
             raise ValueError(
-                "train.mask_slot_inputs: true_previous measures a parallel-drafting head offline (the upper "
+                "train.peagle.mask_slot_inputs: true_previous measures a parallel-drafting head offline (the upper "
                 "bound of one-pass drafting); it cannot be served: set train.method: peagle and "
-                "train.eagle3_baseline: false, and measure it offline (bench/quality.py's variants part does)"
+                "train.baseline.eagle3: false, and measure it offline (bench/quality.py's variants part does)"
             )
         return self
 
     @model_validator(mode="after")
     def _devices_fit(self):
-        """train.devices holds this node's ranks; beside a streamed dataset's engines, apart from vllm.devices."""
-        train, engines = self.train.devices, self.vllm.devices
-        if train is not None and len(train) < self.train.ranks_per_node:
-            raise ValueError(f"train.devices {train} holds fewer GPUs than the {self.train.ranks_per_node} rank(s) a "
-                             "node runs (train.world_size / train.nodes): name one GPU a rank")
-        for key, ids in (("train.devices", train), ("vllm.devices", engines)):
+        """train.launch.devices holds this node's ranks; beside a streamed dataset's engines, apart from vllm.devices."""
+        train, engines = self.train.launch.devices, self.vllm.devices
+        if train is not None and len(train) < self.train.launch.ranks_per_node:
+            raise ValueError(f"train.launch.devices {train} holds fewer GPUs than the {self.train.launch.ranks_per_node} "
+                             "rank(s) a node runs (train.launch.world_size / train.launch.nodes): name one GPU a rank")
+        for key, ids in (("train.launch.devices", train), ("vllm.devices", engines)):
             if ids is not None and len(set(ids)) != len(ids):
                 raise ValueError(f"{key} {ids} names a GPU twice")
         shared = sorted(set(train or []) & set(engines or []))
         if self.data.hidden_states == "streamed" and self.data.producer == "launcher" and shared:
             raise ValueError(
                 f"data.hidden_states: streamed runs vLLM's engines beside the ranks, but GPU(s) {', '.join(shared)} are "
-                "in both vllm.devices and train.devices: give each its own GPUs")
+                "in both vllm.devices and train.launch.devices: give each its own GPUs")
         return self
 
     @model_validator(mode="after")
@@ -636,13 +730,13 @@ class PipelineConfig(Strict):
         """A head is evaluated (offline and served) at every K of ``eval.ks``: none may be beyond
         the positions its method trains (``MethodDescription.max_eval_k``; P-EAGLE's ``k_train``)."""
         method = describe(self.train.method)
-        limit = method.max_eval_k(self.train)
+        limit = method.max_eval_k(method.own(self.train))
         beyond = [k for k in self.eval.ks if limit is not None and k > limit]
         if beyond:
             raise ValueError(
                 f"eval.ks {self.eval.ks}: K = {', '.join(map(str, beyond))} is beyond the {limit} draft positions a "
-                f"{method.display_name} head trains (train.k_train = {limit}), so it would be evaluated and served "
-                f"at positions it never learned: lower eval.ks to at most {limit} or raise train.k_train to "
+                f"{method.display_name} head trains (train.peagle.k_train = {limit}), so it would be evaluated and served "
+                f"at positions it never learned: lower eval.ks to at most {limit} or raise train.peagle.k_train to "
                 f"{max(beyond)}"
             )
         return self
@@ -834,13 +928,13 @@ def write_resolved_config(cfg: PipelineConfig) -> Path:
 
 
 def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
-    """``["train.epochs=3", ...]`` (what ``--set`` collects) -> ``{"train.epochs": 3}``;
+    """``["train.recipe.epochs=3", ...]`` (what ``--set`` collects) -> ``{"train.recipe.epochs": 3}``;
     each value is read as a YAML scalar (``3`` an int, ``true`` a bool, ``null`` None)."""
     overrides = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.epochs=3")
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.recipe.epochs=3")
         try:
             overrides[key.strip()] = read_yaml(value)
         except yaml.YAMLError as err:
@@ -849,13 +943,13 @@ def parse_overrides(pairs: Iterable[str] | None) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict, overrides: Mapping[str, Any] | None) -> dict:
-    """A copy of the config mapping ``data`` with each dotted key (``train.epochs``) set to its
+    """A copy of the config mapping ``data`` with each dotted key (``train.recipe.epochs``) set to its
     value; the one place overrides are applied (``load_config``, ``with_overrides``, the CLI)."""
     data = copy.deepcopy(data)
     for dotted, value in (overrides or {}).items():
         *parents, leaf = parts = str(dotted).split(".")
         if not all(parts):
-            raise ConfigError(f"override {dotted!r}: empty key segment; write dotted keys like train.epochs")
+            raise ConfigError(f"override {dotted!r}: empty key segment; write dotted keys like train.recipe.epochs")
         node = data
         for depth, part in enumerate(parents):
             if node.get(part) is None:  # a missing or empty section

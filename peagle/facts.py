@@ -222,9 +222,9 @@ def drafter_shape(cfg: PipelineConfig, facts: TargetFacts) -> DrafterShape:
             f"and num_heads by num_kv_heads {kv_heads}"
         )
     head_dim = facts.target_head_dim if same_width and facts.target_head_dim else hidden // heads
-    if cfg.train.max_len + cfg.train.k_train > facts.max_position_embeddings:
+    if cfg.train.recipe.max_len + cfg.train.peagle.k_train > facts.max_position_embeddings:
         raise ConfigError(
-            f"train.max_len + train.k_train ({cfg.train.max_len + cfg.train.k_train}) exceeds the "
+            f"train.recipe.max_len + train.peagle.k_train ({cfg.train.recipe.max_len + cfg.train.peagle.k_train}) exceeds the "
             f"target's max_position_embeddings ({facts.max_position_embeddings})"
         )
     return DrafterShape(
@@ -268,8 +268,8 @@ class HeadSpec:
     max_position_embeddings: int
     draft_vocab_size: int | None = None  # Vd; set once the draft vocabulary is built
     method: str | None = None  # train.method it was trained with (None: not a trained head)
-    k_train: int | None = None  # train.k_train it was trained with
-    # train.mask_slot_inputs it was trained with: anything but "mask" is a measurement, not servable
+    k_train: int | None = None  # train.peagle.k_train it was trained with
+    # train.peagle.mask_slot_inputs it was trained with: anything but "mask" is a measurement, not servable
     mask_slot_inputs: str = "mask"
 
     @property
@@ -327,5 +327,5 @@ def head_spec(facts: TargetFacts, shape: DrafterShape, method: str | None = None
 
 def head_spec_for(cfg: PipelineConfig, facts: TargetFacts) -> HeadSpec:
     """The head ``cfg`` trains on a dataset of ``facts``: derived when training starts."""
-    return head_spec(facts, drafter_shape(cfg, facts), cfg.train.method, cfg.train.k_train,
-                     cfg.train.mask_slot_inputs)
+    return head_spec(facts, drafter_shape(cfg, facts), cfg.train.method, cfg.train.peagle.k_train,
+                     cfg.train.peagle.mask_slot_inputs)

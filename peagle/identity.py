@@ -15,61 +15,34 @@ Four places ask, and so agree:
   the dataset is represented by what builds it (prompt files, target revision, data
   config) and the training part is ``training_hash``, the same digest as here.
 
-What counts: the whole ``drafter`` section (the head's shape), every ``train`` field except
-the bookkeeping below and the fields only another drafting method reads (its
-``own_train_fields``: P-EAGLE's ``k_train``/``cod_*`` mean nothing to EAGLE-3, and
-``eagle3_ttt_steps`` nothing to P-EAGLE), and the method. A new ``train`` field counts
-until it is listed here: a stale head is worse than a retrain.
-
-Bookkeeping, which never counts (``BOOKKEEPING``):
-- ``keep_last``: how many checkpoints stay on disk.
-- ``save_every``: when checkpoints are written; every step's weights are the same.
-- ``eval_every``: when checkpoints are scored offline; it decides which of them is
-  "best", not what any of them holds, and can change on resume.
-- ``eagle3_baseline``: asks the pipeline for a second head beside this one.
-- ``eagle3_baseline_budget``: how long that head trains; ``same_time`` reaches its identity as
-  the ``max_train_seconds`` it resolves to (``peagle.stages.method_config``): the seconds the
-  head's own steps took, which a cached head keeps, so an unchanged run retrains neither.
-- ``init_from``: where training starts, not what it learns from: a warm start reaches a
-  head for the same inputs, so a head already trained (or registered) on them is reused
-  rather than retrained from another start; the start is recorded in
-  ``train_result.json`` (``warm_start``).
-- ``attention``: which kernels evaluate the attention rule (flex attention's block-sparse mask
-  or a dense mask), not the rule: both give the same outputs and gradients
-  (``tests/model/test_flex_attention.py``), so a run may switch between them on resume.
-- ``nodes``, ``rdzv_endpoint``, ``rdzv_id``, ``rdzv_timeout_s``, ``hostfile``, ``devices``: where
-  the ranks run, not what they compute.
-``world_size`` and ``grad_accum`` count as their product (``micro_batches_per_step``): with
-``micro_batch_size`` it sets the global batch, and step s trains the same samples however
-it splits into ranks x accumulation (``peagle.train.data``), so a head trained on 2 ranks
-resumes on 1 with twice the accumulation (``peagle.train.checkpoint``).
+What counts: the ``drafter`` section (the head's shape), ``train.recipe`` (what every head is
+trained on and how), the method's own block of ``train`` (``train.peagle`` or ``train.eagle3``:
+P-EAGLE's ``k_train`` means nothing to EAGLE-3) and the method; with the dataset, nothing else.
+The rest of ``train`` is where and when, never what: ``launch`` (ranks, nodes, ZeRO, attention
+kernels: a head trained on 2 ranks resumes on 1, ``peagle.train.checkpoint``), ``checkpoints``
+(when they are written and scored, how many stay), ``baseline`` (a second head beside this one)
+and ``init_from`` (a warm start reaches a head for the same inputs, so a head already trained or
+registered on them is reused rather than retrained from another start; the start is recorded in
+``train_result.json``). The EAGLE-3 baseline's ``same_time`` budget reaches its identity as the
+``recipe.max_train_seconds`` it resolves to (``peagle.stages.method_config``): the seconds the
+head's own steps took, which a cached head keeps, so an unchanged run retrains neither.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from peagle.catalogue import DESCRIPTIONS, describe
+from peagle.catalogue import describe
 from peagle.fileio import json_digest, sha256_file
 from peagle.layout import SPLITS, DataLayout
-
-BOOKKEEPING = frozenset({"keep_last", "save_every", "eval_every", "eagle3_baseline", "eagle3_baseline_budget",
-                         "init_from", "attention"})
-LAUNCH = frozenset({"nodes", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "hostfile", "devices"})
-SPLIT_OF_THE_BATCH = frozenset({"world_size", "grad_accum"})  # count as micro_batches_per_step
 
 
 def training_fields(cfg, method: str | None = None) -> dict:
     """The config that decides a head's weights for the method named ``method`` (default ``train.method``)."""
     method = describe(method or cfg.train.method)
-    others = {f for d in DESCRIPTIONS.values() for f in d.own_train_fields}
-    ignored = BOOKKEEPING | LAUNCH | SPLIT_OF_THE_BATCH | (others - method.own_train_fields)
-    train = {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in ignored}
-    if cfg.train.optimizer != "muon":
-        del train["muon_learning_rate"]  # read by Muon alone
-    train["micro_batches_per_step"] = cfg.train.micro_batches_per_step
-    train["method"] = method.name
-    return {"drafter": cfg.drafter.model_dump(mode="json"), "train": train}
+    return {"drafter": cfg.drafter.model_dump(mode="json"), "method": method.name,
+            "recipe": cfg.train.recipe.model_dump(mode="json"),
+            method.train_block: method.own(cfg.train).model_dump(mode="json")}
 
 
 def training_hash(cfg, method: str | None = None) -> str:

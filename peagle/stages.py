@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from peagle.catalogue import BASELINE, describe, trained_methods
 from peagle.checkpoint_format import resolve_checkpoint
@@ -113,7 +115,7 @@ def check_config(cfg: PipelineConfig) -> ConfigReport:
         budget = data_budget(cfg, len(facts.stored_layer_ids), facts.target_hidden_size, samples)
         budget.check_fits()
         plan = budget.lines()
-        if cfg.train.precision == "bf16":  # a GPU config
+        if cfg.train.recipe.precision == "bf16":  # a GPU config
             plan.append(gpu_hours_line(cfg, facts, budget.tokens(budget.train_samples)))
     return ConfigReport(notes=notes + inputs.notes(), plan=plan)
 
@@ -170,27 +172,29 @@ def dataset_on_disk(cfg: PipelineConfig) -> bool:
     return json.loads(data.build.read_text()).get("config_hash") == cfg.section_hash("target", "data")
 
 
-def with_train(cfg: PipelineConfig, **changes) -> PipelineConfig:
-    """The same config with some ``train`` fields changed, validated as a config file is."""
+def with_train(cfg: PipelineConfig, changes: Mapping[str, Any]) -> PipelineConfig:
+    """The same config with some ``train`` keys changed (dotted below ``train``:
+    ``{"recipe.max_steps": None}``), validated as a config file is."""
     return with_overrides(cfg, {f"train.{key}": value for key, value in changes.items()})
 
 
 def with_method(cfg: PipelineConfig, method: str) -> PipelineConfig:
     """The same config training the head of the method named ``method``."""
-    return with_train(cfg, method=describe(method).name)
+    return with_train(cfg, {"method": describe(method).name})
 
 
 def method_config(cfg: PipelineConfig, method: str, data_dir: Path) -> PipelineConfig:
     """The config ``method``'s head trains with on ``data_dir``: ``with_method``, and for the
-    EAGLE-3 baseline beside another head with ``train.eagle3_baseline_budget: same_time`` a
-    time budget (``train.max_train_seconds``) of the seconds that head's optimizer steps took, and
+    EAGLE-3 baseline beside another head with ``train.baseline.budget: same_time`` a
+    time budget (``train.recipe.max_train_seconds``) of the seconds that head's optimizer steps took, and
     no step cap: its steps are cheaper or dearer than the head's, and the time is what is shared.
     Everything that names a head (its checkpoint directory, training key, lineage) asks here."""
     resolved = with_method(cfg, method)
     head = cfg.train.method
-    if method == head or method != BASELINE or cfg.train.eagle3_baseline_budget != "same_time":
+    if method == head or method != BASELINE or cfg.train.baseline.budget != "same_time":
         return resolved
-    return with_train(resolved, max_train_seconds=head_training_seconds(cfg, head, data_dir), max_steps=None)
+    return with_train(resolved, {"recipe.max_train_seconds": head_training_seconds(cfg, head, data_dir),
+                                 "recipe.max_steps": None})
 
 
 def head_training_seconds(cfg: PipelineConfig, method: str, data_dir: Path) -> float:
@@ -200,9 +204,9 @@ def head_training_seconds(cfg: PipelineConfig, method: str, data_dir: Path) -> f
     metrics = checkpoint_dir(cfg, method, data_dir) / METRICS_FILE
     if not metrics.is_file():
         raise FileNotFoundError(
-            f"train.eagle3_baseline_budget is same_time: the EAGLE-3 baseline trains for as long as the "
+            f"train.baseline.budget is same_time: the EAGLE-3 baseline trains for as long as the "
             f"{describe(method).display_name} head did, and no such head has trained on these inputs ({metrics} "
-            "is missing): train it first (`peagle train`), or set train.eagle3_baseline_budget=same_steps")
+            "is missing): train it first (`peagle train`), or set train.baseline.budget=same_steps")
     from peagle.train.budget import counted_seconds
 
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -261,7 +265,7 @@ def resolve_init_from(cfg: PipelineConfig) -> PipelineConfig:
         if not (head / WEIGHTS_FILE).exists():
             download_champion(client, name, head, overwrite=True)
         head = str(head)
-    return with_train(cfg, init_from=head)
+    return with_train(cfg, {"init_from": head})
 
 
 @dataclass(frozen=True)
@@ -395,7 +399,7 @@ def heads_to_evaluate(cfg: PipelineConfig, head_dir: str | Path | None = None,
 
     ``head_dir``: the ``train.method`` head (default the run's ``heads/<method>``);
     ``baseline_dir``: the EAGLE-3 baseline trained on the same data (default the run's
-    ``heads/eagle3`` when ``train.eagle3_baseline``).
+    ``heads/eagle3`` when ``train.baseline.eagle3``).
     """
     head, *baseline = trained_methods(cfg.train)
     if not baseline and baseline_dir is not None and head.name != BASELINE:

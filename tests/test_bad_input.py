@@ -36,12 +36,12 @@ def check(*args) -> Result:
 
 
 def test_a_second_section_of_the_same_name_is_refused_naming_both_lines(tmp_path):
-    path = config_file(tmp_path, MINIMAL + "train:\n  epochs: 3\neval:\n  ks: [3]\ntrain:\n  k_train: 4\n")
+    path = config_file(tmp_path, MINIMAL + "train:\n  recipe: {epochs: 3}\neval:\n  ks: [3]\ntrain:\n  peagle: {k_train: 4}\n")
     assert_refused(check(path), f"{path}:11: train is given twice (first on line 7)", "keep one train")
 
 
 @pytest.mark.parametrize("text, key, lines", [
-    (MINIMAL + "train:\n  epochs: 3\n  seed: 1\n  epochs: 5\n", "train.epochs", (10, 8)),
+    (MINIMAL + "train:\n  recipe:\n    epochs: 3\n    seed: 1\n    epochs: 5\n", "train.recipe.epochs", (11, 9)),
     (MINIMAL + "      weight: 1\n      weight: 2\n", "data.sources[0].weight", (8, 7)),
     (MINIMAL + "tracking:\n  wandb:\n    mode: offline\n    mode: online\n", "tracking.wandb.mode", (10, 9)),
 ])
@@ -61,13 +61,13 @@ def test_a_merge_may_override_the_keys_it_brings(tmp_path):
 
 @pytest.mark.parametrize("yes", ["yes", "on", "true"])
 def test_a_yaml_boolean_is_not_a_number_in_a_file(tmp_path, yes):
-    path = config_file(tmp_path, MINIMAL + f"train:\n  epochs: {yes}\n")
-    assert_refused(check(path), "train.epochs", "a boolean where a number is wanted", "write the number")
+    path = config_file(tmp_path, MINIMAL + f"train:\n  recipe: {{epochs: {yes}}}\n")
+    assert_refused(check(path), "train.recipe.epochs", "a boolean where a number is wanted", "write the number")
 
 
 @pytest.mark.parametrize("pair, key", [
-    ("train.epochs=yes", "train.epochs"),
-    ("train.zero_stage=off", "train.zero_stage"),  # a Literal of numbers
+    ("train.recipe.epochs=yes", "train.recipe.epochs"),
+    ("train.launch.zero_stage=off", "train.launch.zero_stage"),  # a Literal of numbers
     ("eval.ks=[3, yes]", "eval.ks"),  # inside a list
     ("tracking.benchmark_weights={code: on}", "tracking.benchmark_weights"),  # inside a mapping
 ])
@@ -76,18 +76,18 @@ def test_a_yaml_boolean_is_not_a_number_in_a_set(pair, key):
 
 
 def test_a_boolean_key_still_takes_a_yaml_boolean_in_a_set():
-    result = check(DEMO, "--set", "train.eagle3_baseline=no")
+    result = check(DEMO, "--set", "train.baseline.eagle3=no")
     assert result.returncode == 0 and "valid" in result, result.output
 
 
 @pytest.mark.parametrize("where, key", [
-    ("file", "train.learning_rate"),
+    ("file", "train.recipe.learning_rate"),
     ("--set", "tracking.benchmark_weights.code"),
-    ("--set", "train.max_train_seconds"),
+    ("--set", "train.recipe.max_train_seconds"),
 ])
 def test_infinite_and_nan_numbers_are_refused(tmp_path, where, key):
     if where == "file":
-        result = check(config_file(tmp_path, MINIMAL + "train:\n  learning_rate: .inf\n"))
+        result = check(config_file(tmp_path, MINIMAL + "train:\n  recipe: {learning_rate: .inf}\n"))
     else:
         result = check(DEMO, "--set", f"{key}=.nan" if "weights" in key else f"{key}=.inf")
     assert_refused(result, key, "is not a finite number", "write a finite value")
@@ -98,8 +98,8 @@ def test_infinite_and_nan_numbers_are_refused(tmp_path, where, key):
 
 def test_eval_ks_beyond_what_p_eagle_trains_is_refused():
     assert_refused(check(DEMO, "--set", "eval.ks=[3, 5, 7]"),
-                   "eval.ks [3, 5, 7]: K = 7 is beyond the 5 draft positions a P-EAGLE head trains (train.k_train = 5)",
-                   "lower eval.ks to at most 5 or raise train.k_train to 7")
+                   "eval.ks [3, 5, 7]: K = 7 is beyond the 5 draft positions a P-EAGLE head trains (train.peagle.k_train = 5)",
+                   "lower eval.ks to at most 5 or raise train.peagle.k_train to 7")
 
 
 @pytest.mark.slow
@@ -153,9 +153,9 @@ def test_muon_on_a_cpu_without_a_compiler_is_refused_before_the_data_stage(tmp_p
         pytest.skip("the check is for CPU machines")
     home, empty = tmp_path / "home", tmp_path / "bin"
     empty.mkdir()
-    result = peagle("run", DEMO, "--set", "train.optimizer=muon",
+    result = peagle("run", DEMO, "--set", "train.recipe.optimizer=muon",
                     env={"PEAGLE_HOME": str(home), "PATH": str(empty), "CXX": ""})
-    assert_refused(result, "train.optimizer: muon", "needs a C++ compiler", "train.optimizer: adamw")
+    assert_refused(result, "train.recipe.optimizer: muon", "needs a C++ compiler", "train.recipe.optimizer: adamw")
     assert not (home / "targets").exists()
 
 
@@ -194,7 +194,7 @@ data:
   max_seq_len: 64
   regenerate: {{enabled: false}}
   draft_vocab_size: 64
-train: {{max_len: 64, k_train: 5}}
+train: {{recipe: {{max_len: 64}}, peagle: {{k_train: 5}}}}
 eval: {{max_tokens: 16, prompts: {eval_set}, num_prompts: 2, ks: [3]}}
 """)
 
@@ -221,7 +221,7 @@ def test_a_config_whose_inputs_all_check_is_valid_and_its_plan_is_printed(tmp_pa
                  "plan: streamed (data.hidden_states: streamed):", "plan: disk:"):
         assert line in result, (line, result.output)
     assert "plan: training:" not in result  # a CPU config: no GPU hours
-    gpu = check_here(target_config(tmp_path, local_target), "--set", "train.precision=bf16")
+    gpu = check_here(target_config(tmp_path, local_target), "--set", "train.recipe.precision=bf16")
     assert gpu.returncode == 0 and "plan: training: GPU hours not estimated" in gpu, gpu.output  # not the GPU recipe
 
 
@@ -270,8 +270,8 @@ def bad_inputs(tmp_path: Path, target: Path) -> dict:
                                                  ["data.draft_vocab_size=100000 must be in [2, 384]"]),
         "held-out count beyond the prompts": (["data.heldout_samples=8"],
                                               ["data.heldout_samples=8 leaves no training samples out of 8 prompts"]),
-        "train.max_samples beyond the prompts": (["train.max_samples=7"],
-                                                 ["train.max_samples=7 is more than the data can hold: 8 prompts less "
+        "train.recipe.max_samples beyond the prompts": (["train.recipe.max_samples=7"],
+                                                 ["train.recipe.max_samples=7 is more than the data can hold: 8 prompts less "
                                                   "data.heldout_samples=2 leave at most 6 answers"]),
         "prompt file not valid JSONL": ([f"data.sources=[{{kind: jsonl, path: {broken}}}]"],
                                         [f"data.sources[0] (jsonl:{broken}): {broken} cannot be read as jsonl: line 2 "
@@ -292,7 +292,7 @@ def bad_inputs(tmp_path: Path, target: Path) -> dict:
 
 BAD_INPUTS = ["target path missing", "hub id not cached", "mask token not a token", "mask token in the prompts",
               "draft vocabulary beyond the target's", "held-out count beyond the prompts",
-              "train.max_samples beyond the prompts", "prompt file not valid JSONL", "local source missing",
+              "train.recipe.max_samples beyond the prompts", "prompt file not valid JSONL", "local source missing",
               "eval prompt set missing", "eval prompts among the training prompts", "output folder not writable"]
 
 

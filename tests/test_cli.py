@@ -18,9 +18,9 @@ def test_config_check_accepts_the_demo():
 
 
 def test_bad_override_fails_with_the_key_before_running():
-    result = runner.invoke(app, ["run", str(REPO / "configs" / "tiny.yaml"), "--set", "train.k_train=0"])
+    result = runner.invoke(app, ["run", str(REPO / "configs" / "tiny.yaml"), "--set", "train.peagle.k_train=0"])
     assert result.exit_code == 2
-    assert "train.k_train" in result.output
+    assert "train.peagle.k_train" in result.output
 
 
 def test_unknown_key_in_a_file(tmp_path):
@@ -34,10 +34,10 @@ def test_unknown_key_in_a_file(tmp_path):
 def test_set_is_parsed_once_for_every_command():
     ok = runner.invoke(app, ["config", "check", str(REPO / "configs" / "tiny.yaml"), "--set", "workdir=/tmp/peagle-x"])
     assert ok.exit_code == 0 and "/tmp/peagle-x" in ok.output, ok.output
-    bad = runner.invoke(app, ["config", "check", str(REPO / "configs" / "tiny.yaml"), "--set", "train.epochs"])
+    bad = runner.invoke(app, ["config", "check", str(REPO / "configs" / "tiny.yaml"), "--set", "train.recipe.epochs"])
     assert bad.exit_code == 2 and "expected KEY=VALUE" in bad.output
-    deep = runner.invoke(app, ["config", "check", str(REPO / "configs" / "tiny.yaml"), "--set", "train.epochs.x=1"])
-    assert deep.exit_code == 2 and "train.epochs is a value" in deep.output
+    deep = runner.invoke(app, ["config", "check", str(REPO / "configs" / "tiny.yaml"), "--set", "train.recipe.epochs.x=1"])
+    assert deep.exit_code == 2 and "train.recipe.epochs is a value" in deep.output
 
 
 def test_train_without_a_dataset_says_so_before_any_work(tmp_path):

@@ -64,6 +64,26 @@ def test_unknown_key_names_the_key():
     assert "train.epocs" in msg and "unknown key" in msg
 
 
+def test_a_train_key_of_the_flat_section_names_its_block():
+    """A config written before the train section had parts is refused with each key's new place."""
+    data = demo_dict()
+    data["train"] |= {"k_train": 4, "eagle3_baseline": True, "grad_accum": 2}
+    msg = _error(data)
+    assert "the train section is in parts" in msg and "train.k_train belongs at train.peagle.k_train" in msg
+    assert "train.eagle3_baseline belongs at train.baseline.eagle3" in msg and "train.recipe.batch_size" in msg
+    with pytest.raises(ConfigError, match="train.world_size belongs at train.launch.world_size"):
+        load_config(REPO / "configs" / "tiny.yaml", parse_overrides(["train.world_size=2"]))
+
+
+def test_a_batch_that_does_not_split_into_the_ranks_is_refused():
+    data = demo_dict()
+    data["train"]["launch"] = {"world_size": 2}
+    assert "train.recipe.batch_size (1) must be a multiple of train.recipe.micro_batch_size x train.launch.world_size (2)" \
+        in _error(data)
+    data["train"]["recipe"]["batch_size"] = 4
+    assert parse_config(data).train.grad_accum == 2
+
+
 def test_unknown_top_level_section():
     data = demo_dict()
     data["trian"] = {}
@@ -72,8 +92,8 @@ def test_unknown_top_level_section():
 
 def test_wrong_type_names_the_key():
     data = demo_dict()
-    data["train"]["learning_rate"] = "fast"
-    assert "train.learning_rate" in _error(data)
+    data["train"]["recipe"]["learning_rate"] = "fast"
+    assert "train.recipe.learning_rate" in _error(data)
 
 
 def test_k_below_one_is_refused():
@@ -81,15 +101,15 @@ def test_k_below_one_is_refused():
     data["eval"]["ks"] = [0, 3]
     assert "eval.ks" in _error(data)
     data = demo_dict()
-    data["train"]["k_train"] = 0
-    assert "train.k_train" in _error(data)
+    data["train"]["peagle"]["k_train"] = 0
+    assert "train.peagle.k_train" in _error(data)
 
 
 def test_eval_ks_beyond_k_train_is_refused_for_the_methods_that_train_k_train_positions():
     data = demo_dict()
     data["eval"]["ks"] = [3, 7]
     msg = _error(data)
-    assert "eval.ks [3, 7]: K = 7" in msg and "train.k_train = 5" in msg and "lower eval.ks to at most 5" in msg
+    assert "eval.ks [3, 7]: K = 7" in msg and "train.peagle.k_train = 5" in msg and "lower eval.ks to at most 5" in msg
     data["train"]["method"] = "eagle3"  # one draft per pass: served at any K
     assert parse_config(data).eval.ks == [3, 7]
 
@@ -99,15 +119,15 @@ def test_a_config_a_stage_derives_keeps_the_rules_a_loaded_one_keeps():
     from peagle.stages import with_train
 
     cfg = parse_config(demo_dict())
-    assert with_train(cfg, max_train_seconds=3.5, max_steps=None).train.max_train_seconds == 3.5
-    with pytest.raises(ConfigError, match=r"K = 3, 5 is beyond the 1 draft positions.*raise train.k_train to 5"):
-        with_train(cfg, k_train=1)
+    assert with_train(cfg, {"recipe.max_train_seconds": 3.5, "recipe.max_steps": None}).train.recipe.max_train_seconds == 3.5
+    with pytest.raises(ConfigError, match=r"K = 3, 5 is beyond the 1 draft positions.*raise train.peagle.k_train to 5"):
+        with_train(cfg, {"peagle.k_train": 1})
 
 
 def test_train_length_beyond_data_length_is_refused():
     data = demo_dict()
-    data["train"]["max_len"] = data["data"]["max_seq_len"] + 1
-    assert "train.max_len" in _error(data)
+    data["train"]["recipe"]["max_len"] = data["data"]["max_seq_len"] + 1
+    assert "train.recipe.max_len" in _error(data)
 
 
 def test_aux_layer_ids_must_be_ascending_triplet():
@@ -126,30 +146,31 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_overrides_apply_and_are_validated():
-    cfg = load_config(REPO / "configs" / "tiny.yaml", {"train.epochs": 5})
-    assert cfg.train.epochs == 5
-    with pytest.raises(ConfigError, match="train.epochs"):
-        load_config(REPO / "configs" / "tiny.yaml", {"train.epochs": 0})
+    cfg = load_config(REPO / "configs" / "tiny.yaml", {"train.recipe.epochs": 5})
+    assert cfg.train.recipe.epochs == 5
+    with pytest.raises(ConfigError, match="train.recipe.epochs"):
+        load_config(REPO / "configs" / "tiny.yaml", {"train.recipe.epochs": 0})
 
 
 def test_set_values_are_yaml_scalars():
-    assert parse_overrides(["train.epochs=3", "train.learning_rate=3e-4", "train.eagle3_baseline=false",
+    assert parse_overrides(["train.recipe.epochs=3", "train.recipe.learning_rate=3e-4", "train.baseline.eagle3=false",
                             "workdir=null", "name=demo=2", " tracking.wandb.project = p "]) == {
-        "train.epochs": 3, "train.learning_rate": "3e-4", "train.eagle3_baseline": False, "workdir": None,
+        "train.recipe.epochs": 3, "train.recipe.learning_rate": "3e-4", "train.baseline.eagle3": False, "workdir": None,
         "name": "demo=2", "tracking.wandb.project": "p"}
-    cfg = load_config(REPO / "configs" / "tiny.yaml", parse_overrides(["train.learning_rate=3.0e-4", "train.epochs=3"]))
-    assert cfg.train.learning_rate == 3.0e-4 and cfg.train.epochs == 3
+    cfg = load_config(REPO / "configs" / "tiny.yaml",
+                      parse_overrides(["train.recipe.learning_rate=3.0e-4", "train.recipe.epochs=3"]))
+    assert cfg.train.recipe.learning_rate == 3.0e-4 and cfg.train.recipe.epochs == 3
 
 
-@pytest.mark.parametrize("pair", ["train.epochs", "=3", "train.epochs=[unclosed"])
+@pytest.mark.parametrize("pair", ["train.recipe.epochs", "=3", "train.recipe.epochs=[unclosed"])
 def test_a_malformed_set_names_itself(pair):
     with pytest.raises(ConfigError, match="--set"):
         parse_overrides([pair])
 
 
 @pytest.mark.parametrize(("key", "named"), [
-    ("train.epochs.max", "train.epochs is a value"),
-    ("train..epochs", "empty key segment"),
+    ("train.recipe.epochs.max", "train.recipe.epochs is a value"),
+    ("train..recipe", "empty key segment"),
     ("train.epochz", "train.epochz: unknown key"),
     ("trian.epochs", "trian: unknown key"),
 ])
@@ -160,12 +181,12 @@ def test_a_bad_key_path_names_the_key(key, named):
 
 def test_overrides_on_a_loaded_config_and_on_a_mapping():
     base = load_config(REPO / "configs" / "tiny.yaml")
-    cfg = with_overrides(base, {"train.epochs": 4, "tracking.wandb": {"enabled": False}})
-    assert cfg.train.epochs == 4 and base.train.epochs != 4 and cfg.drafter == base.drafter
-    with pytest.raises(ConfigError, match="train.k_train"):
-        with_overrides(base, {"train.k_train": 0})
+    cfg = with_overrides(base, {"train.recipe.epochs": 4, "tracking.wandb": {"enabled": False}})
+    assert cfg.train.recipe.epochs == 4 and base.train.recipe.epochs != 4 and cfg.drafter == base.drafter
+    with pytest.raises(ConfigError, match="train.peagle.k_train"):
+        with_overrides(base, {"train.peagle.k_train": 0})
     data = {"train": None}
-    assert apply_overrides(data, {"train.epochs": 2}) == {"train": {"epochs": 2}}
+    assert apply_overrides(data, {"train.recipe.epochs": 2}) == {"train": {"recipe": {"epochs": 2}}}
     assert data == {"train": None}  # the caller's mapping is not changed
 
 
@@ -183,11 +204,11 @@ def test_a_run_reads_back_exactly_its_resolved_config(tmp_path):
     """Subflows get this file's path, never the config (Prefect stores parameters)."""
     cfg = load_config(REPO / "configs" / "tiny.yaml", {
         "workdir": str(tmp_path / "run"), "tracking.tracking_uri": "postgresql://peagle:s3cret@db/mlflow",
-        "train.learning_rate": 1e-5})
+        "train.recipe.learning_rate": 1e-5})
     path = write_resolved_config(cfg)
     assert path == cfg.run_dir / "config.resolved.json"
     assert load_config(path) == cfg  # 1e-05 stays a float: JSON, not YAML 1.1
-    assert load_config(path, {"train.epochs": 3}).train.epochs == 3
+    assert load_config(path, {"train.recipe.epochs": 3}).train.recipe.epochs == 3
     mtime = path.stat().st_mtime_ns
     assert write_resolved_config(cfg) == path and path.stat().st_mtime_ns == mtime  # unchanged: not rewritten
     path.write_text("{")
@@ -256,7 +277,8 @@ def test_each_gpu_config_is_the_gpu_recipe_with_its_target(name):
     cfg, base = load_config(REPO / "configs" / f"{name}.yaml"), yaml.safe_load(
         (REPO / "configs" / "gpu" / "base.yaml").read_text())
     assert cfg.target.model == own["target"]["model"]
-    assert cfg.train.optimizer == base["train"]["optimizer"] and cfg.data.max_samples == base["data"]["max_samples"]
+    assert cfg.train.recipe.optimizer == base["train"]["recipe"]["optimizer"]
+    assert cfg.data.max_samples == base["data"]["max_samples"]
     assert [s.path for s in cfg.data.sources] == [s["path"] for s in base["data"]["sources"]]
 
 
@@ -269,13 +291,13 @@ def write(path: Path, text: str) -> Path:
 def test_a_config_extends_a_base_section_by_section_and_a_list_replaces(tmp_path):
     write(tmp_path / "recipes" / "base.yaml",
           "name: base\ntarget: {model: embedded}\ndata:\n  sources:\n    - {kind: jsonl, path: data/prompts/code_train.jsonl}\n"
-          "train:\n  epochs: 7\n  k_train: 4\neval:\n  ks: [1, 2, 3]\n")
-    mid = write(tmp_path / "recipes" / "mid.yaml", "extends: base.yaml\ntrain:\n  k_train: 3\n")
+          "train:\n  recipe: {epochs: 7}\n  peagle: {k_train: 4}\neval:\n  ks: [1, 2, 3]\n")
+    mid = write(tmp_path / "recipes" / "mid.yaml", "extends: base.yaml\ntrain:\n  peagle: {k_train: 3}\n")
     top = write(tmp_path / "top.yaml", "extends: recipes/mid.yaml\nname: top\neval:\n  ks: [2]\n")
     cfg = load_config(top)
-    assert (cfg.name, cfg.train.epochs, cfg.train.k_train, cfg.eval.ks) == ("top", 7, 3, [2])
+    assert (cfg.name, cfg.train.recipe.epochs, cfg.train.peagle.k_train, cfg.eval.ks) == ("top", 7, 3, [2])
     assert load_config(mid).eval.ks == [1, 2, 3]
-    assert load_config(top, {"train.epochs": 2}).train.epochs == 2  # overrides apply last
+    assert load_config(top, {"train.recipe.epochs": 2}).train.recipe.epochs == 2  # overrides apply last
 
 
 def test_an_unknown_key_in_a_base_is_refused_naming_the_chain(tmp_path):

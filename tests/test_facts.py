@@ -40,7 +40,7 @@ def test_the_drafter_shape_comes_from_the_drafter_section_not_the_data():
     two, four = head_spec_for(demo(**{"drafter.num_layers": 2}), facts), head_spec_for(demo(**{"drafter.num_layers": 4}), facts)
     assert (two.num_layers, four.num_layers) == (2, 4)
     assert two.same_target_as(facts) and four.same_target_as(facts)
-    assert four.method == "peagle" and four.k_train == demo().train.k_train
+    assert four.method == "peagle" and four.k_train == demo().train.peagle.k_train
     wide = head_spec_for(demo(**{"drafter.hidden_size": 128}), facts)
     assert (wide.hidden_size, wide.num_heads, wide.head_dim, wide.intermediate_size) == (128, 2, 64, 512)
     with pytest.raises(ConfigError, match="drafter: hidden_size 64 must divide by num_heads 3"):
@@ -48,12 +48,12 @@ def test_the_drafter_shape_comes_from_the_drafter_section_not_the_data():
 
 
 def test_an_eagle3_head_may_have_a_depth_of_its_own():
-    """train.eagle3_num_layers: the EAGLE-3 baseline at its own best depth beside a deeper P-EAGLE head."""
-    cfg = demo(**{"drafter.num_layers": 3, "train.eagle3_num_layers": 2})
+    """train.eagle3.num_layers: the EAGLE-3 baseline at its own best depth beside a deeper P-EAGLE head."""
+    cfg = demo(**{"drafter.num_layers": 3, "train.eagle3.num_layers": 2})
     facts = facts_of_a_target(cfg)
     assert head_spec_for(cfg, facts).num_layers == 3  # P-EAGLE: the drafter section's
     assert head_spec_for(with_method(cfg, "eagle3"), facts).num_layers == 2
-    unset = demo(**{"drafter.num_layers": 3, "train.eagle3_num_layers": None})
+    unset = demo(**{"drafter.num_layers": 3, "train.eagle3.num_layers": None})
     assert head_spec_for(with_method(unset, "eagle3"), facts).num_layers == 3
 
 

@@ -1,4 +1,4 @@
-"""One identity of a trained head (peagle.identity): bookkeeping never counts, weights do,
+"""One identity of a trained head (peagle.identity): where and when it trains never counts, what it is does,
 and the Prefect training key, the retraining lineage and the resume check agree."""
 
 from __future__ import annotations
@@ -12,15 +12,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))  # the tiny-run builders
 from test_deepspeed import one_thread, tiny_config, tiny_facts, tiny_run, tiny_spec  # noqa: E402,F401 (fixtures)
 
-from peagle.identity import BOOKKEEPING, head_identity, training_fields, training_hash  # noqa: E402
+from peagle.catalogue import DESCRIPTIONS  # noqa: E402
+from peagle.config import TrainConfig  # noqa: E402
+from peagle.identity import head_identity, training_fields, training_hash  # noqa: E402
 from peagle.lineage import changes_since, lineage  # noqa: E402
 from peagle.stages import HeadPlan, TargetInfo, identity_of, with_train  # noqa: E402
 
-BOOKKEEPING_CHANGES = {"keep_last": 7, "save_every": 3, "eval_every": 5, "eagle3_baseline": True,
-                       "eagle3_baseline_budget": "same_time", "init_from": "/heads/champion-v3", "attention": "dense"}
-WEIGHT_CHANGES = {"learning_rate": 3e-4, "k_train": 5, "method": "eagle3", "seed": 1, "world_size": 2,
-                  "epochs": 2, "loss_depth_weighting": "per_depth_mean", "optimizer": "muon",
-                  "max_train_seconds": 600.0}
+# A change in each part of train that says where and when a head trains, never what it is.
+WHERE_AND_WHEN = {"checkpoints.keep_last": 7, "checkpoints.save_every": 3, "checkpoints.eval_every": 5,
+                  "baseline.eagle3": True, "baseline.budget": "same_time", "init_from": "/heads/champion-v3",
+                  "launch.attention": "dense", "launch.zero_stage": 1, "launch.offload_optimizer": True,
+                  "launch.devices": ["0"], "launch.rdzv_timeout_s": 60}
+WEIGHT_CHANGES = {"recipe.learning_rate": 3e-4, "peagle.k_train": 5, "method": "eagle3", "recipe.seed": 1,
+                  "recipe.batch_size": 2, "recipe.epochs": 2, "recipe.loss_depth_weighting": "per_depth_mean",
+                  "recipe.optimizer": "muon", "recipe.max_train_seconds": 600.0}
 DATASET = {"train": "aa", "eval": "bb"}
 
 
@@ -45,12 +50,13 @@ def key_of(cfg, target):
             "prefect": training_key(plan)}
 
 
-def test_bookkeeping_is_documented_and_never_counts(inputs):
+def test_where_and_when_a_head_trains_never_counts(inputs):
     cfg, target = inputs
-    assert set(BOOKKEEPING_CHANGES) == BOOKKEEPING
+    parts = {name for name, field in TrainConfig.model_fields.items() if name not in ("method", "recipe")}
+    assert {key.split(".")[0] for key in WHERE_AND_WHEN} == parts - set(DESCRIPTIONS)  # every other part tried
     before = key_of(cfg, target)
-    for field, value in BOOKKEEPING_CHANGES.items():
-        changed = with_train(cfg, **{field: value})
+    for field, value in WHERE_AND_WHEN.items():
+        changed = with_train(cfg, {field: value})
         assert key_of(changed, target) == before, field
         assert changes_since(lineage(cfg, target), lineage(changed, target)) == [], field  # retraining: nothing new
 
@@ -58,7 +64,7 @@ def test_bookkeeping_is_documented_and_never_counts(inputs):
 @pytest.mark.parametrize("field", sorted(WEIGHT_CHANGES))
 def test_a_field_that_changes_the_weights_changes_every_key(inputs, field):
     cfg, target = inputs
-    changed = with_train(cfg, **{field: WEIGHT_CHANGES[field]})
+    changed = with_train(cfg, {field: WEIGHT_CHANGES[field]})
     before, after = key_of(cfg, target), key_of(changed, target)
     assert all(before[k] != after[k] for k in before), (field, before, after)
     assert changes_since(lineage(cfg, target), lineage(changed, target)) == [
@@ -74,11 +80,11 @@ def test_the_drafter_shape_and_the_dataset_count(inputs):
 
 def test_fields_of_another_method_do_not_count():
     peagle, eagle3 = tiny_config(), tiny_config(method="eagle3")
-    assert training_hash(with_train(peagle, eagle3_ttt_steps=3)) == training_hash(peagle)
-    assert training_hash(with_train(peagle, eagle3_num_layers=3)) == training_hash(peagle)
-    assert training_hash(with_train(eagle3, eagle3_num_layers=3)) != training_hash(eagle3)
-    assert training_hash(with_train(eagle3, k_train=7, cod_ratio=0.5)) == training_hash(eagle3)
-    assert training_hash(with_train(eagle3, eagle3_ttt_steps=3)) != training_hash(eagle3)
+    assert training_hash(with_train(peagle, {"eagle3.ttt_steps": 3})) == training_hash(peagle)
+    assert training_hash(with_train(peagle, {"eagle3.num_layers": 3})) == training_hash(peagle)
+    assert training_hash(with_train(eagle3, {"eagle3.num_layers": 3})) != training_hash(eagle3)
+    assert training_hash(with_train(eagle3, {"peagle.k_train": 7, "peagle.cod_ratio": 0.5})) == training_hash(eagle3)
+    assert training_hash(with_train(eagle3, {"eagle3.ttt_steps": 3})) != training_hash(eagle3)
     # a head of another method on the same config is another head
     assert training_hash(peagle, "eagle3") == training_hash(eagle3) != training_hash(peagle)
 
@@ -103,13 +109,18 @@ def test_resume_follows_the_identity(tiny_run, tmp_path):
         train_drafter(tiny_config(max_steps=1, learning_rate=1e-2), data_dir, str(target), out, progress=False)
 
 
-def test_the_optimizer_counts_and_muons_lr_counts_under_muon():
-    """The optimizer changes the weights; Muon's learning rate only where Muon steps them."""
-    adamw = with_train(tiny_config(), optimizer="adamw")
-    assert training_fields(adamw)["train"]["optimizer"] == "adamw"
-    assert training_hash(with_train(adamw, muon_learning_rate=0.05)) == training_hash(adamw)
-    muon = with_train(adamw, optimizer="muon")
-    assert training_hash(with_train(muon, muon_learning_rate=0.05)) != training_hash(muon) != training_hash(adamw)
+def test_the_identity_is_the_recipe_the_methods_block_and_the_drafter():
+    """Every recipe field counts (the optimizer, Muon's learning rate); the other method's block,
+    the launch, the checkpoints and the baseline do not."""
+    adamw = with_train(tiny_config(), {"recipe.optimizer": "adamw"})
+    assert training_fields(adamw)["recipe"]["optimizer"] == "adamw"
+    assert set(training_fields(adamw)) == {"drafter", "method", "recipe", "peagle"}
+    muon = with_train(adamw, {"recipe.optimizer": "muon"})
+    assert training_hash(with_train(muon, {"recipe.muon_learning_rate": 0.05})) != training_hash(muon) != training_hash(adamw)
+    unchanged = {"eagle3.ttt_steps": 2, "launch.zero_stage": 1, "launch.attention": "dense", "checkpoints.keep_last": 9,
+                 "baseline.eagle3": True, "init_from": "/heads/previous"}
+    assert training_hash(with_train(adamw, unchanged)) == training_hash(adamw)
+    assert training_hash(with_train(adamw, {"eagle3.ttt_steps": 2}), "eagle3") != training_hash(adamw, "eagle3")
 
 
 def test_the_dataset_key_of_a_run_with_a_magpie_source_is_the_same_before_and_after_it_writes_the_file(inputs):

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))  # the tiny-run builders
 from test_deepspeed import tiny_config, tiny_facts, tiny_run  # noqa: E402,F401 (fixtures)
 
-from peagle.config import ConfigError, TargetConfig  # noqa: E402
+from peagle.config import ConfigError, TargetConfig, with_overrides  # noqa: E402
 from peagle.layout import LINEAGE_FILE, DataLayout  # noqa: E402
 from peagle.lineage import (  # noqa: E402
     DATASET_KEYS,
@@ -112,7 +112,7 @@ def test_export_writes_the_lineage_the_checkpoint_was_trained_on(trained):
 def test_no_lineage_for_a_checkpoint_of_other_inputs(trained, tmp_path):
     cfg, data_dir, _, checkpoint = trained
     record_dataset_inputs(data_dir, {"data_config_hash": "d", "target_revision": "r", "prompt_files": "{}"})
-    other = cfg.model_copy(update={"train": cfg.train.model_copy(update={"learning_rate": 0.5})})
+    other = with_overrides(cfg, {"train.recipe.learning_rate": 0.5})
     values, why = head_lineage(other, data_dir, checkpoint, "peagle")
     assert values is None and "was not trained on" in why
     DataLayout(data_dir).lineage.unlink()  # a dataset built before datasets recorded their inputs

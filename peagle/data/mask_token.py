@@ -1,7 +1,7 @@
 """The P-EAGLE mask token must be one the target never produces in the data.
 
 P-EAGLE feeds the mask token's embedding to every parallel draft slot and trains that row
-as the mask (``train.train_embeddings: mask_row``). A token that also occurs in ordinary
+as the mask (``train.peagle.train_embeddings: mask_row``). A token that also occurs in ordinary
 text (``self`` in code, say) would have its real embedding retrained into the mask, and
 vLLM would then draft with it. The data stage counts the mask token in what it trains on:
 the prompts, tokenised before any engine starts, and the rendered samples (prompts plus

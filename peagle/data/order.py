@@ -56,7 +56,7 @@ class BatchPlan:
                 f"the training split has {self.num_samples} samples, fewer than one optimizer step needs "
                 f"(world_size {self.world_size} x micro_batch_size {self.micro_batch_size} x grad_accum "
                 f"{self.grad_accum} = {self.world_size * self.samples_per_step}); generate more data "
-                "(data.max_samples) or lower train.micro_batch_size / train.grad_accum / train.world_size"
+                "(data.max_samples) or lower train.recipe.batch_size"
             )
 
 

@@ -4,7 +4,7 @@ it first, ``peagle config check`` runs it before a GPU node is booked.
 ``check_data_inputs`` checks that the run directory can be written, that every evaluation
 prompt set loads, that the chat template can be sampled for ``kind: magpie`` sources, that
 every prompt source opens and parses (a local file, or a hub set the data stage would read),
-that ``data.heldout_samples`` and ``train.max_samples`` fit the prompts, that no evaluation
+that ``data.heldout_samples`` and ``train.recipe.max_samples`` fit the prompts, that no evaluation
 prompt is a training prompt, and that the mask token occurs in none of the prompts
 (``peagle.data.mask_token``: any occurrence is refused, because P-EAGLE retrains the mask
 token's embedding).
@@ -97,15 +97,15 @@ def expected_prompts(cfg: PipelineConfig, loaded: int, unwritten: list[PromptSou
 
 
 def check_counts(cfg: PipelineConfig, prompts: int) -> None:
-    """``data.heldout_samples`` leaves prompts to train on, and ``train.max_samples`` is not more
+    """``data.heldout_samples`` leaves prompts to train on, and ``train.recipe.max_samples`` is not more
     than are left (each answer the data stage keeps is one of them)."""
     heldout = cfg.data.heldout_samples
     check_heldout(heldout, prompts)
     left = prompts - heldout
-    if cfg.train.max_samples is not None and cfg.train.max_samples > left:
+    if cfg.train.recipe.max_samples is not None and cfg.train.recipe.max_samples > left:
         raise ConfigError(
-            f"train.max_samples={cfg.train.max_samples} is more than the data can hold: {prompts} prompts less "
-            f"data.heldout_samples={heldout} leave at most {left} answers to train on; lower train.max_samples or "
+            f"train.recipe.max_samples={cfg.train.recipe.max_samples} is more than the data can hold: {prompts} prompts less "
+            f"data.heldout_samples={heldout} leave at most {left} answers to train on; lower train.recipe.max_samples or "
             "add prompts (data.sources, data.max_samples)")
 
 

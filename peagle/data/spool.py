@@ -22,7 +22,7 @@ Layout of a spool directory::
     failed                  the producer's error, when it stopped on one
 
 One producer serves the ranks of every node: the launcher that holds the head directory's
-``spool.lock`` (``producer_lock``). With ``train.nodes`` > 1 each node's launcher tries to take
+``spool.lock`` (``producer_lock``). With ``train.launch.nodes`` > 1 each node's launcher tries to take
 it; the one that does extracts, the others only start their ranks, which read the spool on
 the filesystem every node shares.
 
@@ -81,8 +81,8 @@ def is_streamed(split_dir: str | Path) -> bool:
 class SpoolPlan:
     """What the producer writes and the ranks read, fixed before either starts."""
 
-    num_samples: int  # the first num_samples of the train split (train.max_samples)
-    seed: int  # train.seed: the epoch permutation's
+    num_samples: int  # the first num_samples of the train split (train.recipe.max_samples)
+    seed: int  # train.recipe.seed: the epoch permutation's
     world_size: int
     micro_batch_size: int
     grad_accum: int

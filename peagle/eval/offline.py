@@ -264,7 +264,7 @@ def _check_inputs(ks: Sequence[int], spec: HeadSpec, vocab: DraftVocab, max_k: i
         raise ValueError(f"ks must list draft lengths K >= 1, got {ks}")
     if max_k is not None and ks[-1] > max_k:
         raise ValueError(f"K={ks[-1]} exceeds the largest K this head can be evaluated at ({max_k}: the depths it "
-                         "was trained for, train.k_train); lower eval.ks")
+                         "was trained for, train.peagle.k_train); lower eval.ks")
     if spec.draft_vocab_size != vocab.size:
         raise ValueError(f"spec.draft_vocab_size={spec.draft_vocab_size} but the draft vocabulary has {vocab.size} ids")
     return ks
@@ -292,7 +292,7 @@ def evaluate_offline(
     ``target_head`` is only read with ``reference="target"`` (may be None otherwise);
     ``max_k`` (the method's ``max_eval_k``) refuses larger K; ``max_tokens`` is the
     requests' generation budget (the served split's; None: each whole span); ``mask_slot_inputs``
-    as the head trained (``train.mask_slot_inputs``). vLLM's n-gram lookup is walked beside the
+    as the head trained (``train.peagle.mask_slot_inputs``). vLLM's n-gram lookup is walked beside the
     head on the same tokens (``ngram_acceptance_length``, ``versus_ngram``) unless ``compare_ngram``
     is false (the trainer's checkpoint choice reads only the head's acceptance).
     """
@@ -380,7 +380,7 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     if len(reader) == 0:
         raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")
     method = cfg.train.method
-    ks, limit = evaluable_ks(cfg.eval.ks, describe(method).max_eval_k(cfg.train))
+    ks, limit = evaluable_ks(cfg.eval.ks, describe(method).max_eval_k(describe(method).own(cfg.train)))
     head = TargetHead.from_target(target_path, facts, vocab.draft_ids) if reference == "target" else None
 
     def eval_fn(drafter: nn.Module) -> float:

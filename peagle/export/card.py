@@ -477,7 +477,7 @@ def run_card(cfg: PipelineConfig, data, online, offline, spec: HeadSpec, *,
         },
         training={
             **get_method(method.name).card_training(cfg.train, spec),
-            "epochs": str(cfg.train.epochs),
+            "epochs": str(cfg.train.recipe.epochs),
             f"offline acceptance (simulated on {_offline_states(offline)}; vLLM's is below)":
                 json.dumps({k: round(v, 3) for k, v in offline.acceptance_length.items()}),
         },

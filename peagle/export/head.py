@@ -250,9 +250,9 @@ def export_from_checkpoint(
     spec = HeadSpec.load(ckpt.head_spec)
     if spec.mask_slot_inputs != "mask":
         raise ExportError(
-            f"{ckpt.head_spec}: this head was trained with train.mask_slot_inputs: {spec.mask_slot_inputs}, a "
+            f"{ckpt.head_spec}: this head was trained with train.peagle.mask_slot_inputs: {spec.mask_slot_inputs}, a "
             "measurement (each mask slot given the real previous token) that vLLM cannot serve; train with "
-            "train.mask_slot_inputs: mask to export a head"
+            "train.peagle.mask_slot_inputs: mask to export a head"
         )
     if data.facts.exists() and not spec.same_target_as(load_dataset_facts(data)):
         raise ExportError(

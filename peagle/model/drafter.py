@@ -45,7 +45,7 @@ MASK_HIDDEN_INIT_STD = 0.02
 # Flash attention takes no mask; the memory-efficient kernel takes any mask at any length.
 MASKED_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# How the drafter evaluates an ``ElementRule`` (``AttentionBackend``, train.attention): "flex" runs
+# How the drafter evaluates an ``ElementRule`` (``AttentionBackend``, train.launch.attention): "flex" runs
 # flex attention over the rule's block-sparse mask (only the 128 x 128 tiles the rule allows are
 # computed, no [N, N] tensor exists); "dense" builds the [B, N, N] mask and runs SDPA; "auto" is
 # flex on CUDA and dense elsewhere. On CPU, torch 2.13's flex attention has no backward, and a
@@ -78,8 +78,8 @@ def check_attention_backend(choice: AttentionBackend, device: torch.device) -> N
     """Refuse, before training starts, a backend that cannot train on ``device``."""
     if attention_backend(choice, device) == "flex" and not flex_trains_on(device):
         raise ValueError(
-            f"train.attention: flex cannot train on {device.type}: torch {torch.__version__} has no flex-attention "
-            "backward there; set train.attention: auto (flex on CUDA, dense elsewhere) or dense"
+            f"train.launch.attention: flex cannot train on {device.type}: torch {torch.__version__} has no flex-attention "
+            "backward there; set train.launch.attention: auto (flex on CUDA, dense elsewhere) or dense"
         )
 
 
@@ -294,7 +294,7 @@ class PEagleDrafter(nn.Module):
         self.register_state_dict_post_hook(_mask_hidden_as_head)
         self.register_load_state_dict_pre_hook(_mask_hidden_as_vector)
         self.rotary = Rotary(spec)
-        # How an ElementRule is evaluated (train.attention); not part of the weights.
+        # How an ElementRule is evaluated (train.launch.attention); not part of the weights.
         self.attention: AttentionBackend = "auto"
         self.apply(self._init_weights)
 

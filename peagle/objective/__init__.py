@@ -26,7 +26,7 @@ from peagle.objective.partition import examples_denominator, segment_batches
 class Objective:
     """What the trainer runs for a method: how examples are built, batched and scored.
 
-    A micro-batch stays a list of examples until it runs: with ``train.segments`` > 1 each
+    A micro-batch stays a list of examples until it runs: with ``train.recipe.segments`` > 1 each
     segment is collated (its mask built) only when it is reached, so the whole
     micro-batch's [N, N] mask never exists (``peagle.objective.partition.segment_batches``).
     """

@@ -1,4 +1,4 @@
-"""The training loss: forward KL(target || drafter) over the draft vocabulary, or (``train.loss:
+"""The training loss: forward KL(target || drafter) over the draft vocabulary, or (``train.recipe.loss:
 cross_entropy``) cross-entropy on the target's greedy token.
 
 The target's distribution at a position comes from its stored final (pre-norm) hidden

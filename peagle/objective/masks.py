@@ -141,7 +141,7 @@ class PrecomputedMask:
         if anchor.numel() and (int(anchor.max()) >= self.max_len or int(anchor.min()) < 0):
             raise ValueError(
                 f"anchors reach {int(anchor.max())} but the mask was precomputed for max_len={self.max_len}: "
-                "build PrecomputedMask with train.max_len"
+                "build PrecomputedMask with train.recipe.max_len"
             )
         if depth.numel() and (int(depth.max()) >= self.k or int(depth.min()) < 0):
             raise ValueError(f"depths reach {int(depth.max())} but the mask was precomputed for k={self.k}")

@@ -4,7 +4,7 @@ A training example of L anchors is cut at B_s = floor(s * L / S). Each element i
 (charged in) exactly one segment, the one holding its anchor: an anchor's whole chain of
 depths trains together. (Algorithm 1 charges depth 1 in the segment of its RoPE position
 p + 1, and deeper depths with their parent; keeping depth 0 with them lets the loss see
-whether the chain's shallower drafts were right, ``train.unaccepted_weight``, and moves
+whether the chain's shallower drafts were right, ``train.recipe.unaccepted_weight``, and moves
 one anchor's chain per boundary, nothing else.)
 
 Segment s also carries, as context, every depth-0 element with anchor < B_{s+1}; those are

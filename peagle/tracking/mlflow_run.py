@@ -218,7 +218,7 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
 
 
 def flatten_params(obj, prefix: str = "") -> dict[str, str]:
-    """Nested dicts/lists -> ``{"train.k_train": "8", "data.sources.0.kind": "jsonl"}``.
+    """Nested dicts/lists -> ``{"train.peagle.k_train": "8", "data.sources.0.kind": "jsonl"}``.
 
     Lists of scalars stay one value (``eval.ks = [1, 3, 5]``); values longer than MLflow's
     param limit are truncated with a marker.

@@ -1,4 +1,4 @@
-"""Training for a time budget (``train.max_train_seconds``) instead of a number of steps.
+"""Training for a time budget (``train.recipe.max_train_seconds``) instead of a number of steps.
 
 Users retraining on a schedule have a compute window, not a step count; and comparing two
 drafting methods fairly means giving each the same training time (P-EAGLE takes cheaper
@@ -14,7 +14,7 @@ share of a short budget. ``counted_seconds`` applies the same rule to a
 finished run's records (the EAGLE-3 baseline's budget), as the benchmarks' calibration does.
 
 The learning-rate schedule keeps the step schedule's shape (linear warmup over
-``train.warmup_ratio`` of the budget, then linear decay to 0) on the *fraction of the budget
+``train.recipe.warmup_ratio`` of the budget, then linear decay to 0) on the *fraction of the budget
 that will have passed at the end of the step* a rate is for, estimated from the mean counted
 step so far. Until one step has been counted nothing can be estimated: the first three steps
 (their rates are set before the second step ends) run at rate 0 and only prime the optimizer's

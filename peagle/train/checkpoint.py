@@ -25,10 +25,10 @@ DeepSpeed saves its engine state with ``torch.save`` and its stock loader calls
 in a loader that uses ``weights_only=True`` with only the three DeepSpeed classes its
 ZeRO optimizer states contain allow-listed, so resuming never runs arbitrary pickle code.
 
-A resume at the world size that wrote the checkpoint loads DeepSpeed's engine checkpoint
-(bit-exact). At another world size (a node lost, or added: ``train.world_size x
-train.grad_accum`` must stay the same, see ``peagle.identity``) ZeRO's partitions no longer
-fit, so the engine is rebuilt from ``optimizer.safetensors`` through DeepSpeed's documented
+A resume at the world size and ZeRO stage that wrote the checkpoint loads DeepSpeed's engine
+checkpoint (bit-exact). At another world size (a node lost, or added: ``train.recipe.batch_size``
+stays, each rank accumulates its share) or another ``train.launch.zero_stage``, ZeRO's partitions
+no longer fit, so the engine is rebuilt from ``optimizer.safetensors`` through DeepSpeed's documented
 full-state accessors (``deepspeed.utils.safe_set_full_fp32_param`` /
 ``safe_set_full_optimizer_state``), which cut each rank's fragment from the full tensors.
 ZeRO 0-2 can; ZeRO-3 resumes only at its own world size.
@@ -66,7 +66,7 @@ DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "engine"
 OPTIMIZER_FILE = "optimizer.safetensors"
 ADAMW_STATE = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state besides its step count
-MUON_STATE = ("momentum_buffer",)  # Muon's (train.optimizer: muon), on the matrices it trains
+MUON_STATE = ("momentum_buffer",)  # Muon's (train.recipe.optimizer: muon), on the matrices it trains
 
 
 # ----------------------------------------------------------------------------- DeepSpeed loading
@@ -255,13 +255,14 @@ def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
 def load_checkpoint(engine, checkpoint: Path) -> TrainerState:
     """Restore the engine (module, optimizer, scheduler, counters) and this rank's RNG; collective.
 
-    At the checkpoint's own world size from DeepSpeed's engine checkpoint; at another one
-    from the consolidated ``optimizer.safetensors`` (see the module docstring).
+    At the checkpoint's own world size and ZeRO stage from DeepSpeed's engine checkpoint; at
+    another one from the consolidated ``optimizer.safetensors`` (see the module docstring).
     """
     checkpoint = Path(checkpoint)
     state = read_trainer_state(checkpoint)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if state.world_size == world_size:
+    same_stage = state.zero_stage is None or state.zero_stage == engine.zero_optimization_stage()
+    if state.world_size == world_size and same_stage:
         load_path, _ = engine.load_checkpoint(
             str(checkpoint / DEEPSPEED_DIR),
             tag=DEEPSPEED_TAG,
@@ -389,13 +390,14 @@ def load_consolidated(engine, checkpoint: Path, written_by: int) -> None:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if engine.zero_optimization_partition_weights():
         raise ValueError(
-            f"{checkpoint} was written by {written_by} ranks and this run has {world_size}: ZeRO-3 resumes only "
-            "at the world size that wrote it; resume with that train.world_size, or train with train.zero_stage <= 2"
+            f"{checkpoint} was written by {written_by} ranks at another world size or ZeRO stage than this run's "
+            f"({world_size} ranks, ZeRO-3): ZeRO-3 resumes only as it wrote; resume with the train.launch that "
+            "wrote it, or train with train.launch.zero_stage <= 2"
         )
     if not path.is_file():
         raise FileNotFoundError(
-            f"{checkpoint} was written by {written_by} ranks and this run has {world_size}, but it has no "
-            f"{OPTIMIZER_FILE} (a checkpoint cut short while it was written): resume with train.world_size={written_by}"
+            f"{checkpoint} was written by {written_by} ranks at another world size or ZeRO stage, but it has no "
+            f"{OPTIMIZER_FILE} (a checkpoint cut short while it was written): resume with the train.launch that wrote it"
         )
     tensors = load_file(str(path))
     with safe_open(str(path), "pt") as fh:

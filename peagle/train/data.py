@@ -28,12 +28,12 @@ from peagle.data.order import BatchPlan, epoch_permutation, mix_seed
 
 
 def training_samples(samples: Sequence, max_samples: int | None) -> Sequence:
-    """The first ``max_samples`` of the train split (``train.max_samples``; None: all of it)."""
+    """The first ``max_samples`` of the train split (``train.recipe.max_samples``; None: all of it)."""
     if max_samples is None:
         return samples
     if max_samples > len(samples):
-        raise ValueError(f"train.max_samples is {max_samples} but the train split holds {len(samples)} answers: "
-                         "lower train.max_samples, or build more data (data.max_samples)")
+        raise ValueError(f"train.recipe.max_samples is {max_samples} but the train split holds {len(samples)} answers: "
+                         "lower train.recipe.max_samples, or build more data (data.max_samples)")
     return Subset(samples, range(max_samples))
 
 

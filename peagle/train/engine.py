@@ -2,14 +2,14 @@
 
 Everything DeepSpeed needs comes from ``TrainConfig``: ZeRO stage 0-3, bf16 or fp32,
 optional CPU optimizer offload, gradient accumulation and clipping, AdamW (or DeepSpeed's
-Muon on the matrices, ``train.optimizer: muon``) and a linear warmup + linear decay
+Muon on the matrices, ``train.recipe.optimizer: muon``) and a linear warmup + linear decay
 schedule. With AdamW nothing here needs a C++ compiler on a CPU machine (Muon's update
 is torch.compiled: ``peagle.train.launch.check_optimizer_runs_here``):
 AdamW runs as ``torch.optim.AdamW`` (``"torch_adam": true``, also with offload), and
 DeepSpeed's shared-memory CPU comm op (compiled with g++ at init otherwise) is
 switched off, so ranks talk over gloo. On GPUs the backend is nccl.
 
-Sequence partitioning: with ``train.segments = S`` every micro-batch runs as S
+Sequence partitioning: with ``train.recipe.segments = S`` every micro-batch runs as S
 forward+backward passes. DeepSpeed is told ``gradient_accumulation_steps =
 grad_accum * S`` so it only steps (and reduces, clips, schedules) after the last
 segment of the last micro-batch; the trainer scales each segment's loss itself.
@@ -99,32 +99,32 @@ def _forget_stale_deepspeed_groups() -> None:
 
 def micro_steps_per_step(train: TrainConfig) -> int:
     """DeepSpeed micro-steps per optimizer step: every segment of every micro-batch is one."""
-    return train.grad_accum * train.segments
+    return train.grad_accum * train.recipe.segments
 
 
 def warmup_steps(train: TrainConfig, total_steps: int) -> int:
-    return math.ceil(train.warmup_ratio * total_steps)
+    return math.ceil(train.recipe.warmup_ratio * total_steps)
 
 
 def deepspeed_config(train: TrainConfig, world_size: int) -> dict:
     """The DeepSpeed JSON config for ``train`` (see the module docstring for segments)."""
     gas = micro_steps_per_step(train)
-    zero: dict = {"stage": train.zero_stage}
-    if train.offload_optimizer:
-        if train.zero_stage == 0:
-            raise ValueError("train.offload_optimizer needs train.zero_stage >= 1 (ZeRO owns the offload)")
+    zero: dict = {"stage": train.launch.zero_stage}
+    if train.launch.offload_optimizer:
+        if train.launch.zero_stage == 0:
+            raise ValueError("train.launch.offload_optimizer needs train.launch.zero_stage >= 1 (ZeRO owns the offload)")
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_gpu()}
     return {
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "train_micro_batch_size_per_gpu": train.recipe.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        "train_batch_size": train.micro_batch_size * gas * world_size,
+        "train_batch_size": train.recipe.micro_batch_size * gas * world_size,
         # DeepSpeed's ZeRO Muon writes its orthogonalized update into the gradient before
         # clipping, so clipping would cut Muon's step size (measured: to a tenth): Muon's
         # updates have a fixed size already, AdamW's half is scale-free.
-        "gradient_clipping": train.grad_clip if train.optimizer == "adamw" else 0.0,
+        "gradient_clipping": train.recipe.grad_clip if train.recipe.optimizer == "adamw" else 0.0,
         "optimizer": optimizer_config(train),
         "zero_optimization": zero,
-        "bf16": {"enabled": train.precision == "bf16"},
+        "bf16": {"enabled": train.recipe.precision == "bf16"},
         "fp16": {"enabled": False},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -135,16 +135,16 @@ def optimizer_config(train: TrainConfig) -> dict:
     """AdamW, or Muon: DeepSpeed tags the >= 2-D parameters outside the embeddings and lm_head
     for Muon (fc, attention, MLP; ``mask_hidden`` is a vector, so AdamW steps it)
     and steps the rest with AdamW at ``learning_rate``."""
-    adamw = {"lr": train.learning_rate, "weight_decay": train.weight_decay, "torch_adam": True}
-    if train.optimizer == "adamw":
+    adamw = {"lr": train.recipe.learning_rate, "weight_decay": train.recipe.weight_decay, "torch_adam": True}
+    if train.recipe.optimizer == "adamw":
         return {"type": "AdamW", "params": adamw}
-    return {"type": "Muon", "params": {**adamw, "muon_lr": train.muon_learning_rate, "adam_lr": train.learning_rate,
+    return {"type": "Muon", "params": {**adamw, "muon_lr": train.recipe.muon_learning_rate, "adam_lr": train.recipe.learning_rate,
                                         "momentum": 0.95}}
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: norms' gains, the mask_hidden vector and the mask token's own
-    embedding row (``train.train_embeddings: mask_row``) are not shrunk."""
+    embedding row (``train.peagle.train_embeddings: mask_row``) are not shrunk."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -183,12 +183,12 @@ def build_engine(model: nn.Module, train: TrainConfig, total_steps: int, world_s
     if clock is not None:
         from peagle.train.budget import time_warmup_decay
 
-        factor = time_warmup_decay(clock, train.warmup_ratio, total_steps)
+        factor = time_warmup_decay(clock, train.recipe.warmup_ratio, total_steps)
     else:
         factor = warmup_decay(total_steps, warmup_steps(train, total_steps))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=parameter_groups(model, train.weight_decay),
+        model_parameters=parameter_groups(model, train.recipe.weight_decay),
         config=deepspeed_config(train, world_size),
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
     )

@@ -67,20 +67,20 @@ def measured_rate(cfg: PipelineConfig) -> MeasuredRate | None:
     """The measured step this config's training takes (all but the drafter's size alike), or None."""
     t = cfg.train
     for rate in MEASURED:
-        if ((t.method, t.k_train, t.cod_ratio, t.max_len, t.segments, t.optimizer)
+        if ((t.method, t.peagle.k_train, t.peagle.cod_ratio, t.recipe.max_len, t.recipe.segments, t.recipe.optimizer)
                 == (rate.method, rate.k_train, rate.cod_ratio, rate.max_len, rate.segments, rate.optimizer)
-                and t.attention in ("auto", rate.attention)):
+                and t.launch.attention in ("auto", rate.attention)):
             return rate
     return None
 
 
 def gpu_hours_line(cfg: PipelineConfig, facts: TargetFacts, train_tokens: int | None) -> str:
-    """The plan's line on training's GPU hours (a GPU config: ``train.precision: bf16``), for a
+    """The plan's line on training's GPU hours (a GPU config: ``train.recipe.precision: bf16``), for a
     target of ``facts`` (its draft vocabulary set) and ``train_tokens`` an epoch."""
-    t, gpus = cfg.train, cfg.train.world_size
-    if t.max_train_seconds:
-        hours = t.max_train_seconds / 3600
-        return (f"training: {hours:,.1f} hours on {gpus} GPU(s) (train.max_train_seconds), {hours * gpus:,.0f} GPU "
+    t, gpus = cfg.train, cfg.train.launch.world_size
+    if t.recipe.max_train_seconds:
+        hours = t.recipe.max_train_seconds / 3600
+        return (f"training: {hours:,.1f} hours on {gpus} GPU(s) (train.recipe.max_train_seconds), {hours * gpus:,.0f} GPU "
                 "hours")
     rate = measured_rate(cfg)
     if rate is None:
@@ -93,10 +93,10 @@ def gpu_hours_line(cfg: PipelineConfig, facts: TargetFacts, train_tokens: int | 
     params = matrix_params(drafter_shape(cfg, facts), facts.target_hidden_size, len(facts.aux_layer_ids),
                            facts.draft_vocab_size or facts.vocab_size)
     per_gpu = rate.tokens_per_s * rate.matrix_params / params
-    gpu_hours = t.epochs * train_tokens / per_gpu / 3600
+    gpu_hours = t.recipe.epochs * train_tokens / per_gpu / 3600
     how = ("measured" if params == rate.matrix_params else
            f"projected from the {rate.tokens_per_s:,.0f} measured at Llama-3.1-8B's shape by matrix parameters, "
            f"{params / 1e6:,.0f}M against {rate.matrix_params / 1e6:,.0f}M")
-    return (f"training: at most {gpu_hours:,.0f} {rate.gpu} GPU hours ({t.epochs} epochs x {train_tokens:,} tokens "
+    return (f"training: at most {gpu_hours:,.0f} {rate.gpu} GPU hours ({t.recipe.epochs} epochs x {train_tokens:,} tokens "
             f"at {per_gpu:,.0f} tokens/s a GPU, {how}: {rate.source}); {gpu_hours / gpus:,.0f} hours on "
-            f"train.world_size {gpus} GPUs if the ranks scale linearly")
+            f"train.launch.world_size {gpus} GPUs if the ranks scale linearly")

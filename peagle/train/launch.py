@@ -2,7 +2,7 @@
 
 Entry point (what every rank runs)::
 
-    python -m peagle.train.launch --config configs/demo.yaml [--set train.epochs=3] \\
+    python -m peagle.train.launch --config configs/demo.yaml [--set train.recipe.epochs=3] \\
         --data-dir RUN/data --target TARGET_DIR --out RUN/checkpoints/peagle/IDENTITY
     python -m peagle.train.launch --config-json '{"name": ..., ...}' ...   # or a .json path
 
@@ -12,20 +12,20 @@ launched in its place (``launch_training(..., rank_module=...)``).
 
 ``launch_training`` runs it as a subprocess and waits; ``cfg.train`` picks the launcher:
 
-- one node (``train.nodes == 1``): ``python -m torch.distributed.run --standalone
+- one node (``train.launch.nodes == 1``): ``python -m torch.distributed.run --standalone
   --nproc_per_node=WORLD_SIZE -m peagle.train.launch ...`` (one process per GPU; on CPU,
   gloo processes).
-- ``train.nodes = N`` with ``train.rdzv_endpoint = HOST:PORT``: every node runs the same
+- ``train.launch.nodes = N`` with ``train.launch.rdzv_endpoint = HOST:PORT``: every node runs the same
   peagle command (``peagle train``, ``peagle run`` or a Prefect deployment, same config),
   and each node's launcher runs ``torchrun --nnodes=N --nproc_per_node=WORLD_SIZE/N
   --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT --rdzv_id=ID``; the launchers meet there
-  (waiting up to ``train.rdzv_timeout_s``) and torch numbers the ranks. ``ID`` is
-  ``train.rdzv_id`` or derived from the checkpoint directory, which must be the same path
+  (waiting up to ``train.launch.rdzv_timeout_s``) and torch numbers the ranks. ``ID`` is
+  ``train.launch.rdzv_id`` or derived from the checkpoint directory, which must be the same path
   on a filesystem every node shares (checkpoints, ``metrics.jsonl`` and
   ``train_result.json`` are written there by global rank 0, wherever it runs, and every
   node's launcher reads them from there).
-- ``train.hostfile`` (DeepSpeed format, one ``HOST slots=GPUS`` line per host, slots summing
-  to ``train.world_size``, every host reachable by passwordless ssh/pdsh, same paths and
+- ``train.launch.hostfile`` (DeepSpeed format, one ``HOST slots=GPUS`` line per host, slots summing
+  to ``train.launch.world_size``, every host reachable by passwordless ssh/pdsh, same paths and
   Python env, a shared ``out_dir``): this host alone runs::
 
       deepspeed --hostfile HOSTFILE --master_addr FIRST_HOST --module peagle.train.launch \\
@@ -110,18 +110,19 @@ def training_command(
         args += ["--head-identity", head_identity]
     if not progress:
         args.append("--no-progress")
-    if train.hostfile is not None:
-        hosts = hostfile_slots(Path(train.hostfile), train.world_size)
-        return ["deepspeed", "--hostfile", str(train.hostfile), "--master_addr", next(iter(hosts)),
+    if train.launch.hostfile is not None:
+        hosts = hostfile_slots(Path(train.launch.hostfile), train.launch.world_size)
+        return ["deepspeed", "--hostfile", str(train.launch.hostfile), "--master_addr", next(iter(hosts)),
                 "--module", rank_module, *args]
-    if train.nodes == 1:
+    if train.launch.nodes == 1:
         where = ["--standalone"]
     else:
         where = [
-            f"--nnodes={train.nodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={train.rdzv_endpoint}",
-            f"--rdzv_id={train.rdzv_id or rendezvous_id(out_dir)}", f"--rdzv_conf=join_timeout={train.rdzv_timeout_s}",
+            f"--nnodes={train.launch.nodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={train.launch.rdzv_endpoint}",
+            f"--rdzv_id={train.launch.rdzv_id or rendezvous_id(out_dir)}",
+            f"--rdzv_conf=join_timeout={train.launch.rdzv_timeout_s}",
         ]
-    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={train.ranks_per_node}",
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={train.launch.ranks_per_node}",
             "-m", rank_module, *args]
 
 
@@ -131,9 +132,9 @@ def rendezvous_id(out_dir: Path) -> str:
 
 
 def hostfile_slots(path: Path, world_size: int) -> dict[str, int]:
-    """``HOST slots=N`` lines of a DeepSpeed hostfile, checked against ``train.world_size``."""
+    """``HOST slots=N`` lines of a DeepSpeed hostfile, checked against ``train.launch.world_size``."""
     if not path.is_file():
-        raise ConfigError(f"train.hostfile {str(path)!r} does not exist; write one 'HOST slots=GPUS' line per host")
+        raise ConfigError(f"train.launch.hostfile {str(path)!r} does not exist; write one 'HOST slots=GPUS' line per host")
     hosts: dict[str, int] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         words = line.split("#")[0].split()
@@ -144,11 +145,11 @@ def hostfile_slots(path: Path, world_size: int) -> dict[str, int]:
             raise ConfigError(f"{path}:{number}: {line.strip()!r} is not 'HOST slots=GPUS'")
         hosts[words[0]] = int(slots[0])
     if not hosts:
-        raise ConfigError(f"train.hostfile {str(path)!r} names no host; write one 'HOST slots=GPUS' line per host")
+        raise ConfigError(f"train.launch.hostfile {str(path)!r} names no host; write one 'HOST slots=GPUS' line per host")
     if sum(hosts.values()) != world_size:
         raise ConfigError(
-            f"train.hostfile {str(path)!r} has {sum(hosts.values())} slots but train.world_size is {world_size}; "
-            "set train.world_size to the slots' sum (it sets the global batch) or edit the hostfile"
+            f"train.launch.hostfile {str(path)!r} has {sum(hosts.values())} slots but train.launch.world_size is {world_size}; "
+            "set train.launch.world_size to the slots' sum (it sets the global batch) or edit the hostfile"
         )
     return hosts
 
@@ -166,8 +167,8 @@ def launch_training(
     on_metrics: Callable[[list[dict]], None] | None = None,
     head_identity: str | None = None,
 ) -> TrainResult:
-    """Train in ``train.world_size`` fresh processes (this node's share of them when
-    ``train.nodes`` > 1) and return rank 0's ``TrainResult``.
+    """Train in ``train.launch.world_size`` fresh processes (this node's share of them when
+    ``train.launch.nodes`` > 1) and return rank 0's ``TrainResult``.
 
     ``rank_module`` is the program every rank runs (``rank_main`` with what it hands the
     trainer; this module's own trains without evaluating). The dataset is checked first unless
@@ -194,15 +195,15 @@ def launch_training(
     # A caller that is itself a rank (tests, notebooks) must not leak its rendezvous to the children.
     child_env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     child_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-    if cfg.train.devices:  # the ranks' GPUs; LOCAL_RANK picks one of them
-        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(cfg.train.devices)
+    if cfg.train.launch.devices:  # the ranks' GPUs; LOCAL_RANK picks one of them
+        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(cfg.train.launch.devices)
     total = planned_steps(cfg, Path(data_dir))
     progress_log = TrainingProgress(out_dir / METRICS_FILE, total, f"train {cfg.train.method}",
                                     resumed_at=resume_step(out_dir), on_records=on_metrics,
-                                    budget_s=cfg.train.max_train_seconds)
-    budget = f"{cfg.train.max_train_seconds:.0f} s of" if cfg.train.max_train_seconds else None
+                                    budget_s=cfg.train.recipe.max_train_seconds)
+    budget = f"{cfg.train.recipe.max_train_seconds:.0f} s of" if cfg.train.recipe.max_train_seconds else None
     log.info("training %s: %d rank(s) on %d node(s), %s optimizer steps; rank output in %s", cfg.train.method,
-             cfg.train.world_size, cfg.train.nodes, budget or (total if total is not None else "?"),
+             cfg.train.launch.world_size, cfg.train.launch.nodes, budget or (total if total is not None else "?"),
              out_dir / RANK_OUTPUT)
     with hidden_states_beside_ranks(cfg, Path(data_dir), target_path, out_dir, total):
         run_streaming(cmd, child_env, output=out_dir / RANK_OUTPUT, on_poll=progress_log.poll)
@@ -219,7 +220,7 @@ def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path:
     """Nothing for a stored dataset. For a streamed one (``data.hidden_states: streamed``), one
     vLLM extraction engine in this process writes the hidden states the ranks read next into
     the head's spool (``peagle.data.spool``), from the ranks' resume point on, while the block
-    runs them; the spool is removed after. With ``train.nodes`` > 1 one node's launcher does
+    runs them; the spool is removed after. With ``train.launch.nodes`` > 1 one node's launcher does
     (``producer_lock``); the others' ranks read what it writes."""
     from peagle.data.spool import LOCK_FILE, is_streamed, producer_lock
 
@@ -239,7 +240,7 @@ def hidden_states_beside_ranks(cfg: PipelineConfig, data_dir: Path, target_path:
         if producer:
             with spool_produced_here(cfg, data_dir, target_path, out_dir, total_steps):
                 yield
-        elif cfg.train.nodes > 1:
+        elif cfg.train.launch.nodes > 1:
             log.info("training on a streamed dataset: another node's launcher extracts the hidden states (it holds "
                      "%s); this node's ranks read them from the shared spool", out_dir / LOCK_FILE)
             yield
@@ -329,13 +330,13 @@ def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, o
     data = DataLayout(data_dir)
     facts = load_dataset_facts(data)
     reader = ShardReader(data.train)
-    tokens = training_samples(reader, cfg.train.max_samples)
+    tokens = training_samples(reader, cfg.train.recipe.max_samples)
     layers, ht, dtype = facts.stored_layer_ids, facts.target_hidden_size, cfg.data.storage_dtype
     cap = int(cfg.data.spool_gib * 2**30)
     t = cfg.train
     per_token, lengths = bytes_per_token(len(layers), ht, dtype), reader.lengths()
-    plan = SpoolPlan(num_samples=len(tokens), seed=t.seed, world_size=t.world_size,
-                     micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+    plan = SpoolPlan(num_samples=len(tokens), seed=t.recipe.seed, world_size=t.launch.world_size,
+                     micro_batch_size=t.recipe.micro_batch_size, grad_accum=t.grad_accum,
                      chunk_samples=chunk_samples_for(cap, max(lengths), per_token, len(tokens)),
                      start_step=resume_step(out_dir), total_steps=total_steps)
     plan = replace(plan, kept=keeps_whole_split(plan, lengths, per_token, cap))
@@ -361,12 +362,12 @@ def spool_produced_here(cfg: PipelineConfig, data_dir: Path, target_path: str, o
 
 def check_engines_apart_from_ranks(cfg: PipelineConfig) -> None:
     """On GPUs, a streamed dataset's engines and the ranks beside them each need their own
-    (``vllm.devices``, ``train.devices``); on CPU they share the cores."""
+    (``vllm.devices``, ``train.launch.devices``); on CPU they share the cores."""
     if is_cpu_platform():
         return
     vllm = with_data_parallel_replicas(cfg.vllm)
     engines = engine_gpus(cfg.vllm)[: vllm.data_parallel_size * vllm.tensor_parallel_size]
-    ranks = list(cfg.train.devices) if cfg.train.devices else visible_gpus()[: cfg.train.ranks_per_node]
+    ranks = list(cfg.train.launch.devices) if cfg.train.launch.devices else visible_gpus()[: cfg.train.launch.ranks_per_node]
     problem = devices_shared(engines, ranks)
     if problem:
         raise ConfigError(problem)
@@ -379,8 +380,8 @@ def devices_shared(engines: list[str], ranks: list[str]) -> str | None:
         return None
     return (f"data.hidden_states: streamed extracts beside training, but GPU(s) {', '.join(shared)} would serve both "
             f"vLLM (engines on {', '.join(engines)}) and the ranks (on {', '.join(ranks)}): set vllm.devices and "
-            "train.devices to GPUs of their own (e.g. vllm.devices: ['6', '7'] and train.devices: ['0', '1', '2', '3', "
-            "'4', '5'] with train.world_size: 6 on 8 GPUs)")
+            "train.launch.devices to GPUs of their own (e.g. vllm.devices: ['6', '7'] and train.launch.devices: "
+            "['0', '1', '2', '3', '4', '5'] with train.launch.world_size: 6 on 8 GPUs)")
 
 
 def check_optimizer_runs_here(train: TrainConfig) -> None:
@@ -391,13 +392,13 @@ def check_optimizer_runs_here(train: TrainConfig) -> None:
 
     from peagle.train.engine import use_gpu
 
-    if train.optimizer != "muon" or use_gpu():
+    if train.recipe.optimizer != "muon" or use_gpu():
         return
     if not (shutil.which(os.environ.get("CXX") or "g++") or shutil.which("clang++")):
         raise ConfigError(
-            "train.optimizer: muon compiles its update with torch.compile, which on a CPU needs a C++ compiler, "
+            "train.recipe.optimizer: muon compiles its update with torch.compile, which on a CPU needs a C++ compiler, "
             "and this machine has none (no g++ or clang++ on PATH, CXX unset): install one (Debian: apt-get install "
-            "g++) or set train.optimizer: adamw"
+            "g++) or set train.recipe.optimizer: adamw"
         )
 
 
@@ -433,11 +434,11 @@ def checkpoint_bytes(cfg: PipelineConfig, data_dir: Path) -> int:
 
 
 def checkpoint_space_needed(cfg: PipelineConfig, data_dir: Path, out_dir: Path) -> tuple[int, int, int]:
-    """(bytes still needed, checkpoints on disk at once, bytes each): ``train.keep_last`` + the best
+    """(bytes still needed, checkpoints on disk at once, bytes each): ``train.checkpoints.keep_last`` + the best
     + the one being written before the oldest is pruned, less what the checkpoints already in
     ``out_dir`` (a resumed run's) take."""
     each = checkpoint_bytes(cfg, data_dir)
-    at_once = cfg.train.keep_last + 2
+    at_once = cfg.train.checkpoints.keep_last + 2
     existing = sum(f.stat().st_size for step in list_checkpoints(out_dir) for f in step.rglob("*") if f.is_file()) \
         if out_dir.is_dir() else 0
     return max(0, at_once * each - existing), at_once, each
@@ -452,10 +453,10 @@ def check_checkpoint_space(cfg: PipelineConfig, data_dir: Path, out_dir: Path) -
     spool = int(cfg.data.spool_gib * 2**30) if is_streamed(DataLayout(data_dir).train) else 0
     check_free_space(
         out_dir, needed + spool,
-        what=f"training ({at_once} checkpoints of up to {format_bytes(each)} on disk at once: train.keep_last="
-             f"{cfg.train.keep_last}, the best and the one being written"
+        what=f"training ({at_once} checkpoints of up to {format_bytes(each)} on disk at once: train.checkpoints.keep_last="
+             f"{cfg.train.checkpoints.keep_last}, the best and the one being written"
              + (f"; the streamed dataset's spool, data.spool_gib {format_bytes(spool)}" if spool else "") + ")",
-        fixes="Free some space, point `workdir` or PEAGLE_HOME at a larger disk, or lower train.keep_last"
+        fixes="Free some space, point `workdir` or PEAGLE_HOME at a larger disk, or lower train.checkpoints.keep_last"
               + (" or data.spool_gib." if spool else "."),
     )
 
@@ -463,19 +464,19 @@ def check_checkpoint_space(cfg: PipelineConfig, data_dir: Path, out_dir: Path) -
 def planned_steps(cfg: PipelineConfig, data_dir: Path) -> int | None:
     """The optimizer steps the ranks will run (for the ETA); None when the dataset is unreadable
     (the ranks then fail with the reason)."""
-    if cfg.train.max_steps:
-        return cfg.train.max_steps
-    if cfg.train.max_train_seconds:
+    if cfg.train.recipe.max_steps:
+        return cfg.train.recipe.max_steps
+    if cfg.train.recipe.max_train_seconds:
         return None  # as many as the time budget allows
     from peagle.data.store import ShardReader
     from peagle.train.data import BatchPlan, training_samples
 
     try:
-        samples = len(training_samples(ShardReader(DataLayout(data_dir).train, verify=False), cfg.train.max_samples))
+        samples = len(training_samples(ShardReader(DataLayout(data_dir).train, verify=False), cfg.train.recipe.max_samples))
     except (OSError, ValueError, KeyError):
         return None
-    plan = BatchPlan(samples, cfg.train.world_size, cfg.train.micro_batch_size, cfg.train.grad_accum)
-    return plan.steps_per_epoch * cfg.train.epochs or None
+    plan = BatchPlan(samples, cfg.train.launch.world_size, cfg.train.recipe.micro_batch_size, cfg.train.grad_accum)
+    return plan.steps_per_epoch * cfg.train.recipe.epochs or None
 
 
 def resume_step(out_dir: Path) -> int:
@@ -507,7 +508,7 @@ class TrainingProgress:
     label: str
     resumed_at: int = 0
     every_s: float = PROGRESS_EVERY_S
-    budget_s: float | None = None  # train.max_train_seconds: reported against the records' train_seconds
+    budget_s: float | None = None  # train.recipe.max_train_seconds: reported against the records' train_seconds
     on_records: Callable[[list[dict]], None] | None = None
     _offset: int = 0
     _inode: int | None = None
@@ -667,7 +668,7 @@ def rank_main(argv: list[str] | None = None, *, prog: str = f"python -m {RANK_MO
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="pipeline config YAML")
     source.add_argument("--config-json", help="the pipeline config as JSON (inline, or a .json file)")
-    parser.add_argument("--set", action="append", help="override a key of --config: train.epochs=3")
+    parser.add_argument("--set", action="append", help="override a key of --config: train.recipe.epochs=3")
     parser.add_argument("--data-dir", required=True, type=Path, help="dataset directory (target_facts.json, splits/, vocab)")
     parser.add_argument("--target", required=True, help="the target model's local directory")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint/metrics directory (resumed if it has one)")

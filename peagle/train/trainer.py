@@ -3,7 +3,7 @@
 ``train_drafter`` runs in every rank of the current process group (one process, or each
 process that ``torchrun`` / the ``deepspeed`` launcher started; see ``launch``). Per
 optimizer step each rank consumes ``grad_accum`` micro-batches of its own slice of the
-epoch's seeded order; each micro-batch runs as ``train.segments`` forward+backward
+epoch's seeded order; each micro-batch runs as ``train.recipe.segments`` forward+backward
 passes (sequence partitioning) whose losses are divided by the micro-batch's whole
 supervised count. DeepSpeed reduces, clips and steps once per optimizer step.
 
@@ -84,15 +84,15 @@ def make_objective(train: TrainConfig, spec: HeadSpec, target_head) -> Objective
 
 def build_drafter(train: TrainConfig, inputs: TrainingInputs, target_path: str):
     """The drafter a run of ``train`` starts from, before any warm start or DeepSpeed: the
-    target's rows where it is as wide, seeded by ``train.seed``, with the method's trainable
+    target's rows where it is as wide, seeded by ``train.recipe.seed``, with the method's trainable
     set and its own initialisation (``DraftingMethod.prepare_drafter``)."""
     from peagle.model import PEagleDrafter, check_attention_backend
 
-    check_attention_backend(train.attention, torch.device("cuda" if use_gpu() else "cpu"))
-    torch.manual_seed(train.seed)
+    check_attention_backend(train.launch.attention, torch.device("cuda" if use_gpu() else "cpu"))
+    torch.manual_seed(train.recipe.seed)
     drafter = PEagleDrafter.from_target(inputs.spec, target_path, inputs.draft_ids)
     get_method(train.method).prepare_drafter(drafter, train)
-    drafter.attention = train.attention
+    drafter.attention = train.launch.attention
     return drafter
 
 
@@ -125,7 +125,7 @@ def load_training_inputs(data_dir: Path, cfg: PipelineConfig) -> TrainingInputs:
             f"{data.root}: {data.facts.name} says draft_vocab_size={facts.draft_vocab_size} but "
             f"{data.vocab.name} has {vocab.size} ids; the dataset is inconsistent, rebuild it"
         )
-    samples = training_samples(ShardReader(data.train), cfg.train.max_samples)
+    samples = training_samples(ShardReader(data.train), cfg.train.recipe.max_samples)
     return TrainingInputs(spec=head_spec_for(cfg, facts), samples=samples, draft_ids=vocab.draft_ids,
                           streamed=is_streamed(data.train))
 
@@ -228,7 +228,7 @@ def run_micro_batch(engine, objective: Objective, examples: list, segments: int,
         ran += 1
         del out, part
     if ran != segments:
-        raise RuntimeError(f"sequence partitioning ran {ran} segments, expected train.segments={segments}")
+        raise RuntimeError(f"sequence partitioning ran {ran} segments, expected train.recipe.segments={segments}")
     stats.micro_batches += 1
 
 
@@ -285,14 +285,14 @@ def train_drafter(
 ) -> TrainResult:
     """Train (or resume training) a drafter in the current process group; see the module doc.
 
-    ``eval_fn(drafter) -> acceptance`` (run on rank 0 at ``train.eval_every`` steps and at
+    ``eval_fn(drafter) -> acceptance`` (run on rank 0 at ``train.checkpoints.eval_every`` steps and at
     the end) picks the best checkpoint; ``on_metrics(step, record)`` sees every record
     written to ``metrics.jsonl``. ``inputs`` overrides what is read from ``data_dir``.
     ``identity`` is the head's (``peagle.identity``), which a resumed checkpoint must hold: the
     launcher's, else worked out here.
-    With ``train.max_steps`` set, training runs that many optimizer steps (as many epochs
-    as needed); with ``train.max_train_seconds``, until its steps have taken that long
-    (``peagle.train.budget``); otherwise ``train.epochs`` whole epochs.
+    With ``train.recipe.max_steps`` set, training runs that many optimizer steps (as many epochs
+    as needed); with ``train.recipe.max_train_seconds``, until its steps have taken that long
+    (``peagle.train.budget``); otherwise ``train.recipe.epochs`` whole epochs.
     """
     from peagle.model import target_config
     from peagle.objective.loss import TargetHead
@@ -311,9 +311,9 @@ def train_drafter(
     if resumable is not None:  # checkpoints of another head (e.g. drafter.num_layers changed): say so before any work
         check_same_head(resumable, spec)
     dist_info = init_process_group()
-    if dist_info.world_size != train.world_size:
+    if dist_info.world_size != train.launch.world_size:
         raise ValueError(
-            f"train.world_size={train.world_size} but this process group has {dist_info.world_size} ranks; "
+            f"train.launch.world_size={train.launch.world_size} but this process group has {dist_info.world_size} ranks; "
             "start training with peagle.train.launch.launch_training (it runs torchrun with the right size)"
         )
     if inputs.streamed:
@@ -322,11 +322,11 @@ def train_drafter(
         start_step = read_trainer_state(resumable).step if resumable is not None else 0
         inputs = replace(inputs, samples=SpooledSamples(inputs.samples, spool_dir(out_dir), dist_info.rank,
                                                         start_step=start_step), streamed=False)
-    plan = BatchPlan(len(inputs.samples), dist_info.world_size, train.micro_batch_size, train.grad_accum)
+    plan = BatchPlan(len(inputs.samples), dist_info.world_size, train.recipe.micro_batch_size, train.grad_accum)
     plan.check()
     # A time budget stops the loop by the clock (at most max_steps); total_steps 0 then means "no step count".
-    total_steps = train.max_steps or (0 if train.max_train_seconds else plan.steps_per_epoch * train.epochs)
-    clock = TrainingClock(train.max_train_seconds) if train.max_train_seconds else None
+    total_steps = train.recipe.max_steps or (0 if train.recipe.max_train_seconds else plan.steps_per_epoch * train.recipe.epochs)
+    clock = TrainingClock(train.recipe.max_train_seconds) if train.recipe.max_train_seconds else None
 
     drafter = build_drafter(train, inputs, target_path)  # what trains: before DeepSpeed sees it
     warm = None
@@ -343,7 +343,7 @@ def train_drafter(
     engine.train()
     target_head = TargetHead.from_target(target_path, spec, inputs.draft_ids).to(engine.device)
     objective = make_objective(train, spec, target_head)
-    dataset = EpochSamples(inputs.samples, objective.make_example, train.seed)
+    dataset = EpochSamples(inputs.samples, objective.make_example, train.recipe.seed)
 
     if dist_info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -378,6 +378,7 @@ def train_drafter(
             micro_batch_size=plan.micro_batch_size,
             grad_accum=plan.grad_accum,
             total_steps=total_steps,
+            zero_stage=train.launch.zero_stage,
             head_identity=identity,
             train_seconds=clock.elapsed_s if clock is not None else 0.0,
             counted_steps=clock.counted if clock is not None else None,
@@ -393,7 +394,7 @@ def train_drafter(
             log.write({"step": step, "eval/acceptance": acceptance})
         checksums = check_replicas(engine, dist_info)
         ckpt.save_checkpoint(
-            engine, spec, state_at(step, acceptance, record, checksums), out_dir, train.keep_last, state_dict
+            engine, spec, state_at(step, acceptance, record, checksums), out_dir, train.checkpoints.keep_last, state_dict
         )
 
     bar = progress_bar(total_steps, step, clock, f"train {objective.name}", progress and dist_info.is_main)
@@ -414,7 +415,7 @@ def train_drafter(
                 examples, tokens, indices = next(batches)
                 stats.tokens += tokens
                 stats.samples += indices
-                run_micro_batch(engine, objective, examples, train.segments, train.grad_accum, stats)
+                run_micro_batch(engine, objective, examples, train.recipe.segments, train.grad_accum, stats)
             if engine.global_steps != step + 1 or engine.micro_steps % gas:
                 raise RuntimeError(f"DeepSpeed is at step {engine.global_steps}, expected {step + 1}: accumulation is off")
             step += 1
@@ -438,7 +439,7 @@ def train_drafter(
             advance(bar, clock)
             bar.set_postfix(step=step, loss=f"{record['loss']:.4f}", acc=f"{record.get('acc', 0.0):.3f}")
             last = run_over(step)
-            eval_due = bool(train.eval_every) and step % train.eval_every == 0
+            eval_due = bool(train.checkpoints.eval_every) and step % train.checkpoints.eval_every == 0
             evaluate_now = eval_fn is not None and (last or eval_due)
             if last or eval_due or _save_due(train, step, plan):
                 checkpoint_now(step, record, evaluate_now)
@@ -478,9 +479,9 @@ def advance(bar, clock: TrainingClock | None) -> None:
 
 
 def _save_due(train: TrainConfig, step: int, plan: BatchPlan) -> bool:
-    if train.save_every:
-        return step % train.save_every == 0
-    if train.eval_every:
+    if train.checkpoints.save_every:
+        return step % train.checkpoints.save_every == 0
+    if train.checkpoints.eval_every:
         return False  # evaluation steps are the checkpoint cadence
     return step % plan.steps_per_epoch == 0  # neither set: once per epoch
 

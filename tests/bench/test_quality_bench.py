@@ -49,12 +49,12 @@ def test_a_given_step_time_grows_with_the_answers_a_step_trains_on(monkeypatch):
     monkeypatch.setattr(quality.Bench, "target_revision", lambda self: "local:aaaa")
     demo = str(ROOT / "configs" / "tiny.yaml")
     bench = quality.Bench(demo, {}, None, Path("data"), Path("work"), [1], {"peagle": 0.25})
-    assert bench.seconds_per_step("peagle", {"train.grad_accum": 4}) == (1.0, "given")
-    assert bench.seconds_per_step("peagle", {"train.micro_batch_size": 2, "train.grad_accum": 2}) == (1.0, "given")
+    assert bench.seconds_per_step("peagle", {"train.recipe.batch_size": 4}) == (1.0, "given")
+    assert bench.seconds_per_step("peagle", {"train.recipe.micro_batch_size": 2, "train.recipe.batch_size": 4}) == (1.0, "given")
     # Where the config itself accumulates, the given time is already its step's.
-    accumulating = quality.Bench(demo, {"train.grad_accum": 2}, None, Path("data"), Path("work"), [1], {"peagle": 0.5})
+    accumulating = quality.Bench(demo, {"train.recipe.batch_size": 2}, None, Path("data"), Path("work"), [1], {"peagle": 0.5})
     assert accumulating.seconds_per_step("peagle", {}) == (0.5, "given")
-    assert accumulating.seconds_per_step("peagle", {"train.grad_accum": 4}) == (1.0, "given")
+    assert accumulating.seconds_per_step("peagle", {"train.recipe.batch_size": 4}) == (1.0, "given")
 
 
 def test_the_command_refuses_a_bad_pair_before_training():
@@ -123,7 +123,7 @@ def test_runs_on_two_datasets_of_one_target_build_are_kept_apart():
     def on(data: str, al5: float, part: str = "data", answers: int | None = None, seed: int = 0) -> dict:
         run = {**_run("config recipe" if part == "variants" else f"first {answers} answers", al5, "local:aaaa", seed),
                "part": part, "data_build": data, "steps": 404, "train_answers": 288 if data == "small" else 1000}
-        return run if answers is None else {**run, "overrides": {"train.max_samples": answers}}
+        return run if answers is None else {**run, "overrides": {"train.recipe.max_samples": answers}}
 
     rows = _table_rows(quality.add_data_table, [on("small", 1.38, "variants"), on("small", 1.40, "variants", seed=1),
                        on("grown", 1.36, answers=288), on("grown", 1.45, answers=1000)])
@@ -187,7 +187,7 @@ def test_clock_and_step_seconds_are_refused_together():
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # bench/quality.py --quick's budgets part: two torchrun trainings and their evaluation
 def test_clock_trains_each_budget_on_the_pipelines_clock(tmp_path):
-    """--clock: no calibration, train.max_train_seconds = the budget (--quick's 3 s), and the
+    """--clock: no calibration, train.recipe.max_train_seconds = the budget (--quick's 3 s), and the
     result says so."""
     env = {**os.environ, "PEAGLE_BENCH_RESULTS": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--quick", "--clock", "--part", "budgets",
@@ -198,7 +198,7 @@ def test_clock_trains_each_budget_on_the_pipelines_clock(tmp_path):
     assert (run["step_s_source"], run["calibrated_step_s"], run["budget_s"]) == ("clock", None, 3.0)
     # the clock stops at the step that ends nearest the budget (tiny steps: tens of ms)
     assert abs(run["train_seconds"] - 3.0) < 1.0 and run["steps"] > 2
-    assert "1 run(s) by --clock: train.max_train_seconds = the budget" in (tmp_path / "quality.md").read_text()
+    assert "1 run(s) by --clock: train.recipe.max_train_seconds = the budget" in (tmp_path / "quality.md").read_text()
 
 
 def _budget_run(budget: float, al5: float, ngram: float = 1.5) -> dict:

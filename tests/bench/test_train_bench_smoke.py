@@ -60,7 +60,7 @@ def test_bench_quick_writes_results(name, tmp_path):
     if name == "quality":  # both methods at the quick budget, the ablation's first and last recipe, one variant
         assert sorted(r[0] for r in table["rows"]) == ["eagle3", "peagle"]
         # the drafter takes the tiny target's attention shape (4 query heads sharing 2 KV heads)
-        # and no loss on drafts greedy verification never reads (train.unaccepted_weight 0)
+        # and no loss on drafts greedy verification never reads (train.recipe.unaccepted_weight 0)
         assert {r[0]: r[2] for r in table["rows"]} == {
             "peagle": "K_train 3, lr 0.003, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0",
             "eagle3": "TTT 3, lr 0.003, Muon 0.02, 1 layer, 4q/2kv heads, off-chain loss x0"}

@@ -62,7 +62,7 @@ def test_a_corrupt_shard_is_found_before_training_and_repair_fixes_it(tmp_path):
     flip_bytes(bad)
     others = {n: b for n, b in tree_bytes(run.data.train).items() if n.startswith("shard-") and n != shards[1]}
 
-    train = peagle("train", config, "--set", "train.max_steps=1")
+    train = peagle("train", config, "--set", "train.recipe.max_steps=1")
     assert train.returncode == 1, train.stdout
     assert f"{bad} (its sha256 does not match the manifest's)" in train.stdout, train.stdout
     assert "`peagle data CONFIG --repair`" in train.stdout
@@ -90,7 +90,7 @@ def test_a_corrupt_shard_is_found_before_training_and_repair_fixes_it(tmp_path):
         run.data.manifest("train").read_text())["num_samples"]
     assert (verified := peagle("data", config, "--verify")).returncode == 0, verified.stdout
 
-    trained = peagle("train", config, "--set", "train.max_steps=1")
+    trained = peagle("train", config, "--set", "train.recipe.max_steps=1")
     assert trained.returncode == 0, trained.stdout
     steps = list(run.method_checkpoints("peagle").glob("*/step-*"))
     assert steps

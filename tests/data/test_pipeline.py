@@ -63,7 +63,7 @@ def cfg_dict(tmp_path, prompts_path, target="embedded", **data):
             "extract_batch_size": 4,
             **data,
         },
-        "train": {"max_len": 64, "k_train": 5},  # eval.ks (1, 3, 5) within it
+        "train": {"recipe": {"max_len": 64}, "peagle": {"k_train": 5}},  # eval.ks (1, 3, 5) within it
         "eval": {"max_tokens": 16, "prompts": ["data/prompts/code_eval.jsonl"]},
     }
 

@@ -85,7 +85,7 @@ def test_a_local_targets_head_carries_its_license_and_the_configured_hub_id(tmp_
     target = build_tiny_target(tmp_path / "my-model")
     (target / "README.md").write_text("---\nlicense: mit\n---\n# My model\n")
     overrides = {"workdir": str(tmp_path / "run"), "target.model": str(target), "card.base_model": "me/my-model",
-                 "train.max_len": 256, "data.max_seq_len": 256}  # the tiny target holds 512 positions
+                 "train.recipe.max_len": 256, "data.max_seq_len": 256}  # the tiny target holds 512 positions
     cfg = load_config("configs/tiny.yaml", overrides)
     facts = stages.prepare_target(cfg).facts.with_draft_vocab(128)  # of its 384 ids
     step = trained_run(cfg, facts, head_spec_for(cfg, facts))

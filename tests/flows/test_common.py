@@ -118,7 +118,7 @@ def test_a_bookkeeping_change_does_not_make_retraining_retrain(prefect_server, e
     overrides = {"workdir": str(tmp_path / "run"), "tracking.tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     register_champion_trained_on(load_config(config, overrides), overrides["tracking.tracking_uri"], tmp_path)
 
-    result = retrain_flow(config, {**overrides, "train.keep_last": 9, "train.eval_every": 50})
+    result = retrain_flow(config, {**overrides, "train.checkpoints.keep_last": 9, "train.checkpoints.eval_every": 50})
     assert not result.retrained and result.pipeline is None and "nothing new" in result.message
     assert not (tmp_path / "run" / "revisions").exists()
 

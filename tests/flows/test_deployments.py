@@ -63,7 +63,7 @@ def test_check_refuses_gpus_that_do_not_cover_the_world_size(tmp_path):
     out = " ".join(result.stdout.split())  # rich may wrap long lines
     assert result.returncode == 1, out
     assert ("refused retrain-llama-3.1-8b: requests 1 GPU (peagle-k8s gpu_count) but its config starts "
-            "train.world_size 8 ranks") in out
+            "train.launch.world_size 8 ranks") in out
     assert "fix: set `gpu_count: 8` in its work_pool.job_variables" in out
     assert "refused retrain-qwen3-8b: requests 2 GPUs" in out and "count: 8" in out
     assert "ok retrain-demo:" in out

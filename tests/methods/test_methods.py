@@ -37,10 +37,10 @@ def test_catalogue_names_the_methods_and_refuses_unknown_ones():
 
 def test_each_method_answers_for_itself():
     peagle, eagle3 = get_method("peagle"), get_method("eagle3")
-    config = tiny_config(k_train=4, eagle3_ttt_steps=2)
+    config = tiny_config(k_train=4, eagle3={"ttt_steps": 2})
     train = config.train
-    assert describe("peagle").max_eval_k(train) == 4 and describe("eagle3").max_eval_k(train) is None
-    with_depth = config.model_copy(update={"train": train.model_copy(update={"eagle3_num_layers": 2})})
+    assert describe("peagle").max_eval_k(train.peagle) == 4 and describe("eagle3").max_eval_k(train.eagle3) is None
+    with_depth = tiny_config(k_train=4, eagle3={"ttt_steps": 2, "num_layers": 2})
     assert describe("eagle3").num_layers(with_depth) == 2 and describe("peagle").num_layers(with_depth) == \
         config.drafter.num_layers
     spec = tiny_spec()
@@ -56,8 +56,8 @@ def test_each_method_answers_for_itself():
     warm = tiny_config(init_from="/heads/previous").train
     assert eagle3.card_training(warm, narrow)["trained parameters"] == "all but the embedding table (the warm start head's)"
     # the EAGLE-3 baseline trains beside a P-EAGLE head, never beside an EAGLE-3 one
-    assert trained_methods(tiny_config(eagle3_baseline=True).train) == [peagle.description, eagle3.description]
-    assert trained_methods(tiny_config(method="eagle3", eagle3_baseline=True).train) == [eagle3.description]
+    assert trained_methods(tiny_config(baseline={"eagle3": True}).train) == [peagle.description, eagle3.description]
+    assert trained_methods(tiny_config(method="eagle3", baseline={"eagle3": True}).train) == [eagle3.description]
     assert trained_methods(train) == [peagle.description]
 
 
@@ -81,7 +81,7 @@ class DecayedPEagle(PEagle):
             with torch.no_grad():
                 target = target_head(batch.target_hidden[supervised])
             depth = batch.depth[supervised]
-            result = kl_loss(out.logits, target, depth, train.k_train, "uniform", denominator)  # metrics
+            result = kl_loss(out.logits, target, depth, train.peagle.k_train, "uniform", denominator)  # metrics
             weights = self.GAMMA ** depth.float()
             result.loss = (weights * forward_kl(out.logits, target)).sum() / max(float(denominator), 1.0)
             return result
@@ -131,7 +131,7 @@ def test_a_new_method_trains_evaluates_and_exports(decayed, tiny_run, tmp_path):
     drafter = PEagleDrafter.load(checkpoint / "drafter.safetensors", spec).eval()
     reader = ShardReader(data_dir / "splits" / "train")
     offline = evaluate_offline(drafter, None, reader, spec, vocab, [1, 3], max_samples=4, method=decayed.name,
-                               max_k=decayed.description.max_eval_k(cfg.train))
+                               max_k=decayed.description.max_eval_k(decayed.description.own(cfg.train)))
     assert offline.method == decayed.name and offline.num_anchors > 0
     assert 1.0 <= offline.acceptance_length[1] <= offline.acceptance_length[3] <= 4.0
 

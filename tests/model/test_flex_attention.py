@@ -140,7 +140,7 @@ def test_flex_refuses_gradients_on_cpu_and_auto_picks_dense_there(drafter, batch
     assert attention_backend("auto", torch.device("cuda")) == "flex"
     assert attention_backend("dense", torch.device("cuda")) == "dense"
     check_attention_backend("auto", torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"train.attention: flex cannot train on cpu.*set train.attention: auto"):
+    with pytest.raises(ValueError, match=r"train.launch.attention: flex cannot train on cpu.*set train.launch.attention: auto"):
         check_attention_backend("flex", torch.device("cpu"))
     model = copy.deepcopy(drafter).train()
     with pytest.raises(RuntimeError, match="flex attention cannot compute gradients on cpu"):

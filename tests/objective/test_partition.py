@@ -162,7 +162,7 @@ def test_partitioned_gradients_equal_single_pass(segments, weighting):
 
 @pytest.mark.parametrize("segments", [2, 3, 5])
 def test_partitioned_gradients_equal_single_pass_where_a_miss_ends_the_chain(segments):
-    """``train.unaccepted_weight`` reads whether an anchor's shallower drafts were right: each
+    """``train.recipe.unaccepted_weight`` reads whether an anchor's shallower drafts were right: each
     anchor's chain is charged in one segment, so the segments still sum to the single pass."""
     spec, k = tiny_spec(draft_vocab=2), 5  # two draft tokens: about half the drafts miss
     drafter, head = make_models(spec, seed=segments)

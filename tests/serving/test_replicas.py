@@ -55,21 +55,25 @@ def test_vllm_devices_names_the_gpus_the_engines_use(monkeypatch):
         replica_environments(VllmConfig(devices=["7"], data_parallel_size=2))
 
 
+# a train section whose two ranks run on GPUs 0 and 1
+TWO_RANKS_ON_0_1 = {"recipe": {"batch_size": 2}, "launch": {"devices": ["0", "1"], "world_size": 2}}
+
+
 def test_streamed_engines_and_ranks_on_the_same_gpus_are_refused_with_the_fix():
     from peagle.config import parse_config
     from peagle.train.launch import devices_shared
 
     base = {"name": "d", "target": {"model": "embedded"},
             "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}], "hidden_states": "streamed"}}
-    with pytest.raises(ValueError, match="GPU\\(s\\) 1 are in both vllm.devices and train.devices"):
-        parse_config({**base, "vllm": {"devices": ["1", "2"]}, "train": {"devices": ["0", "1"], "world_size": 2}})
+    with pytest.raises(ValueError, match="GPU\\(s\\) 1 are in both vllm.devices and train.launch.devices"):
+        parse_config({**base, "vllm": {"devices": ["1", "2"]}, "train": TWO_RANKS_ON_0_1})
     with pytest.raises(ValueError, match="holds fewer GPUs than the 2 rank"):
-        parse_config({**base, "train": {"devices": ["0"], "world_size": 2}})
-    apart = parse_config({**base, "vllm": {"devices": ["7"]}, "train": {"devices": ["0", "1"], "world_size": 2}})
+        parse_config({**base, "train": {**TWO_RANKS_ON_0_1, "launch": {"devices": ["0"], "world_size": 2}}})
+    apart = parse_config({**base, "vllm": {"devices": ["7"]}, "train": TWO_RANKS_ON_0_1})
     assert apart.section_hash("vllm") == parse_config(base).section_hash("vllm")  # where, not what
     assert devices_shared(["6", "7"], ["0", "1"]) is None
     message = devices_shared([str(i) for i in range(8)], ["0", "1"])
-    assert "GPU(s) 0, 1 would serve both vLLM" in message and "set vllm.devices and train.devices" in message
+    assert "GPU(s) 0, 1 would serve both vLLM" in message and "set vllm.devices and train.launch.devices" in message
 
 
 def test_a_separate_producer_is_for_a_streamed_split_and_its_hosts_gpus_are_its_own():
@@ -81,8 +85,8 @@ def test_a_separate_producer_is_for_a_streamed_split_and_its_hosts_gpus_are_its_
     base = {"name": "d", "target": {"model": "embedded"},
             "data": {"sources": [{"kind": "jsonl", "path": "p.jsonl"}], "hidden_states": "streamed"}}
     separate = parse_config({**base, "data": {**base["data"], "producer": "separate"},
-                             "vllm": {"devices": ["0", "1"]}, "train": {"devices": ["0", "1"], "world_size": 2}})
+                             "vllm": {"devices": ["0", "1"]}, "train": TWO_RANKS_ON_0_1})
     assert separate.section_hash("data", "train") == parse_config(
-        {**base, "train": {"devices": ["0", "1"], "world_size": 2}}).section_hash("data", "train")
+        {**base, "train": TWO_RANKS_ON_0_1}).section_hash("data", "train")
     with pytest.raises(ValueError, match="data.producer: separate extracts a streamed train split"):
         parse_config({**base, "data": {**base["data"], "hidden_states": "stored", "producer": "separate"}})

@@ -56,7 +56,7 @@ def test_run_records_config_metrics_artifacts_and_stages(tracking, pipeline_cfg,
     assert run.info.status == "FINISHED"
     assert client.get_experiment(tracker.experiment_id).name == "peagle/meta-llama--Llama-3.1-8B-Instruct"
     # the full resolved config, defaults included, as dot keys
-    assert params["train.k_train"] == str(pipeline_cfg.train.k_train)
+    assert params["train.peagle.k_train"] == str(pipeline_cfg.train.peagle.k_train)
     assert params["eval.ks"] == str(pipeline_cfg.eval.ks)
     assert params["data.sources.0.kind"] == "jsonl"
     assert params["data.sources.0.schema"] == "messages"

@@ -153,7 +153,7 @@ def test_a_local_target_whose_files_changed_retrains(world, embedded_target):
 
 def test_a_weight_changing_config_retrains(world, trained):
     cfg, target, _ = trained
-    plan = plan_retraining(with_train(cfg, learning_rate=cfg.train.learning_rate / 2), target)
+    plan = plan_retraining(with_train(cfg, {"recipe.learning_rate": cfg.train.recipe.learning_rate / 2}), target)
     assert plan.retrain and plan.changes[0].startswith("drafter/train config or method changed")
     deeper = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"num_layers": cfg.drafter.num_layers + 1})})
     assert plan_retraining(deeper, target).retrain
@@ -213,8 +213,9 @@ def test_the_same_inputs_do_not_retrain(world, trained):
     assert plan.message.startswith(f"nothing new: champion v{champion} was trained on these inputs")
 
 
-@pytest.mark.parametrize("change", [{"train.keep_last": 9, "train.eval_every": 50, "train.save_every": 7},
-                                    {"train.eagle3_baseline": True}, {"train.init_from": "champion"}],
+@pytest.mark.parametrize("change", [{"train.checkpoints.keep_last": 9, "train.checkpoints.eval_every": 50,
+                                     "train.checkpoints.save_every": 7},
+                                    {"train.baseline.eagle3": True}, {"train.init_from": "champion"}],
                          ids=["bookkeeping", "baseline-beside", "warm-start"])
 def test_bookkeeping_and_a_warm_start_do_not_retrain(world, trained, change):
     _, target, _ = trained

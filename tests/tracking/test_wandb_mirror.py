@@ -50,7 +50,7 @@ def test_offline_mirror_writes_a_run_dir(mlflow_uri, wandb_home):
 
     assert run_dir.parent.parent == wandb_home and run_dir.name.startswith("offline-run-")
     records = read_transaction_log(run_dir)
-    for key in (b"train/loss", b"train/step", b"train/tokens_per_s", b"acceptance_k3", b"train.k_train",
+    for key in (b"train/loss", b"train/step", b"train/tokens_per_s", b"acceptance_k3", b"train.peagle.k_train",
                 b"mlflow_run_id"):
         assert key in records, key
     written = b"".join(p.read_bytes() for p in run_dir.rglob("*") if p.is_file())

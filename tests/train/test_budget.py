@@ -1,4 +1,4 @@
-"""Training for a time budget (``train.max_train_seconds``): the clock, its LR schedule, a real run, resume."""
+"""Training for a time budget (``train.recipe.max_train_seconds``): the clock, its LR schedule, a real run, resume."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
 
     data_dir, target = tiny_run
     budget = 6.0
-    cfg = tiny_config(max_train_seconds=budget, grad_accum=2, save_every=3, keep_last=20, warmup_ratio=0.2)
+    cfg = tiny_config(max_train_seconds=budget, batch_size=2, save_every=3, keep_last=20, warmup_ratio=0.2)
     result = train_drafter(cfg, data_dir, str(target), tmp_path / "whole", progress=False)
     records = timed_records(tmp_path / "whole")
     steps = [r["step_time_s"] for r in records]
@@ -107,7 +107,7 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
     assert max(r["epoch"] for r in records) >= 1  # 8 steps per epoch: the budget, not the epochs, ends it
     lrs = [r["lr"] for r in records]
     peak = max(lrs)
-    assert peak == pytest.approx(cfg.train.learning_rate, rel=0.2)
+    assert peak == pytest.approx(cfg.train.recipe.learning_rate, rel=0.2)
     assert lrs[0] == 0.0 and lrs.index(peak) > 1  # warmup on time
     assert lrs[-1] < 0.25 * peak  # decayed with the budget (a step-count schedule would not know when)
     assert result.last_checkpoint.name == f"step-{len(steps):06d}"
@@ -135,7 +135,7 @@ def test_training_runs_for_its_time_across_epochs_and_resumes_on_the_clock(tiny_
 
 
 def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_path):
-    """``train.eagle3_baseline_budget: same_time``: the baseline's budget is the seconds the head's
+    """``train.baseline.budget: same_time``: the baseline's budget is the seconds the head's
     steps took on these inputs; its checkpoint directory, the trainer's recorded identity and the
     head's agree on it, and a baseline asked for before its head names the fix."""
     from peagle.identity import dataset_manifests, head_identity
@@ -143,9 +143,9 @@ def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_pat
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run
-    cfg = with_train(tiny_config(max_steps=30, eagle3_baseline=True, eagle3_baseline_budget="same_time",
-                                 eagle3_ttt_steps=2), method="peagle").model_copy(update={"workdir": str(tmp_path)})
-    with pytest.raises(FileNotFoundError, match="train it first .*eagle3_baseline_budget=same_steps"):
+    cfg = with_train(tiny_config(max_steps=30, baseline={"eagle3": True, "budget": "same_time"},
+                                 eagle3={"ttt_steps": 2}), {"method": "peagle"}).model_copy(update={"workdir": str(tmp_path)})
+    with pytest.raises(FileNotFoundError, match="train it first .*train.baseline.budget=same_steps"):
         method_config(cfg, "eagle3", data_dir)
 
     head_dir = checkpoint_dir(cfg, "peagle", data_dir)
@@ -153,10 +153,10 @@ def test_the_eagle3_baseline_trains_for_the_time_the_head_took(tiny_run, tmp_pat
     head_seconds = counted_seconds(timed_records(head_dir))
     assert head_seconds < sum(r["step_time_s"] for r in timed_records(head_dir))  # its first step left out
     baseline_cfg = method_config(cfg, "eagle3", data_dir)
-    assert baseline_cfg.train.method == "eagle3" and baseline_cfg.train.max_steps is None  # the time is the cap
-    assert baseline_cfg.train.max_train_seconds == pytest.approx(head_seconds, abs=0.001)
-    assert method_config(cfg, "peagle", data_dir).train.max_train_seconds is None  # the head keeps its steps
-    same_steps = with_train(cfg, eagle3_baseline_budget="same_steps")
+    assert baseline_cfg.train.method == "eagle3" and baseline_cfg.train.recipe.max_steps is None  # the time is the cap
+    assert baseline_cfg.train.recipe.max_train_seconds == pytest.approx(head_seconds, abs=0.001)
+    assert method_config(cfg, "peagle", data_dir).train.recipe.max_train_seconds is None  # the head keeps its steps
+    same_steps = with_train(cfg, {"baseline.budget": "same_steps"})
     assert checkpoint_dir(same_steps, "eagle3", data_dir) != checkpoint_dir(cfg, "eagle3", data_dir)
     assert checkpoint_dir(same_steps, "peagle", data_dir) == head_dir
 

@@ -125,8 +125,46 @@ def test_engine_state_resumes_exactly_without_unpickling(tiny_run, tmp_path, opt
         assert torch.allclose(a, c, atol=1e-6), f"{name} differs after a rebuild from {ckpt.OPTIMIZER_FILE}"
 
 
+@pytest.mark.slow
+def test_a_checkpoint_resumes_at_another_zero_stage(tiny_run, tmp_path):
+    """train.launch is no part of a head: a ZeRO-2 checkpoint resumes under ZeRO-1 and ZeRO-0,
+    rebuilt from its world-size-free optimizer.safetensors, and steps on as the ZeRO-2 run does."""
+    from peagle.model import PEagleDrafter
+    from peagle.objective.loss import TargetHead
+    from peagle.train.data import EpochSamples
+    from peagle.train.engine import build_engine, init_process_group
+    from peagle.train.trainer import load_training_inputs, make_objective
+
+    data_dir, target = tiny_run
+    init_process_group()
+    inputs = load_training_inputs(data_dir, tiny_config())
+    objective = make_objective(tiny_config().train, inputs.spec,
+                               TargetHead.from_target(str(target), inputs.spec, inputs.draft_ids))
+    samples = EpochSamples(inputs.samples, objective.make_example, seed=0)
+    batches = [[samples[i][0]] for i in range(3)]
+
+    def engine_at(stage: int, seed: int):
+        torch.manual_seed(seed)
+        return build_engine(PEagleDrafter(inputs.spec), tiny_config(zero_stage=stage).train, total_steps=10, world_size=1)
+
+    trained = engine_at(2, 0)
+    _one_step(trained, objective, batches[0])
+    _one_step(trained, objective, batches[1])
+    state = fmt.TrainerState(step=2, epoch=0, epoch_position=2, world_size=1, steps_per_epoch=16,
+                              micro_batch_size=1, grad_accum=1, total_steps=10, zero_stage=2)
+    path = ckpt.save_checkpoint(trained, inputs.spec, state, tmp_path, keep_last=2)
+    resumed = {stage: engine_at(stage, stage + 1) for stage in (1, 0)}
+    for engine in resumed.values():
+        assert ckpt.load_checkpoint(engine, path).step == 2
+    for engine in (trained, *resumed.values()):
+        _one_step(engine, objective, batches[2])
+    for stage, engine in resumed.items():
+        for (name, a), b in zip(trained.module.named_parameters(), engine.module.parameters()):
+            assert torch.allclose(a, b, atol=1e-6), f"{name} differs after resuming a ZeRO-2 checkpoint at ZeRO-{stage}"
+
+
 def test_muon_steps_the_decoder_matrices_by_orthogonal_updates(tiny_run):
-    """train.optimizer: muon trains fc, attention and MLP with Muon (an update's largest singular
+    """train.recipe.optimizer: muon trains fc, attention and MLP with Muon (an update's largest singular
     values all about the learning rate, what no gradient step gives) and the rest with AdamW."""
     from peagle.model import PEagleDrafter
     from peagle.objective.loss import TargetHead
@@ -147,7 +185,7 @@ def test_muon_steps_the_decoder_matrices_by_orthogonal_updates(tiny_run):
     muon = {name for name, p in engine.module.named_parameters() if getattr(p, "use_muon", False)}
     assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= muon
     assert not muon & {"embed_tokens.weight", "lm_head.weight", "norm.weight"}
-    lr = cfg.train.muon_learning_rate
+    lr = cfg.train.recipe.muon_learning_rate
     for name, p in engine.module.named_parameters():
         if name in muon and p.dim() == 2:
             rows, cols = p.shape
@@ -162,8 +200,8 @@ def test_muon_steps_the_decoder_matrices_by_orthogonal_updates(tiny_run):
     step = (engine.module.mask_hidden.detach() - before["mask_hidden"]).abs()
     moved = step[step > 0]
     assert moved.numel() > 0.9 * step.numel(), "AdamW moves every element of mask_hidden"
-    assert torch.allclose(moved.median(), torch.tensor(cfg.train.learning_rate), rtol=0.2), \
-        f"mask_hidden's step {moved.median():.2e} is not AdamW's lr {cfg.train.learning_rate:.2e}"
+    assert torch.allclose(moved.median(), torch.tensor(cfg.train.recipe.learning_rate), rtol=0.2), \
+        f"mask_hidden's step {moved.median():.2e} is not AdamW's lr {cfg.train.recipe.learning_rate:.2e}"
 
 
 CHILD_SAVE = r"""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from peagle.config import parse_config
 from peagle.facts import HeadSpec, TargetFacts, head_spec_for
@@ -95,13 +96,37 @@ def build_tiny_dataset(data_dir: Path, target: Path, num_samples: int = 16, seed
     return data_dir
 
 
+def train_section(**fields) -> dict:
+    """A train section from the tests' short form: a field by its name in its block
+    (``world_size=2`` is ``launch.world_size``; every field name belongs to one block), a block
+    as a mapping (``eagle3={"ttt_steps": 2}``, ``baseline={"eagle3": True}``), ``method`` and
+    ``init_from`` as they are."""
+    from peagle.config import TrainConfig
+
+    blocks = {name: field.annotation for name, field in TrainConfig.model_fields.items()
+              if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)}
+    owner = {f: block for block, model in blocks.items() if block not in ("eagle3", "baseline")
+             for f in model.model_fields}
+    section: dict = {}
+    for key, value in fields.items():
+        if key in blocks:
+            section.setdefault(key, {}).update(value)
+        elif key in owner:
+            section.setdefault(owner[key], {})[key] = value
+        else:
+            section[key] = value
+    return section
+
+
 def tiny_config(drafter_layers: int = 1, **train) -> PipelineConfig:  # noqa: F821
     base = dict(
-        k_train=3, cod_ratio=0.8, cod_floor=0.2, max_len=48, epochs=1, micro_batch_size=1, grad_accum=1,
+        k_train=3, cod_ratio=0.8, cod_floor=0.2, max_len=48, epochs=1, micro_batch_size=1,
         learning_rate=3e-3, warmup_ratio=0.1, zero_stage=2, precision="fp32", keep_last=2, seed=0,
         optimizer="adamw",  # exact across ZeRO stages and ranks; tests that need Muon ask for it
     )
     base.update(train)
+    # unless a test says otherwise, one micro-batch per rank and step
+    base.setdefault("batch_size", base["micro_batch_size"] * base.get("world_size", 1))
     return parse_config(
         {
             "name": "tiny",
@@ -109,7 +134,7 @@ def tiny_config(drafter_layers: int = 1, **train) -> PipelineConfig:  # noqa: F8
             "data": {"sources": [{"kind": "jsonl", "path": "unused.jsonl"}], "max_seq_len": max(64, base["max_len"])},
             "vllm": {"max_model_len": max(1024, 2 * base["max_len"])},
             "drafter": {"num_layers": drafter_layers},
-            "train": base,
+            "train": train_section(**base),
             "eval": {"ks": [k for k in (1, 3) if k <= base["k_train"]]},  # the K a head of k_train is evaluated at
         }
     )
@@ -161,7 +186,7 @@ def step_losses(out_dir: Path) -> dict[int, float]:
 def test_deepspeed_config_from_train_config():
     from peagle.train.engine import deepspeed_config
 
-    cfg = tiny_config(zero_stage=3, precision="bf16", offload_optimizer=True, grad_accum=4, micro_batch_size=2, segments=2)
+    cfg = tiny_config(zero_stage=3, precision="bf16", offload_optimizer=True, batch_size=8, micro_batch_size=2, segments=2)
     ds = deepspeed_config(cfg.train, world_size=2)
     assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
     assert ds["bf16"] == {"enabled": True}
@@ -169,7 +194,7 @@ def test_deepspeed_config_from_train_config():
     # Every segment of every micro-batch is one DeepSpeed micro-step.
     assert ds["gradient_accumulation_steps"] == 8
     assert ds["train_batch_size"] == 2 * 8 * 2
-    assert ds["gradient_clipping"] == cfg.train.grad_clip
+    assert ds["gradient_clipping"] == cfg.train.recipe.grad_clip
     with pytest.raises(ValueError, match="offload_optimizer needs"):
         deepspeed_config(tiny_config(zero_stage=0, offload_optimizer=True).train, world_size=1)
 
@@ -188,7 +213,7 @@ def test_zero2_single_process_loss_falls(tiny_run, tmp_path):
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run
-    cfg = tiny_config(zero_stage=2, max_steps=40, grad_accum=2, warmup_ratio=0.05)
+    cfg = tiny_config(zero_stage=2, max_steps=40, batch_size=2, warmup_ratio=0.05)
     start = time.perf_counter()
     result = train_drafter(cfg, data_dir, str(target), tmp_path / "out", progress=False)
     elapsed = time.perf_counter() - start

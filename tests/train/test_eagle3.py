@@ -166,7 +166,8 @@ def test_loss_falls_on_a_tiny_problem():
 def test_objective_plugs_into_the_trainer():
     spec = tiny_spec()
     drafter, head = make_models(spec, seed=2)
-    train = TrainConfig(method="eagle3", eagle3_ttt_steps=3, max_len=64, segments=2, k_train=4)
+    train = TrainConfig(method="eagle3", eagle3={"ttt_steps": 3}, recipe={"max_len": 64, "segments": 2},
+                        peagle={"k_train": 4})
     obj = EAGLE3.objective(train, spec, head)
     assert obj.name == "eagle3" and obj.depths == 3
     g = torch.Generator().manual_seed(0)
@@ -175,8 +176,8 @@ def test_objective_plugs_into_the_trainer():
     whole = obj.loss(drafter, obj.collate(examples), denom)
     whole.loss.backward()
     ref = grads(drafter)
-    parts = list(obj.batches(examples, train.segments))
-    assert len(parts) == train.segments
+    parts = list(obj.batches(examples, train.recipe.segments))
+    assert len(parts) == train.recipe.segments
     total = 0.0
     for part in parts:
         out = obj.loss(drafter, part, denom)

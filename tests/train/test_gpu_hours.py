@@ -43,7 +43,7 @@ def test_llama_at_the_measured_shape_is_epochs_times_tokens_over_the_measured_ra
     line = gpu_hours_line(gpu_config("llama-3.1-8b-instruct"), facts("llama-3.1-8b-instruct"), TRAIN_TOKENS)
     hours = 20 * TRAIN_TOKENS / 7487 / 3600
     assert f"at most {hours:,.0f} H200 GPU hours" in line and "at 7,487 tokens/s a GPU, measured" in line, line
-    assert f"{hours / 8:,.0f} hours on train.world_size 8 GPUs if the ranks scale linearly" in line, line
+    assert f"{hours / 8:,.0f} hours on train.launch.world_size 8 GPUs if the ranks scale linearly" in line, line
 
 
 def test_a_narrower_drafter_is_projected_by_its_matrix_parameters_and_says_so():
@@ -64,7 +64,7 @@ def test_each_gpu_config_header_quotes_its_plan(name):
 
     cfg, own = gpu_config(name), header(REPO / "configs" / f"{name}.yaml")
     line = gpu_hours_line(cfg, facts(name), TRAIN_TOKENS)
-    for figure in re.findall(r"at most [\d,]+ H200 GPU hours|at [\d,]+ tokens/s|[\d,]+ hours on train.world_size \d+",
+    for figure in re.findall(r"at most [\d,]+ H200 GPU hours|at [\d,]+ tokens/s|[\d,]+ hours on train.launch.world_size \d+",
                              line):
         assert figure in own, (figure, own)
     hidden = TARGET_SHAPES[name]["target_hidden_size"]
@@ -77,21 +77,21 @@ def test_each_gpu_config_header_quotes_its_plan(name):
 
 
 def test_a_step_unlike_the_measured_one_is_not_priced_and_says_what_was_measured():
-    for overrides in ({"train.k_train": 10}, {"train.segments": 1}, {"train.attention": "dense"},
-                      {"train.max_len": 4096}):
+    for overrides in ({"train.peagle.k_train": 10}, {"train.recipe.segments": 1}, {"train.launch.attention": "dense"},
+                      {"train.recipe.max_len": 4096}):
         line = gpu_hours_line(gpu_config("llama-3.1-8b-instruct", **overrides), facts("llama-3.1-8b-instruct"),
                               TRAIN_TOKENS)
         assert line.startswith("training: GPU hours not estimated"), (overrides, line)
         assert "k_train 8, cod_ratio 0.8, max_len 8,192 in 2 segments, flex attention, optimizer adamw or muon" in line
-    muon = gpu_hours_line(gpu_config("llama-3.1-8b-instruct", **{"train.optimizer": "muon"}),
+    muon = gpu_hours_line(gpu_config("llama-3.1-8b-instruct", **{"train.recipe.optimizer": "muon"}),
                           facts("llama-3.1-8b-instruct"), TRAIN_TOKENS)
     assert "at 7,593 tokens/s a GPU, measured" in muon, muon
 
 
 def test_a_time_budget_prices_itself():
-    cfg = gpu_config("llama-3.1-8b-instruct", **{"train.max_train_seconds": 36000})
+    cfg = gpu_config("llama-3.1-8b-instruct", **{"train.recipe.max_train_seconds": 36000})
     line = gpu_hours_line(cfg, facts("llama-3.1-8b-instruct"), TRAIN_TOKENS)
-    assert line == "training: 10.0 hours on 8 GPU(s) (train.max_train_seconds), 80 GPU hours"
+    assert line == "training: 10.0 hours on 8 GPU(s) (train.recipe.max_train_seconds), 80 GPU hours"
 
 
 def test_the_rates_are_the_ones_the_gpu_smoke_measured():

@@ -192,7 +192,7 @@ def test_too_little_disk_for_the_checkpoints_is_refused_before_any_rank_starts(t
     assert at_once == 5 and needed == 5 * each
     disk = small_disk(needed - (1 << 20))
     out = disk.path / "checkpoints"
-    with pytest.raises(DiskSpaceError, match=r"training \(5 checkpoints of up to .* train\.keep_last=3, the best and "
-                                             r"the one being written\) needs .*lower train\.keep_last"):
+    with pytest.raises(DiskSpaceError, match=r"training \(5 checkpoints of up to .* train\.checkpoints\.keep_last=3, the "
+                                             r"best and the one being written\) needs .*lower train\.checkpoints\.keep_last"):
         launch_training(cfg, data_dir, str(target), out, progress=False)
     assert not out.exists()

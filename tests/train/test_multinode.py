@@ -63,9 +63,9 @@ def single_node(tiny_data, tmp_path_factory):
 
 
 def test_launch_settings_are_checked_before_anything_starts(tmp_path):
-    with pytest.raises(ValueError, match="needs train.rdzv_endpoint"):
+    with pytest.raises(ValueError, match="needs train.launch.rdzv_endpoint"):
         tiny_config(world_size=2, nodes=2)
-    with pytest.raises(ValueError, match="multiple of train.nodes"):
+    with pytest.raises(ValueError, match="multiple of train.launch.nodes"):
         tiny_config(world_size=3, nodes=2, rdzv_endpoint="10.0.0.1:29400")
     with pytest.raises(ValueError, match="is not 'HOST:PORT'"):
         tiny_config(world_size=2, nodes=2, rdzv_endpoint="10.0.0.1")
@@ -75,7 +75,7 @@ def test_launch_settings_are_checked_before_anything_starts(tmp_path):
 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
-    with pytest.raises(ConfigError, match="4 slots but train.world_size is 2"):
+    with pytest.raises(ConfigError, match="4 slots but train.launch.world_size is 2"):
         training_command(Path("c.json"), Path("d"), "t", Path("o"),
                          tiny_config(world_size=2, hostfile=str(hostfile)).train)
     cmd = training_command(Path("c.json"), Path("d"), "t", Path("/runs/x"),
@@ -86,10 +86,10 @@ def test_launch_settings_are_checked_before_anything_starts(tmp_path):
 
 def test_launch_fields_and_the_split_of_the_batch_keep_the_head_identity():
     dataset = {"train": "aa"}
-    two_ranks = head_identity(tiny_config(world_size=2, grad_accum=1), dataset)
-    assert head_identity(tiny_config(world_size=1, grad_accum=2), dataset) == two_ranks
+    two_ranks = head_identity(tiny_config(world_size=2, batch_size=2), dataset)
+    assert head_identity(tiny_config(world_size=1, batch_size=2), dataset) == two_ranks
     assert head_identity(tiny_config(world_size=2, nodes=2, rdzv_endpoint="h:1", rdzv_id="job"), dataset) == two_ranks
-    assert head_identity(tiny_config(world_size=1, grad_accum=1), dataset) != two_ranks  # another global batch
+    assert head_identity(tiny_config(world_size=1, batch_size=1), dataset) != two_ranks  # another global batch
 
 
 @pytest.mark.parametrize("samples", [16, 23])
@@ -163,7 +163,7 @@ def test_resume_at_another_world_size_carries_optimizer_and_data_position(tiny_d
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_data
-    one_rank = tiny_config(world_size=1, grad_accum=2, **RUN)  # the same global batch on one rank
+    one_rank = tiny_config(world_size=1, batch_size=2, **RUN)  # the same global batch on one rank
     reference = losses(single_node.metrics_history)
     order = samples_by_step(single_node.metrics_history)
 

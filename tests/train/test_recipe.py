@@ -34,7 +34,7 @@ def trained_steps(tiny_run, out: Path, **train) -> tuple[dict, dict, dict]:
 
 def test_frozen_weights_stay_the_targets_and_the_mask_row_learns(tiny_run, tmp_path):
     # Every element charged: the tiny random target's next-token drafts all miss in 3 steps, so
-    # under the default (train.unaccepted_weight 0) no mask slot would be charged at all.
+    # under the default (train.recipe.unaccepted_weight 0) no mask slot would be charged at all.
     first, last, target = trained_steps(tiny_run, tmp_path / "recipe", freeze_lm_head=True,
                                         train_embeddings="mask_row", mask_hidden_init_std=1.0, unaccepted_weight=1.0)
     assert torch.equal(last["lm_head.weight"], target["lm_head"])  # bit for bit, after 3 AdamW steps
@@ -56,7 +56,7 @@ def test_without_freezing_lm_head_and_embeddings_train(tiny_run, tmp_path):
 
 def test_eagle3_keeps_the_targets_embedding_table_and_trains_lm_head(tiny_run, tmp_path):
     """EAGLE-3's baseline trains as its reference trainers do: the table frozen, lm_head learning."""
-    first, last, target = trained_steps(tiny_run, tmp_path / "eagle3", method="eagle3", eagle3_ttt_steps=3)
+    first, last, target = trained_steps(tiny_run, tmp_path / "eagle3", method="eagle3", eagle3={"ttt_steps": 3})
     assert torch.equal(last["embed_tokens.weight"], first["embed_tokens.weight"])
     others = torch.arange(last["embed_tokens.weight"].shape[0]) != MASK_ID
     assert torch.equal(last["embed_tokens.weight"][others], target["embed_tokens"][others])
@@ -77,11 +77,11 @@ def test_frozen_embedding_rows_are_kept_from_weight_decay():
 
 
 def test_recipe_fields_are_validated():
-    with pytest.raises(ConfigError, match="train.train_embeddings"):
+    with pytest.raises(ConfigError, match="train.peagle.train_embeddings"):
         tiny_config(train_embeddings="none")
-    with pytest.raises(ConfigError, match="train.mask_hidden_init_std"):
+    with pytest.raises(ConfigError, match="train.peagle.mask_hidden_init_std"):
         tiny_config(mask_hidden_init_std=0)
-    with pytest.raises(ConfigError, match="train.freeze_lm_head"):
+    with pytest.raises(ConfigError, match="train.peagle.freeze_lm_head"):
         tiny_config(freeze_lm_head="sometimes")
 
 
@@ -90,7 +90,7 @@ def test_freezing_a_drafter_narrower_than_its_target_names_the_fix():
 
     cfg = tiny_config(freeze_lm_head=True, train_embeddings="mask_row")
     narrow = replace(tiny_spec(), hidden_size=32, head_dim=8)  # random lm_head / embeddings: nothing to keep
-    with pytest.raises(ValueError, match="train.freeze_lm_head: false"):
+    with pytest.raises(ValueError, match="train.peagle.freeze_lm_head: false"):
         get_method("peagle").prepare_drafter(PEagleDrafter(narrow), cfg.train)
     trains_all = tiny_config(freeze_lm_head=False, train_embeddings="all").train
     get_method("peagle").prepare_drafter(PEagleDrafter(narrow), trains_all)
@@ -114,7 +114,7 @@ def test_depth0_share_is_the_default_weighting_and_yields_to_an_explicit_one():
     assert peagle.objective(tiny_config(depth0_loss_share=None).train, tiny_spec(), None).weighting == "uniform"
     chosen = tiny_config(loss_depth_weighting="per_depth_mean").train
     assert peagle.objective(chosen, tiny_spec(), None).weighting == "per_depth_mean"
-    with pytest.raises(ConfigError, match="train.depth0_loss_share"):
+    with pytest.raises(ConfigError, match="train.peagle.depth0_loss_share"):
         tiny_config(depth0_loss_share=1.0)
 
 
@@ -125,7 +125,7 @@ def test_max_samples_trains_on_the_first_answers_and_names_a_split_too_small(tin
     train_drafter(tiny_config(max_samples=3, epochs=2), data_dir, str(target), tmp_path / "three", progress=False)
     steps = [r["step"] for r in read_metrics(tmp_path / "three") if "loss" in r]
     assert steps[-1] == 6  # 3 answers, one a step, twice
-    with pytest.raises(ValueError, match=r"train.max_samples is 999 but the train split holds 16 answers"):
+    with pytest.raises(ValueError, match=r"train.recipe.max_samples is 999 but the train split holds 16 answers"):
         train_drafter(tiny_config(max_samples=999), data_dir, str(target), tmp_path / "many", progress=False)
 
 
@@ -141,9 +141,9 @@ def test_a_true_previous_head_trains_records_it_and_is_refused_export(tiny_run, 
     train_drafter(cfg, data_dir, str(target), tmp_path / "oracle", progress=False)
     ckpt = tmp_path / "oracle" / "step-000002"
     assert HeadSpec.load(ckpt / "head_spec.json").mask_slot_inputs == "true_previous"
-    with pytest.raises(ExportError, match="train.mask_slot_inputs: true_previous"):
+    with pytest.raises(ExportError, match="train.peagle.mask_slot_inputs: true_previous"):
         export_from_checkpoint(ckpt, data_dir, tmp_path / "head", target_path=str(target))
     with pytest.raises(ConfigError, match="cannot be served"):
-        tiny_config(mask_slot_inputs="true_previous", eagle3_baseline=True)
+        tiny_config(mask_slot_inputs="true_previous", baseline={"eagle3": True})
     with pytest.raises(ConfigError, match="cannot be served"):
         tiny_config(mask_slot_inputs="true_previous", method="eagle3")

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from peagle.config import merge_settings
 from peagle.fileio import tree_bytes
 from tests.peagle_cli import REPO, peagle
 from tests.processes import free_port
@@ -47,8 +48,9 @@ def config(tmp: Path, target: Path, prompts: Path, hidden_states: str) -> Path:
                  "max_seq_len": 64, "aux_layer_ids": [1, 2, 3], "regenerate": {"max_tokens": 24, "batch_size": 4},
                  "shard_max_tokens": 256, "draft_vocab_size": 64, "extract_batch_size": 4,
                  "hidden_states": hidden_states, "spool_gib": SPOOL_GIB},
-        "train": {"max_len": 64, "k_train": 3, "max_steps": STEPS, "save_every": 4, "micro_batch_size": 2, "optimizer": "adamw",
-                  "precision": "fp32"},
+        "train": {"recipe": {"max_len": 64, "max_steps": STEPS, "micro_batch_size": 2, "batch_size": 2,
+                             "optimizer": "adamw", "precision": "fp32"},
+                  "peagle": {"k_train": 3}, "checkpoints": {"save_every": 4}},
         "eval": {"ks": [1, 2], "max_tokens": 16, "prompts": ["data/prompts/code_eval.jsonl"],
                  "offline_max_samples": 2},
     }
@@ -118,12 +120,12 @@ def assert_trains_as_stored(stored: list[dict], streamed: list[dict]) -> None:
 
 def streamed_dataset_in(workdir: Path, datasets: dict, **sections: dict) -> Path:
     """A config of its own run directory holding a copy of the streamed dataset, its sections
-    updated with ``sections``: another head on the same data, apart from the other tests' heads."""
+    merged with ``sections`` (as a config extends its base): another head on the same data, apart
+    from the other tests' heads."""
     cfg = yaml.safe_load(datasets["streamed"].read_text())
     shutil.copytree(run_dir(datasets["streamed"]) / "data", workdir / "data")
     path = workdir.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump({**cfg, "workdir": str(workdir),
-                                    **{name: {**cfg.get(name, {}), **values} for name, values in sections.items()}}))
+    path.write_text(yaml.safe_dump(merge_settings(cfg, {"workdir": str(workdir), **sections})))
     return path
 
 
@@ -221,12 +223,13 @@ def start_producer(config: Path) -> subprocess.Popen:
 
 @pytest.mark.timeout(400)  # a stored training (reused when a test above trained it) and two launchers of one run
 def test_two_nodes_train_from_one_producer_and_read_what_a_stored_run_reads(datasets, tmp_path):
-    """`peagle train` on two nodes (the same command on each: train.nodes 2, one rank each): one
+    """`peagle train` on two nodes (the same command on each: train.launch.nodes 2, one rank each): one
     launcher takes the spool's lock and extracts, the other says so and only starts its rank; both
     ranks mark what they read, so the spool stays under its cap; the steps train the stored run's
     samples (its global batch of 2 split 1 + 1 over the nodes), each once per epoch."""
     two_nodes = streamed_dataset_in(tmp_path / "two-nodes", datasets, train={
-        "nodes": 2, "world_size": 2, "micro_batch_size": 1, "rdzv_endpoint": f"127.0.0.1:{free_port()}"})
+        "launch": {"nodes": 2, "world_size": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}"},
+        "recipe": {"micro_batch_size": 1}})
     assert peagle("train", datasets["stored"]).returncode == 0
     outputs = {}
 

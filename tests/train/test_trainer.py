@@ -55,7 +55,7 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
 
     data_dir, target = tiny_run
     # 16 samples, 2 micro-batches per step: 8 steps per epoch; 12 steps cross an epoch.
-    cfg = tiny_config(max_steps=12, grad_accum=2, save_every=3, keep_last=10)
+    cfg = tiny_config(max_steps=12, batch_size=2, save_every=3, keep_last=10)
     reference = train_drafter(cfg, data_dir, str(target), tmp_path / "reference", progress=False)
     expected = {r["step"]: r["loss"] for r in reference.metrics_history}
 
@@ -91,7 +91,7 @@ def test_segments_accumulate_inside_the_sequence(tiny_run, tmp_path):
     data_dir, target = tiny_run
     runs = {}
     for segments in (1, 3):
-        cfg = tiny_config(max_steps=4, grad_accum=2, segments=segments)
+        cfg = tiny_config(max_steps=4, batch_size=2, segments=segments)
         result = train_drafter(cfg, data_dir, str(target), tmp_path / f"s{segments}", progress=False)
         runs[segments] = result.metrics_history
     assert [r["loss"] for r in runs[3]] == pytest.approx([r["loss"] for r in runs[1]], rel=1e-5, abs=1e-6)
@@ -133,8 +133,8 @@ def test_segments_never_collate_the_whole_micro_batch(tiny_run, tmp_path, monkey
     cfg = tiny_config(max_steps=1, max_len=n, segments=segments)
     inputs = long_inputs(data_dir, n, cfg)
     t = cfg.train
-    example = build_peagle_example(inputs.samples[0], inputs.spec, t.k_train, t.cod_ratio, t.cod_floor, n,
-                                   example_generator(t.seed, 0, 0))  # what the trainer builds for sample 0
+    example = build_peagle_example(inputs.samples[0], inputs.spec, t.peagle.k_train, t.peagle.cod_ratio, t.peagle.cod_floor, n,
+                                   example_generator(t.recipe.seed, 0, 0))  # what the trainer builds for sample 0
     sizes = collated_sizes(monkeypatch)
     result = train_drafter(cfg, data_dir, str(target), tmp_path / "out", progress=False, inputs=inputs)
     assert sizes == [len(seg.example) for seg in partition_example(example, segments)]
@@ -166,7 +166,7 @@ def test_method_eagle3_swaps_the_objective(tiny_run, tmp_path):
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run
-    cfg = tiny_config(method="eagle3", eagle3_ttt_steps=2, max_steps=3)
+    cfg = tiny_config(method="eagle3", eagle3={"ttt_steps": 2}, max_steps=3)
     result = train_drafter(cfg, data_dir, str(target), tmp_path / "out", progress=False)
     last = result.metrics_history[-1]
     assert "acc/depth_1" in last and "acc/depth_2" not in last  # 2 TTT steps, not k_train=3 depths
@@ -177,12 +177,12 @@ def test_bad_inputs_fail_before_training(tiny_run, tmp_path):
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run
-    with pytest.raises(ValueError, match="train.world_size=2 but this process group has 1"):
+    with pytest.raises(ValueError, match="train.launch.world_size=2 but this process group has 1"):
         train_drafter(tiny_config(world_size=2), data_dir, str(target), tmp_path / "a", progress=False)
     with pytest.raises(FileNotFoundError, match="build the dataset first"):
         train_drafter(tiny_config(), tmp_path / "nothing", str(target), tmp_path / "b", progress=False)
     with pytest.raises(ValueError, match="fewer than one optimizer step"):
-        train_drafter(tiny_config(micro_batch_size=8, grad_accum=4), data_dir, str(target), tmp_path / "c", progress=False)
+        train_drafter(tiny_config(micro_batch_size=8, batch_size=32), data_dir, str(target), tmp_path / "c", progress=False)
     out = tmp_path / "d"
     train_drafter(tiny_config(max_steps=1), data_dir, str(target), out, progress=False)
     with pytest.raises(ValueError, match="cannot resume"):
@@ -193,12 +193,12 @@ def test_bad_inputs_fail_before_training(tiny_run, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="flex attention trains on CUDA")
 def test_flex_attention_on_a_cpu_is_refused_before_training(tiny_run, tmp_path):
-    """torch has no flex-attention backward on CPU: ``train.attention: flex`` there is named with
+    """torch has no flex-attention backward on CPU: ``train.launch.attention: flex`` there is named with
     its fix before DeepSpeed starts; ``auto`` (the default) trains there with the dense mask."""
     from peagle.train.trainer import train_drafter
 
     data_dir, target = tiny_run
-    with pytest.raises(ValueError, match=r"train.attention: flex cannot train on cpu.*set train.attention: auto"):
+    with pytest.raises(ValueError, match=r"train.launch.attention: flex cannot train on cpu.*set train.launch.attention: auto"):
         train_drafter(tiny_config(attention="flex"), data_dir, str(target), tmp_path / "flex", progress=False)
     assert not (tmp_path / "flex").exists()
 

@@ -50,23 +50,23 @@ class Eagle3(DraftingMethod):
     description = EAGLE3
 
     def objective(self, train, spec: HeadSpec, target_head: TargetHead) -> Objective:
-        """Training-time test over ``train.eagle3_ttt_steps`` steps, no COD subsampling."""
-        steps = train.eagle3_ttt_steps
+        """Training-time test over ``train.eagle3.ttt_steps`` steps, no COD subsampling."""
+        steps = train.eagle3.ttt_steps
 
         def make_example(sample, generator):
-            return build_eagle3_example(sample, spec, steps, train.max_len)
+            return build_eagle3_example(sample, spec, steps, train.recipe.max_len)
 
         def loss(model, batch: Batch, denominator) -> LossOutput:
-            return eagle3_loss(model, target_head, batch, steps, train.loss_depth_weighting, denominator, k=steps,
-                               unaccepted_weight=train.unaccepted_weight, kind=train.loss)
+            return eagle3_loss(model, target_head, batch, steps, train.recipe.loss_depth_weighting, denominator, k=steps,
+                               unaccepted_weight=train.recipe.unaccepted_weight, kind=train.recipe.loss)
 
         return Objective(
             name=self.name,
             make_example=make_example,
-            collate=partial(collate, mask=PrecomputedMask(train.max_len, steps)),
+            collate=partial(collate, mask=PrecomputedMask(train.recipe.max_len, steps)),
             loss=loss,
             depths=steps,
-            weighting=train.loss_depth_weighting,
+            weighting=train.recipe.loss_depth_weighting,
         )
 
     def prepare_drafter(self, drafter, train) -> None:
@@ -94,7 +94,7 @@ class Eagle3(DraftingMethod):
             trained = "all but the embedding table (the target's)"
         else:
             trained = "all (the embedding table too: this drafter is narrower than its target and started it random)"
-        return {"method": "EAGLE-3 (training-time test)", "TTT steps": str(train.eagle3_ttt_steps),
+        return {"method": "EAGLE-3 (training-time test)", "TTT steps": str(train.eagle3.ttt_steps),
                 "trained parameters": trained}
 
 

@@ -25,25 +25,25 @@ class PEagle(DraftingMethod):
     description = PEAGLE
 
     def objective(self, train, spec, target_head) -> Objective:
-        share = train.depth0_loss_share if train.loss_depth_weighting == "uniform" else None
-        weighting = Depth0Share(share) if share is not None else train.loss_depth_weighting
+        share = train.peagle.depth0_loss_share if train.recipe.loss_depth_weighting == "uniform" else None
+        weighting = Depth0Share(share) if share is not None else train.recipe.loss_depth_weighting
 
         def make_example(sample, generator):
             return build_peagle_example(
-                sample, spec, train.k_train, train.cod_ratio, train.cod_floor, train.max_len, generator,
-                mask_slot_inputs=train.mask_slot_inputs,
+                sample, spec, train.peagle.k_train, train.peagle.cod_ratio, train.peagle.cod_floor, train.recipe.max_len,
+                generator, mask_slot_inputs=train.peagle.mask_slot_inputs,
             )
 
         def loss(model, batch, denominator):
-            return peagle_loss(model, target_head, batch, weighting, denominator, k=train.k_train,
-                               unaccepted_weight=train.unaccepted_weight, kind=train.loss)
+            return peagle_loss(model, target_head, batch, weighting, denominator, k=train.peagle.k_train,
+                               unaccepted_weight=train.recipe.unaccepted_weight, kind=train.recipe.loss)
 
         return Objective(
             name=self.name,
             make_example=make_example,
-            collate=partial(collate, mask=PrecomputedMask(train.max_len, train.k_train)),
+            collate=partial(collate, mask=PrecomputedMask(train.recipe.max_len, train.peagle.k_train)),
             loss=loss,
-            depths=train.k_train,
+            depths=train.peagle.k_train,
             weighting=weighting,
         )
 
@@ -55,19 +55,19 @@ class PEagle(DraftingMethod):
         """
         spec = drafter.spec
         frozen = [name for name, on in (
-            ("train.freeze_lm_head: true", train.freeze_lm_head),
-            ("train.train_embeddings: mask_row", train.train_embeddings == "mask_row"),
+            ("train.peagle.freeze_lm_head: true", train.peagle.freeze_lm_head),
+            ("train.peagle.train_embeddings: mask_row", train.peagle.train_embeddings == "mask_row"),
         ) if on]
         if frozen and not starts_from_trained_rows(spec, train):
             raise ValueError(
                 f"{' and '.join(frozen)} keep the target's weights, but this drafter is {spec.hidden_size} wide "
-                f"and the target {spec.target_hidden_size}, so they start random: set train.freeze_lm_head: false "
-                "and train.train_embeddings: all, or drafter.hidden_size to the target's"
+                f"and the target {spec.target_hidden_size}, so they start random: set train.peagle.freeze_lm_head: false "
+                "and train.peagle.train_embeddings: all, or drafter.hidden_size to the target's"
             )
-        drafter.init_mask_hidden(train.mask_hidden_init_std)
-        if train.freeze_lm_head:
+        drafter.init_mask_hidden(train.peagle.mask_hidden_init_std)
+        if train.peagle.freeze_lm_head:
             drafter.lm_head.requires_grad_(False)
-        if train.train_embeddings == "mask_row":
+        if train.peagle.train_embeddings == "mask_row":
             drafter.train_mask_row_only()
 
     def draft(self, drafter, batch, k, to_target_ids):
@@ -79,11 +79,11 @@ class PEagle(DraftingMethod):
         return {"mask_hidden": TensorRule((1, 1, fc_input_size(spec)), "float", "h_shared, pre-fc space")}
 
     def card_training(self, train, spec) -> dict[str, str]:
-        trained = "all but lm_head" if train.freeze_lm_head else "all"
-        if train.train_embeddings == "mask_row":
+        trained = "all but lm_head" if train.peagle.freeze_lm_head else "all"
+        if train.peagle.train_embeddings == "mask_row":
             trained += " (embeddings: the mask row only)"
-        return {"method": self.description.display_name, "K_train": str(train.k_train), "COD ratio": str(train.cod_ratio),
-                "trained parameters": trained}
+        return {"method": self.description.display_name, "K_train": str(train.peagle.k_train),
+                "COD ratio": str(train.peagle.cod_ratio), "trained parameters": trained}
 
 
 METHOD = PEagle()

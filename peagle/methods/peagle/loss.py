@@ -36,7 +36,7 @@ def peagle_loss(
     """Run the drafter over a batch and score its supervised elements against the target.
 
     ``k`` sizes the per-depth statistics (default: the deepest depth in the batch + 1;
-    pass train.k_train so metrics from different batches line up).
+    pass train.peagle.k_train so metrics from different batches line up).
     """
     supervised = batch.supervised
     out = one_pass(drafter, batch)
