@@ -91,9 +91,10 @@ def train_cells(backend: str, lengths: list[int], segments: list[int], quick: bo
     (``run_backend`` reads them)."""
     cuda = torch.cuda.is_available()
     spec = llama8b_spec(quick)
-    train = TrainConfig(k_train=K_TRAIN, cod_ratio=COD_RATIO, max_len=max(lengths), attention=backend,
-                        optimizer=optimizer, learning_rate=1e-4, zero_stage=2, precision="bf16" if cuda else "fp32",
-                        micro_batch_size=1, grad_accum=1)
+    train = TrainConfig(
+        recipe={"max_len": max(lengths), "optimizer": optimizer, "learning_rate": 1e-4,
+                "precision": "bf16" if cuda else "fp32", "micro_batch_size": 1, "batch_size": 1},
+        peagle={"k_train": K_TRAIN, "cod_ratio": COD_RATIO}, launch={"attention": backend, "zero_stage": 2})
     init_process_group()
     torch.manual_seed(0)
     drafter = PEagleDrafter(spec)

@@ -74,8 +74,8 @@ def test_the_eagle3_baseline_trained_as_long_as_the_head(pipeline_run):
     launched = {d: parse_config(json.loads((d / LAUNCH_CONFIG).read_text())).train
                 for d in (pipeline_run.tmp / "run" / "checkpoints" / "eagle3").iterdir() if (d / LAUNCH_CONFIG).exists()}
     print(f"head: {len(head)} steps, {head_seconds} s; baselines launched with "
-          f"{ {d.name: t.max_train_seconds for d, t in launched.items()} }")
-    budgeted = [d for d, t in launched.items() if t.method == "eagle3" and t.max_train_seconds == head_seconds]
+          f"{ {d.name: t.recipe.max_train_seconds for d, t in launched.items()} }")
+    budgeted = [d for d, t in launched.items() if t.method == "eagle3" and t.recipe.max_train_seconds == head_seconds]
     assert budgeted, "no EAGLE-3 baseline was trained for the head's seconds"
     baseline = step_records(budgeted[0])
     counted = [r["step_time_s"] for r in baseline if not r.get(FIRST_IN_PROCESS)]
