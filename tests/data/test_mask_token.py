@@ -31,7 +31,7 @@ data:
   max_seq_len: 64
   regenerate: {{enabled: false}}
   draft_vocab_size: 64
-train: {{max_len: 64, k_train: 5}}
+train: {{recipe: {{max_len: 64}}, peagle: {{k_train: 5}}}}
 eval: {{max_tokens: 16}}
 """)
     return peagle("data", config, env={"PEAGLE_HOME": str(tmp_path / "home")})
