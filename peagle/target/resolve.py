@@ -62,7 +62,7 @@ def require_cached_when_offline(target: TargetConfig) -> None:
     raise ConfigError(
         f"target.model {target.model!r}{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the "
         f"hub is off (HF_HUB_OFFLINE=1): download it once where the hub is reachable (`hf download "
-        f"{target.model}`{f' --revision {target.revision}' if target.revision else ''}), or point target.model at "
+        f"{target.model}{f' --revision {target.revision}' if target.revision else ''}`), or point target.model at "
         "a local directory holding the model"
     )
 

@@ -61,6 +61,22 @@ def test_each_method_answers_for_itself():
     assert trained_methods(train) == [peagle.description]
 
 
+def test_a_method_names_what_it_has_not_built_yet():
+    """A DraftingMethod with only its description trains and drafts nothing, saying which method."""
+    from peagle.methods.base import DraftingMethod
+
+    class Bare(DraftingMethod):
+        description = replace(describe("peagle"), name="bare", display_name="Bare")
+
+    bare, spec = Bare(), tiny_spec()
+    with pytest.raises(NotImplementedError, match="bare: no training objective"):
+        bare.objective(tiny_config().train, spec, None)
+    with pytest.raises(NotImplementedError, match="bare: no offline drafting"):
+        bare.draft(None, None, 3, lambda ids: ids)
+    assert bare.head_tensors(spec) == {} and bare.card_training(tiny_config().train, spec) == {"method": "Bare"}
+    assert repr(bare) == "<drafting method 'bare'>"
+
+
 # ----------------------------------------------------------------------------- a new method
 
 

@@ -29,6 +29,10 @@ def test_epoch_order_is_seeded_sharded_and_resumable():
     assert draws[0] == draws[1] != draws[2]
     with pytest.raises(ValueError, match="fewer than one optimizer step"):
         BatchPlan(num_samples=3, world_size=2, micro_batch_size=1, grad_accum=2).check()
+    with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
+        rank_order(plan, epoch=0, seed=7, rank=2)
+    with pytest.raises(ValueError, match="cannot skip 3 of 2 micro-batches"):
+        MicroBatches(r0, 2, skip=3)  # a resume past the epoch's end
 
 
 CHILD_TRAIN_THEN_DIE = r"""
