@@ -363,7 +363,7 @@ class TrainRecipe(Strict):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _segments_fit(self):
+    def _segments_and_batch_fit(self):
         if self.segments > self.max_len:
             raise ValueError("train.recipe.segments cannot exceed train.recipe.max_len")
         if self.batch_size % self.micro_batch_size:
@@ -372,11 +372,6 @@ class TrainRecipe(Strict):
                 f"({self.micro_batch_size}): an optimizer step sums whole micro-batches"
             )
         return self
-
-    @property
-    def micro_batches_per_step(self) -> int:
-        """Micro-batches in one optimizer step over all ranks."""
-        return self.batch_size // self.micro_batch_size
 
 
 class PeagleTraining(Strict):
