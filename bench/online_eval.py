@@ -89,7 +89,7 @@ def training_budget(checkpoint: Path, method: str) -> dict:
     trained = json.loads((checkpoint.parent / TRAIN_RESULT_FILE).read_text())
     steps = max((int(m["step"]) for m in trained["metrics_history"] if "step" in m), default=0)
     recipe = launched["recipe"]
-    return {"epochs": recipe["epochs"], "max_steps": recipe["max_steps"], **launched[describe(method).name],
+    return {"epochs": recipe["epochs"], "max_steps": recipe["max_steps"], **launched[describe(method).train_block],
             "steps_run": steps}
 
 

@@ -380,7 +380,8 @@ def offline_eval_fn(cfg, data_dir: str | Path, target_path: str, reference: Refe
     if len(reader) == 0:
         raise ValueError(f"{split} holds no samples: set data.heldout_samples > 0 to evaluate offline")
     method = cfg.train.method
-    ks, limit = evaluable_ks(cfg.eval.ks, describe(method).max_eval_k(describe(method).own(cfg.train)))
+    description = describe(method)
+    ks, limit = evaluable_ks(cfg.eval.ks, description.max_eval_k(description.own(cfg.train)))
     head = TargetHead.from_target(target_path, facts, vocab.draft_ids) if reference == "target" else None
 
     def eval_fn(drafter: nn.Module) -> float:

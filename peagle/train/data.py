@@ -8,7 +8,7 @@ resuming mid-epoch rebuilds bit-identical examples without saving generator stat
 
 Dealt round-robin, rank r's i-th sample is the permutation's entry ``i * world_size + r``,
 so optimizer step s of an epoch trains entries ``[s * G, (s + 1) * G)`` with ``G`` the
-global batch (``world_size x grad_accum x micro_batch_size``): the same samples however ``G``
+global batch (``train.recipe.batch_size`` = ``world_size x grad_accum x micro_batch_size``): the same samples however ``G``
 splits into ranks and accumulation, which is what lets a run resume at another world size.
 
 Every rank gets the same number of micro-batches per epoch (the tail that does not

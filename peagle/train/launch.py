@@ -149,7 +149,7 @@ def hostfile_slots(path: Path, world_size: int) -> dict[str, int]:
     if sum(hosts.values()) != world_size:
         raise ConfigError(
             f"train.launch.hostfile {str(path)!r} has {sum(hosts.values())} slots but train.launch.world_size is {world_size}; "
-            "set train.launch.world_size to the slots' sum (it sets the global batch) or edit the hostfile"
+            "set train.launch.world_size to the slots' sum (a rank each) or edit the hostfile"
         )
     return hosts
 
